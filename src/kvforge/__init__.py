@@ -1,0 +1,2 @@
+"""kvforge: forge KV caches instead of computing them in full."""
+__version__ = "0.1.0"

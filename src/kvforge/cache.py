@@ -1,0 +1,277 @@
+"""KVCache: per-layer keys and values with the positions and provenance of every row.
+
+Shapes: B batch, H KV heads, T rows, D head dim. Keys are stored *after* RoPE (and after the
+family's k-norm), ready for attention; values as projected.
+
+Each layer holds its own rows, so layers may differ in what they hold (SPEED keeps prompt rows
+only in lower layers; RidgeFill writes filled rows into late layers). Every row carries its
+token position (-1 for a padding slot of a shorter sequence in a batch) and its provenance
+(`RowKind`). Attention masks are built from positions, never from row order, so a layer's rows
+need not be contiguous.
+
+Storage is preallocated with doubling growth: appending a decode row is a slice copy, and
+`trim(n)` (speculative rollback) only moves the length back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvforge.errors import ArtifactError
+
+CACHE_FORMAT_VERSION = "1"
+
+
+class RowKind(IntEnum):
+    """Provenance of one cached row."""
+
+    EXACT = 0  # computed by the model's own layer on its exact input
+    FILLED = 1  # written by the layer from a predicted input (RidgeFill)
+    TRANSLATED = 2  # mapped from another model's cache (KV-Lingo)
+    PADDING = 3  # an empty slot that aligns sequences of different lengths in a batch
+
+
+@dataclass
+class LayerCache:
+    """One layer's rows. Only the first `length` rows of the buffers are in use."""
+
+    k: torch.Tensor  # (B, H, C, D), C = capacity
+    v: torch.Tensor  # (B, H, C, D)
+    positions: torch.Tensor  # (B, C) int64, -1 = padding
+    kinds: torch.Tensor  # (B, C) uint8 RowKind
+    length: int = 0
+    # True while row i holds position i for every sequence: attention then needs no mask
+    # for a query that continues the sequence, which keeps decode on the fast path.
+    contiguous: bool = True
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def keys(self) -> torch.Tensor:
+        return self.k[:, :, : self.length]
+
+    def values(self) -> torch.Tensor:
+        return self.v[:, :, : self.length]
+
+    def row_positions(self) -> torch.Tensor:
+        return self.positions[:, : self.length]
+
+    def row_kinds(self) -> torch.Tensor:
+        return self.kinds[:, : self.length]
+
+    def _reserve(self, rows: int) -> None:
+        needed = self.length + rows
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity, 16)
+        self.k = _grow(self.k, capacity, dim=2, fill=0)
+        self.v = _grow(self.v, capacity, dim=2, fill=0)
+        self.positions = _grow(self.positions, capacity, dim=1, fill=-1)
+        self.kinds = _grow(self.kinds, capacity, dim=1, fill=int(RowKind.PADDING))
+
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kind: RowKind | torch.Tensor = RowKind.EXACT,
+    ) -> None:
+        """Append rows: k, v (B, H, T, D); positions (B, T); kind one value or (B, T)."""
+        t = k.shape[2]
+        if t == 0:
+            return
+        self._reserve(t)
+        start, end = self.length, self.length + t
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.positions[:, start:end] = positions
+        self.kinds[:, start:end] = kind if isinstance(kind, torch.Tensor) else int(kind)
+        if self.contiguous:
+            expected = torch.arange(start, end, device=positions.device)
+            self.contiguous = bool((positions == expected).all())
+        self.length = end
+
+    def trim(self, n: int) -> None:
+        """Drop the last n rows (speculative rollback)."""
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot trim {n} rows from a layer holding {self.length}")
+        self.length -= n
+        self.positions[:, self.length :] = -1
+
+    def select_rows(self, index: torch.Tensor) -> "LayerCache":
+        """A new layer holding rows `index` (1-D, into this layer's rows) of every sequence."""
+        index = index.to(self.k.device)
+        k = self.keys().index_select(2, index).contiguous()
+        v = self.values().index_select(2, index).contiguous()
+        positions = self.row_positions().index_select(1, index).contiguous()
+        kinds = self.row_kinds().index_select(1, index).contiguous()
+        layer = LayerCache(k, v, positions, kinds, length=len(index))
+        layer.contiguous = _is_contiguous(positions)
+        return layer
+
+    def select_batch(self, index: torch.Tensor) -> "LayerCache":
+        """A new layer holding the chosen sequences (1-D index into the batch)."""
+        index = index.to(self.k.device)
+        layer = LayerCache(
+            self.keys().index_select(0, index).contiguous(),
+            self.values().index_select(0, index).contiguous(),
+            self.row_positions().index_select(0, index).contiguous(),
+            self.row_kinds().index_select(0, index).contiguous(),
+            length=self.length,
+        )
+        layer.contiguous = _is_contiguous(layer.row_positions())
+        return layer
+
+    def nbytes(self) -> int:
+        """Bytes of the K and V rows in use (positions and provenance not counted)."""
+        per_row = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+        return 2 * per_row * self.length
+
+
+class KVCache:
+    """The whole model's cache: one `LayerCache` per layer."""
+
+    def __init__(self, layers: list[LayerCache]):
+        self.layers = layers
+
+    @classmethod
+    def empty(
+        cls,
+        num_layers: int,
+        batch: int,
+        kv_heads: int | list[int],
+        head_dim: int | list[int],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        capacity: int = 256,
+    ) -> "KVCache":
+        """An empty cache; heads and head dim may be given per layer."""
+        heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * num_layers
+        dims = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
+        layers = []
+        for h, d in zip(heads, dims):
+            layers.append(
+                LayerCache(
+                    k=torch.zeros(batch, h, capacity, d, dtype=dtype, device=device),
+                    v=torch.zeros(batch, h, capacity, d, dtype=dtype, device=device),
+                    positions=torch.full((batch, capacity), -1, dtype=torch.long, device=device),
+                    kinds=torch.full((batch, capacity), int(RowKind.PADDING), dtype=torch.uint8, device=device),
+                )
+            )
+        return cls(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].k.shape[0]
+
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def next_positions(self) -> torch.Tensor:
+        """(B,) the position the next token of each sequence takes: one past its largest."""
+        best = None
+        for layer in self.layers:
+            if layer.length:
+                top = layer.row_positions().max(dim=1).values
+                best = top if best is None else torch.maximum(best, top)
+        if best is None:
+            return torch.zeros(self.batch_size, dtype=torch.long, device=self.layers[0].k.device)
+        return best + 1
+
+    def trim(self, n: int) -> None:
+        """Drop the last n rows of every layer (speculative rollback of n rejected tokens)."""
+        for layer in self.layers:
+            layer.trim(n)
+
+    def select_rows(self, index: torch.Tensor) -> "KVCache":
+        """A new cache holding rows `index` of every layer."""
+        return KVCache([layer.select_rows(index) for layer in self.layers])
+
+    def select_batch(self, index: torch.Tensor) -> "KVCache":
+        """A new cache holding the chosen sequences."""
+        return KVCache([layer.select_batch(index) for layer in self.layers])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V rows in use across all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+        """Write the used rows to a .safetensors file (temp file, then rename)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            tensors[f"layers.{i}.k"] = layer.keys().contiguous().cpu()
+            tensors[f"layers.{i}.v"] = layer.values().contiguous().cpu()
+            tensors[f"layers.{i}.positions"] = layer.row_positions().contiguous().cpu()
+            tensors[f"layers.{i}.kinds"] = layer.row_kinds().contiguous().cpu()
+        meta = {"format": "kvforge.kvcache", "format_version": CACHE_FORMAT_VERSION, "num_layers": str(len(self))}
+        meta.update(metadata or {})
+        atomic_save_safetensors(tensors, Path(path), meta)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu") -> tuple["KVCache", dict[str, str]]:
+        """Read a cache written by `save`; returns it with the file's metadata."""
+        path = Path(path)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != "kvforge.kvcache":
+                    raise ArtifactError(f"{path} is not a kvforge KV cache (format={meta.get('format')!r})")
+                layers = []
+                for i in range(int(meta["num_layers"])):
+                    k = f.get_tensor(f"layers.{i}.k").to(device)
+                    layer = LayerCache(
+                        k=k,
+                        v=f.get_tensor(f"layers.{i}.v").to(device),
+                        positions=f.get_tensor(f"layers.{i}.positions").to(device),
+                        kinds=f.get_tensor(f"layers.{i}.kinds").to(device),
+                        length=k.shape[2],
+                    )
+                    layer.contiguous = _is_contiguous(layer.positions)
+                    layers.append(layer)
+        except ArtifactError:
+            raise
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise ArtifactError(f"cannot read KV cache {path}: {exc}") from exc
+        return cls(layers), meta
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Save to a temp file beside `path`, then rename, so no reader sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _grow(t: torch.Tensor, capacity: int, dim: int, fill: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = capacity - t.shape[dim]
+    pad = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=dim)
+
+
+def _is_contiguous(positions: torch.Tensor) -> bool:
+    expected = torch.arange(positions.shape[1], device=positions.device)
+    return bool((positions == expected).all())

@@ -1,0 +1,1 @@
+"""Packaged data: ShareGPT conversations (streamed) and the prompts built from them."""

@@ -1,0 +1,34 @@
+"""Prompts of real held-out text at a chosen token length, for benchmarks and the demo."""
+
+from __future__ import annotations
+
+from kvforge.data.sharegpt import conversations, render
+
+
+def held_out_text_tokens(tokenizer, tokens: int, skip: int = 0) -> list[int]:
+    """Exactly `tokens` ids of held-out ShareGPT conversations, rendered with the chat template
+    and concatenated in file order (after skipping `skip` conversations)."""
+    ids: list[int] = []
+    for i, conv in enumerate(conversations("held_out")):
+        if i < skip:
+            continue
+        ids.extend(tokenizer(render(tokenizer, conv), add_special_tokens=not ids).input_ids)
+        if len(ids) >= tokens:
+            return ids[:tokens]
+    raise ValueError(f"held-out data holds fewer than {tokens} tokens")
+
+
+def held_out_conversations(count: int, min_chars: int = 0, max_chars: int | None = None, skip: int = 0) -> list:
+    """The first `count` held-out conversations whose text length is in range."""
+    out = []
+    for conv in conversations("held_out"):
+        size = sum(len(t) for _, t in conv.turns)
+        if size < min_chars or (max_chars is not None and size > max_chars):
+            continue
+        if skip:
+            skip -= 1
+            continue
+        out.append(conv)
+        if len(out) == count:
+            break
+    return out

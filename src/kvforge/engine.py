@@ -1,0 +1,150 @@
+"""The engine: runs a model layer by layer over an explicit `KVCache`.
+
+Shapes: B batch, T tokens, E hidden size, V vocabulary, L layers.
+
+The layer loop is public (`run_layer`, `run_layers`) so methods that compute some rows only in
+some layers (RidgeFill, SPEED, KV-Lingo capture) build on it instead of on forward hooks. The
+engine knows nothing of those methods. Sequences of different lengths share a batch by left
+padding: a padding slot has position -1 and is invisible to attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention import attend
+from kvforge.cache import KVCache, RowKind
+from kvforge.errors import PromptError
+from kvforge.models.loading import LoadedModel
+
+
+class Engine:
+    """Exact prefill and decode for one loaded model."""
+
+    def __init__(self, model: LoadedModel, chunk_size: int | None = None):
+        self.model = model
+        self.adapter = model.adapter
+        self.device = model.device
+        self.dtype = model.dtype
+        self.chunk_size = chunk_size  # None: the whole prompt in one pass
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        a = self.adapter
+        return KVCache.empty(a.num_layers, batch, a.kv_heads, a.head_dim, self.dtype, self.device, capacity)
+
+    # --- the layer loop ----------------------------------------------------------------------
+    def run_layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        rope: dict,
+        kind: RowKind | torch.Tensor = RowKind.EXACT,
+    ) -> torch.Tensor:
+        """Run one decoder layer on rows h (B, T, E) at `positions` (B, T); their K/V are
+        appended to the layer's cache first, so they attend to themselves and all earlier rows."""
+        a = self.adapter
+        q, k, v = a.attention_inputs(layer, h, rope)
+        cache[layer].append(k, v, positions, kind)
+        o = attend(q, cache[layer], positions, a.scaling[layer], a.windows[layer], new_rows=h.shape[1])
+        h = a.attention_output(layer, h, o)
+        return a.mlp_block(layer, h)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        start: int = 0,
+        end: int | None = None,
+        rope: dict | None = None,
+    ) -> torch.Tensor:
+        """Run layers [start, end) on rows h; returns the residual stream entering layer `end`."""
+        end = self.num_layers if end is None else end
+        rope = rope if rope is not None else self.adapter.rope(h, positions)
+        kind = _row_kinds(positions)
+        for layer in range(start, end):
+            h = self.run_layer(layer, h, positions, cache, rope, kind)
+        return h
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last"
+    ) -> torch.Tensor | None:
+        """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or 'none'."""
+        h = self.adapter.embed(ids)
+        h = self.run_layers(h, positions, cache)
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self.adapter.head(h[:, -1:]).squeeze(1).float()
+        return self.adapter.head(h).float()
+
+    # --- prefill and decode ------------------------------------------------------------------
+    def prefill(
+        self,
+        prompts: list[list[int]] | torch.Tensor,
+        cache: KVCache | None = None,
+        chunk_size: int | None = None,
+        logits: str = "last",
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Exact prefill of one or more prompts (left-padded into a batch).
+
+        Returns the logits of each prompt's last token (B, V) (or every token's, (B, T, V), with
+        logits='all') and the cache. With `cache`, the prompts continue the cached sequences.
+        """
+        ids, positions = self.pad_batch(prompts, cache)
+        cache = cache if cache is not None else self.new_cache(ids.shape[0], capacity=ids.shape[1] + 64)
+        chunk = chunk_size or self.chunk_size or ids.shape[1]
+        outputs = []
+        for start in range(0, ids.shape[1], chunk):
+            end = min(start + chunk, ids.shape[1])
+            want = logits if (end == ids.shape[1] or logits == "all") else "none"
+            outputs.append(self.forward(ids[:, start:end], positions[:, start:end], cache, want))
+        if logits == "all":
+            return torch.cat(outputs, dim=1), cache
+        return outputs[-1], cache
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per sequence (B,) at `positions` (B,; default: the next free ones) -> logits (B, V)."""
+        positions = cache.next_positions() if positions is None else positions
+        return self.forward(tokens.view(-1, 1).to(self.device), positions.view(-1, 1).to(self.device), cache, "last")
+
+    def pad_batch(
+        self, prompts: list[list[int]] | torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pad token lists into ids (B, T) and positions (B, T) (-1 on padding)."""
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.view(1, -1).tolist() if prompts.dim() == 1 else prompts.tolist()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise PromptError("empty prompt: give at least one token")
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        positions = torch.full((len(prompts), longest), -1, dtype=torch.long)
+        start = cache.next_positions().cpu() if cache is not None else torch.zeros(len(prompts), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            n = len(prompt)
+            ids[row, longest - n :] = torch.tensor(prompt, dtype=torch.long)
+            positions[row, longest - n :] = torch.arange(n) + start[row]
+        return ids.to(self.device), positions.to(self.device)
+
+    def generate(self, prompts, config=None, on_text=None):
+        """See `kvforge.generation.generate`."""
+        from kvforge.generation import generate
+
+        return generate(self, prompts, config, on_text)
+
+
+def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
+    """EXACT for real rows, PADDING where position is -1 (one value when there is no padding)."""
+    padding = positions < 0
+    if not bool(padding.any()):
+        return RowKind.EXACT
+    kinds = torch.full(positions.shape, int(RowKind.EXACT), dtype=torch.uint8, device=positions.device)
+    kinds[padding] = int(RowKind.PADDING)
+    return kinds

@@ -1,0 +1,182 @@
+"""`generate`: prefill, then decode until max tokens, EOS, a stop string or the context ends.
+
+A batch of prompts of different lengths is left-padded and decoded in lockstep; a finished
+sequence leaves the batch (its cache rows are dropped) so the others do not pay for it.
+Streaming hands each sequence's new text to a callback, holding back what may still become a
+stop string or an incomplete UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvforge.errors import PromptError
+from kvforge.sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    chunk_size: int | None = None  # prefill chunk; None: the engine's default
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@dataclass
+class Generation:
+    """One sequence's output. `token_ids` are the generated ids (prompt excluded)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int
+    ttft_s: float  # request start to first token
+    decode_s: float  # first token to last token
+    stop_matched: str | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class _Sequence:
+    index: int
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    streamed: int = 0  # characters of text already handed to the callback
+    finish_reason: str | None = None
+    stop_matched: str | None = None
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+
+def generate(
+    engine,
+    prompts: list[list[int]] | list[int],
+    config: GenerationConfig | None = None,
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[Generation]:
+    """Generate for one prompt (a list of ids) or a batch (a list of lists).
+
+    `on_text(i, delta)` receives sequence i's new text as it is produced.
+    """
+    config = config or GenerationConfig()
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    context = engine.model.context_length
+    for p in prompts:
+        if not p:
+            raise PromptError("empty prompt: give at least one token")
+        if len(p) >= context:
+            raise PromptError(f"prompt has {len(p)} tokens but the model's context is {context} tokens")
+    tokenizer = engine.model.tokenizer
+    eos = set() if config.ignore_eos else eos_token_ids(engine.model)
+    params = config.sampling
+    generator = params.generator()
+    seqs = [_Sequence(i, len(p)) for i, p in enumerate(prompts)]
+
+    start = time.perf_counter()
+    logits, cache = engine.prefill(prompts, chunk_size=config.chunk_size)
+    positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=engine.device)
+    active = list(range(len(seqs)))
+    while True:
+        tokens = sample(logits, params, generator)
+        now = time.perf_counter()
+        for row, index in enumerate(active):
+            _commit(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text)
+            if seqs[index].finish_reason is None and positions[row] + 1 >= context:
+                seqs[index].finish_reason = "length"
+        keep = [row for row, index in enumerate(active) if seqs[index].finish_reason is None]
+        if not keep:
+            break
+        if len(keep) < len(active):
+            rows = torch.tensor(keep, device=engine.device)
+            cache = cache.select_batch(rows)
+            tokens, positions = tokens[rows], positions[rows]
+            active = [active[row] for row in keep]
+        logits = engine.decode_step(tokens, cache, positions)
+        positions = positions + 1
+
+    for seq in seqs:
+        _flush(seq, on_text)
+    return [
+        Generation(
+            token_ids=s.token_ids,
+            text=s.text,
+            finish_reason=s.finish_reason,
+            prompt_tokens=s.prompt_tokens,
+            ttft_s=s.first_token_at - start,
+            decode_s=s.last_token_at - s.first_token_at,
+            stop_matched=s.stop_matched,
+        )
+        for s in seqs
+    ]
+
+
+def eos_token_ids(model) -> set[int]:
+    """End-of-sequence ids from the tokenizer and the generation config."""
+    ids: set[int] = set()
+    for source in (getattr(model.hf, "generation_config", None), model.tokenizer, model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _commit(seq: _Sequence, token: int, now: float, tokenizer, eos: set[int], config: GenerationConfig, on_text) -> None:
+    if not seq.token_ids:
+        seq.first_token_at = now
+    seq.last_token_at = now
+    if token in eos:
+        seq.token_ids.append(token)
+        seq.finish_reason = "stop"
+        return
+    seq.token_ids.append(token)
+    seq.text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+    for stop in config.stop:
+        # A stop string can only newly appear in the text's tail.
+        at = seq.text.find(stop, max(0, seq.streamed - len(stop)))
+        if at >= 0:
+            seq.text = seq.text[:at]
+            seq.finish_reason = "stop"
+            seq.stop_matched = stop
+            return
+    if len(seq.token_ids) >= config.max_new_tokens:
+        seq.finish_reason = "length"
+        return
+    if on_text is not None:
+        hold = max((len(s) - 1 for s in config.stop), default=0)
+        safe = len(seq.text) - hold
+        while safe > seq.streamed and seq.text[safe - 1] == "\ufffd":  # incomplete UTF-8 sequence
+            safe -= 1
+        if safe > seq.streamed:
+            on_text(seq.index, seq.text[seq.streamed : safe])
+            seq.streamed = safe
+
+
+def _flush(seq: _Sequence, on_text) -> None:
+    if on_text is not None and len(seq.text) > seq.streamed:
+        on_text(seq.index, seq.text[seq.streamed :])
+    seq.streamed = len(seq.text)

@@ -1,0 +1,164 @@
+"""Family adapters: one decoder layer exposed as pieces, so the engine's loop can run any layer
+on any rows.
+
+Shapes: B batch, T tokens, E hidden size, Hq query heads, H KV heads, D head dim.
+
+A layer is: `attention_inputs` (input norm, q/k/v projections, qk-norm, RoPE) -> the engine
+appends k, v to the cache and attends -> `attention_output` (o_proj, residual) -> `mlp_block`
+(norm, MLP, residual). Weights stay in transformers' modules; the loop is ours. Llama is the
+base; every other family is its difference from Llama.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LlamaAdapter:
+    """Llama, SmolLM2, Mistral and Qwen2 (q/k/v biases live in the modules themselves)."""
+
+    family = "llama"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = model.config
+        self.body = model.model
+        self.layers = self.body.layers
+        c = self.config
+        self.num_layers = c.num_hidden_layers
+        self.num_heads = c.num_attention_heads
+        self.kv_heads = c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.hidden_size = c.hidden_size
+        self.scaling = [layer.self_attn.scaling for layer in self.layers]
+        self.windows = [self._window(i) for i in range(self.num_layers)]
+
+    # --- per-layer facts -------------------------------------------------------------------
+    def _window(self, layer: int) -> int | None:
+        """Sliding-window size of `layer` (keys with q_pos - k_pos >= window are hidden)."""
+        types = getattr(self.config, "layer_types", None)
+        if types is not None:
+            return self.config.sliding_window if types[layer] == "sliding_attention" else None
+        return getattr(self.config, "sliding_window", None)  # Mistral: every layer
+
+    def rope_key(self, layer: int) -> str | None:
+        """Which rotary table a layer uses (families with per-layer-type RoPE override this)."""
+        return None
+
+    # --- pieces ----------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T) -> h (B, T, E); family embedding scales live in the module."""
+        return self.body.embed_tokens(ids)
+
+    def rope(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin (B, T, D) for every rotary table, at `positions` (B, T; padding -1 -> 0)."""
+        pos = positions.clamp(min=0)
+        return {None: self.body.rotary_emb(h, pos)}
+
+    def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D); k after k-norm and RoPE."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(h)
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self._qk_norm(attn, q, k)
+        cos, sin = rope[self.rope_key(layer)]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def _qk_norm(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual update from attention output o (B, Hq, T, D)."""
+        b, _, t, _ = o.shape
+        out = self.layers[layer].self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return h + out
+
+    def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        block = self.layers[layer]
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h (B, T, E) -> logits (B, T, V)."""
+        logits = self.model.lm_head(self.body.norm(h))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class Qwen3Adapter(LlamaAdapter):
+    """Qwen3 = Llama + per-head RMSNorm on q and k before RoPE."""
+
+    family = "qwen3"
+
+    def _qk_norm(self, attn, q, k):
+        return attn.q_norm(q), attn.k_norm(k)
+
+
+class Gemma3Adapter(Qwen3Adapter):
+    """Gemma 3 = Qwen3 + (1+w) norms and the embedding scale (both inside transformers' modules),
+    sandwich norms around attention and MLP, query_pre_attn_scalar scaling (read from the module),
+    and sliding-window local layers with their own RoPE table."""
+
+    family = "gemma3"
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        if getattr(self.config, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional Gemma 3 (embedding models) is not a causal LM")
+        if getattr(self.config, "attn_logit_softcapping", None):
+            raise ValueError("attention logit softcapping is not supported")
+        self.layer_types = list(self.config.layer_types)
+
+    def rope_key(self, layer: int) -> str:
+        return self.layer_types[layer]
+
+    def rope(self, h, positions):
+        pos = positions.clamp(min=0)
+        return {kind: self.body.rotary_emb(h, pos, kind) for kind in set(self.layer_types)}
+
+    def attention_output(self, layer, h, o):
+        block = self.layers[layer]
+        b, _, t, _ = o.shape
+        out = block.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return h + block.post_attention_layernorm(out)
+
+    def mlp_block(self, layer, h):
+        block = self.layers[layer]
+        return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
+
+
+ModelAdapter = LlamaAdapter
+
+_FAMILIES: dict[str, type[LlamaAdapter]] = {
+    "llama": LlamaAdapter,
+    "mistral": LlamaAdapter,
+    "qwen2": LlamaAdapter,
+    "qwen3": Qwen3Adapter,
+    "gemma3_text": Gemma3Adapter,
+}
+
+
+def adapter_for(model: torch.nn.Module) -> LlamaAdapter:
+    """The family adapter for a transformers causal LM."""
+    model_type = model.config.model_type
+    if model_type not in _FAMILIES:
+        from kvforge.errors import UnknownModelError
+
+        raise UnknownModelError(
+            f"model family {model_type!r} is not supported (supported: {', '.join(sorted(_FAMILIES))})"
+        )
+    return _FAMILIES[model_type](model)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by cos, sin (B, T, D) in the half-split (GPT-NeoX) layout."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,206 @@
+"""Load a model by packaged alias, local HF directory, `.gguf` path or hub id.
+
+GGUF files are dequantized once (20–60 s) and cached as safetensors under `$KVFORGE_HOME`
+(default `~/.cache/kvforge`). A conversion is written into a temp directory and renamed into
+place, with a manifest of file sizes and sha256 written last; a cached conversion whose files do
+not match its manifest is rebuilt, so a killed process or a damaged file never poisons the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvforge.errors import DeviceError, UnknownModelError
+from kvforge.models.adapters import ModelAdapter, adapter_for
+from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
+
+MANIFEST = "kvforge-conversion.json"
+CONVERSION_VERSION = "1"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: weights, tokenizer and the family adapter over them."""
+
+    name: str
+    source: str  # where the weights came from (a path, package or hub id)
+    hf: torch.nn.Module
+    tokenizer: object
+    adapter: ModelAdapter
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.hf)
+
+
+def kvforge_home() -> Path:
+    return Path(os.environ.get("KVFORGE_HOME", Path.home() / ".cache" / "kvforge"))
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device that exists here, or a one-line DeviceError."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DeviceError(f"unknown device {name!r}: {exc}") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {name!r} is not available: torch sees no CUDA GPU on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {name!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) here")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"device {name!r} is not available on this machine")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"unsupported device {name!r}: use cpu, cuda or cuda:N")
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (parity with transformers' reference), bf16 on accelerators."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load `spec` (alias, HF directory, .gguf file or hub id) on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dtype = dtype or default_dtype(dev)
+    hf_dir, source = _resolve(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="sdpa")
+    except OSError as exc:
+        raise UnknownModelError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype)
+
+
+def _resolve(spec: str) -> tuple[str | Path, str]:
+    """(directory or hub id for from_pretrained, description of the source)."""
+    if spec in PACKAGED_MODELS:
+        packaged = PACKAGED_MODELS[spec]
+        packaged.require()
+        return converted_dir_for_package(packaged), f"PyPI {packaged.packages[0]}=={packaged.version()}"
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UnknownModelError(f"GGUF file {spec!r} does not exist")
+        return converted_dir_for_gguf(path), str(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UnknownModelError(f"directory {spec!r} holds no config.json: not a Hugging Face model directory")
+        return path, str(path)
+    if path.exists():
+        raise UnknownModelError(f"{spec!r} is a file but not a .gguf model")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return spec, f"hub {spec}"
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    raise UnknownModelError(f"unknown model {spec!r}: not an alias ({known}), a directory, a .gguf file or a hub id")
+
+
+def converted_dir_for_package(packaged: PackagedModel) -> Path:
+    key = f"{packaged.alias}-{packaged.version()}-v{CONVERSION_VERSION}"
+    return _cached_conversion(key, lambda tmp: packaged.write_gguf(tmp / packaged.gguf_name))
+
+
+def converted_dir_for_gguf(path: Path) -> Path:
+    stat = path.resolve().stat()
+    ident = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _cached_conversion(f"{path.stem}-{ident}-v{CONVERSION_VERSION}", lambda tmp: path.resolve())
+
+
+def _cached_conversion(key: str, gguf_source) -> Path:
+    """The converted directory for `key`, building it if missing or damaged."""
+    root = kvforge_home() / "models"
+    final = root / key
+    if final.is_dir() and _manifest_ok(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    try:
+        gguf_path = gguf_source(tmp)
+        _convert_gguf(gguf_path, tmp)
+        if gguf_path.parent == tmp:
+            gguf_path.unlink()
+        _write_manifest(tmp)
+        if final.exists():  # damaged, or another process finished first
+            if _manifest_ok(final):
+                return final
+            shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    # save_pretrained refuses a model that still carries its GGUF quantizer; the weights are
+    # already dequantized, so drop it.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(directory.iterdir()) if p.is_file()}
+    (directory / MANIFEST).write_text(json.dumps({"version": CONVERSION_VERSION, "files": files}, indent=1))
+
+
+def _manifest_ok(directory: Path) -> bool:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        for name, entry in manifest["files"].items():
+            path = directory / name
+            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short id of architecture and weights, stored in artifacts to refuse the wrong model."""
+    config = model.config.to_dict()
+    for transient in ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(transient, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    embed = model.get_input_embeddings().weight
+    h.update(embed.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    h.update(str(sum(p.numel() for p in model.parameters())).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,94 @@
+"""Tiny random models built from configs (no files), one per family, and shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from kvforge.models.adapters import adapter_for
+from kvforge.models.loading import LoadedModel
+
+torch.set_num_threads(1)
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_config(family: str):
+    if family == "llama":
+        return LlamaConfig(**COMMON, tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=8)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON, use_sliding_window=False)
+    if family == "qwen3":
+        return Qwen3Config(**COMMON)
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **COMMON,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        )
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+def tiny_hf_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa", dtype=torch.float32)
+    # Random init is near-uniform; sharpen the weights so logits and argmaxes are distinct.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model.eval()
+
+
+def char_tokenizer():
+    """A tiny byte-level tokenizer (ids 3..96) built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i, ch in enumerate(" abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()\n"):
+        if len(vocab) < COMMON["vocab_size"]:
+            vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_loaded(family: str, seed: int = 0) -> LoadedModel:
+    model = tiny_hf_model(family, seed)
+    return LoadedModel(f"tiny-{family}", "test", model, char_tokenizer(), adapter_for(model), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The packaged smollm2-135m (slow tests only)."""
+    from kvforge.models import load_model
+
+    return load_model("smollm2-135m")
