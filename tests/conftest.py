@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no test reaches a hub
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -92,3 +94,15 @@ def real_model():
     from kvforge.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny llama saved as a Hugging Face directory (weights + tokenizer)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_hf_model("llama")
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+

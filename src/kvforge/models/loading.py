@@ -195,12 +195,16 @@ def _sha256(path: Path) -> str:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short id of architecture and weights, stored in artifacts to refuse the wrong model."""
-    config = model.config.to_dict()
-    for transient in ("_name_or_path", "_model_name_or_path", "transformers_version", "dtype", "torch_dtype"):
-        config.pop(transient, None)
-    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    embed = model.get_input_embeddings().weight
-    h.update(embed.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    h.update(str(sum(p.numel() for p in model.parameters())).encode())
+    """A short id of architecture and weights, stored in artifacts to refuse the wrong model.
+
+    Built from the parameters' names, shapes and leading values plus the config fields that change
+    the computation, so re-saving or converting the same weights keeps the id.
+    """
+    c = model.config
+    h = hashlib.sha256(c.model_type.encode())
+    for key in ("rope_parameters", "rope_theta", "rope_scaling", "sliding_window", "layer_types", "rms_norm_eps"):
+        h.update(f"{key}={getattr(c, key, None)!r};".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+        h.update(p.detach().flatten()[:256].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -1,0 +1,113 @@
+"""`kvforge bench exact`: the exact engine against transformers' own model on the same weights.
+
+Per prompt length: prefill time (last-position logits only, for both), greedy decode speed over
+`decode_tokens` steps from that prefilled cache, KV bytes, and the largest logit difference
+between kvforge and transformers on that prompt. The transformers arms use its sdpa attention
+and its own `DynamicCache`, called the way `generate` calls the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.bench.harness import environment, interleaved_medians, timed
+from kvforge.data.prompts import held_out_text_tokens
+from kvforge.engine import Engine
+
+
+def expected_kv_bytes(engine: Engine, tokens: int) -> int:
+    a = engine.adapter
+    return a.num_layers * 2 * a.kv_heads * a.head_dim * tokens * torch.finfo(engine.dtype).bits // 8
+
+
+def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens: int = 64, progress=None) -> dict:
+    hf = engine.model.hf
+    results = []
+    for tokens in lengths:
+        if tokens + decode_tokens >= engine.model.context_length:
+            raise ValueError(f"{tokens} + {decode_tokens} tokens exceed the context of {engine.model.context_length}")
+        ids = torch.tensor([held_out_text_tokens(engine.model.tokenizer, tokens)], device=engine.device)
+        if progress:
+            progress(f"{tokens} tokens: parity")
+        ours_logits, cache = engine.prefill(ids)
+        with torch.inference_mode():
+            hf_logits = hf(ids, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        diff = float((ours_logits - hf_logits).abs().max())
+
+        if progress:
+            progress(f"{tokens} tokens: prefill x{runs}")
+        prefill = interleaved_medians(
+            {"ours": lambda: _discard(engine.prefill(ids)), "hf": lambda: _discard(_hf_prefill(hf, ids))}, runs=runs
+        )
+        if progress:
+            progress(f"{tokens} tokens: decode {decode_tokens} x{runs}")
+        decode = interleaved_medians(
+            {"ours": lambda: _ours_decode(engine, ids, decode_tokens), "hf": lambda: _hf_decode(hf, ids, decode_tokens)},
+            runs=runs,
+        )
+        ours_tps, hf_tps = decode_tokens / decode["ours"], decode_tokens / decode["hf"]
+        results.append(
+            {
+                "tokens": tokens,
+                "method": "exact",
+                "prefill_s": prefill["ours"],
+                "hf_prefill_s": prefill["hf"],
+                "prefill_speedup_vs_hf": prefill["hf"] / prefill["ours"],
+                "prefill_tokens_per_s": tokens / prefill["ours"],
+                "decode_tokens_per_s": ours_tps,
+                "hf_decode_tokens_per_s": hf_tps,
+                "decode_speedup_vs_hf": ours_tps / hf_tps,
+                "kv_bytes": cache.nbytes,
+                "kv_bytes_expected": expected_kv_bytes(engine, tokens),
+                "max_abs_logit_diff": diff,
+            }
+        )
+    return {
+        "command": "bench exact",
+        "model": engine.model.name,
+        "method": "exact",
+        "tokens": lengths,
+        "runs": runs,
+        "decode_tokens": decode_tokens,
+        **environment(),
+        "results": results,
+    }
+
+
+def _discard(_result) -> None:
+    """Arms time their whole call; the result is not kept."""
+    return None
+
+
+def _hf_prefill(hf, ids):
+    with torch.inference_mode():
+        return hf(ids, use_cache=True, logits_to_keep=1)
+
+
+def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` greedy decode steps after a prefill (the prefill is not timed)."""
+    logits, cache = engine.prefill(ids)
+    token = logits.argmax(-1)
+    positions = torch.tensor([ids.shape[1]], device=engine.device)
+
+    def loop():
+        nonlocal token, positions, logits
+        for _ in range(steps):
+            logits = engine.decode_step(token, cache, positions)
+            token, positions = logits.argmax(-1), positions + 1
+
+    return timed(loop)[0]
+
+
+def _hf_decode(hf, ids: torch.Tensor, steps: int) -> float:
+    with torch.inference_mode():
+        out = _hf_prefill(hf, ids)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+        def loop():
+            nonlocal cache, token
+            for _ in range(steps):
+                out = hf(token, cache=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+        return timed(loop)[0]

@@ -1,0 +1,37 @@
+"""Timing harness: arms run in one process on the same input, interleaved, after a warm-up;
+the median of the timed runs is reported with the thread count, so noise from the other core
+hits every arm alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    """(seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def interleaved_medians(arms: dict[str, Callable[[], float | None]], runs: int = 3, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per arm. An arm returns None (its own wall time is used) or the seconds
+    it measured itself, for arms that time only part of what they do."""
+    if runs < 1:
+        raise ValueError("runs must be >= 1")
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    for i in range(warmup + runs):
+        for name, fn in arms.items():
+            seconds, measured = timed(fn)
+            if i >= warmup:
+                samples[name].append(measured if isinstance(measured, float) else seconds)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def environment() -> dict:
+    """What a timing depends on, reported beside it."""
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -1,0 +1,46 @@
+"""`kvforge demo`: a long real prompt answered by each method, one row per method.
+
+Each method issue adds its row to `DEMO_METHODS`; the exact engine is the first row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.data.prompts import held_out_conversations
+from kvforge.engine import Engine
+from kvforge.generation import GenerationConfig
+from kvforge.prompting import encode_prompt
+
+QUESTION = "Summarize the conversation above in two sentences."
+
+
+@dataclass
+class DemoRow:
+    method: str
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    answer: str
+
+
+def demo_prompt(tokenizer, min_chars: int = 5000, max_chars: int = 9000) -> str:
+    """A held-out ShareGPT conversation (a few thousand tokens) followed by a question about it."""
+    conv = held_out_conversations(1, min_chars=min_chars, max_chars=max_chars)[0]
+    transcript = "\n\n".join(f"{role.capitalize()}: {text}" for role, text in conv.turns)
+    return f"{transcript}\n\n{QUESTION}"
+
+
+def run_exact(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    out = engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))[0]
+    return DemoRow("exact", out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+
+
+DEMO_METHODS = {"exact": run_exact}
+
+
+def run_demo(engine: Engine, max_new_tokens: int = 64) -> tuple[list[DemoRow], str]:
+    """(rows, the prompt text) for every demo method on the same prompt."""
+    prompt = demo_prompt(engine.model.tokenizer)
+    ids = encode_prompt(engine.model.tokenizer, prompt, chat=True)
+    return [run(engine, ids, max_new_tokens) for run in DEMO_METHODS.values()], prompt

@@ -1,0 +1,107 @@
+"""KVCache: append, trim, row and batch selection, memory accounting, save and load."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge.cache import KVCache, RowKind
+from kvforge.errors import ArtifactError
+
+H, D = 2, 4
+
+
+def _rows(batch, start, n):
+    k = torch.randn(batch, H, n, D)
+    v = torch.randn(batch, H, n, D)
+    pos = torch.arange(start, start + n).expand(batch, n)
+    return k, v, pos
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    trim=st.integers(0, 20),
+    capacity=st.integers(1, 8),
+)
+def test_append_then_trim_keeps_a_prefix(chunks, trim, capacity):
+    cache = KVCache.empty(3, 2, H, D, capacity=capacity)
+    ks, vs, start = [], [], 0
+    for n in chunks:
+        k, v, pos = _rows(2, start, n)
+        for layer in cache.layers:
+            layer.append(k, v, pos)
+        ks.append(k)
+        vs.append(v)
+        start += n
+    total = sum(chunks)
+    trim = min(trim, total)
+    cache.trim(trim)
+    keep = total - trim
+    expect_k = torch.cat(ks, dim=2)[:, :, :keep]
+    for layer in cache.layers:
+        assert layer.length == keep
+        assert torch.equal(layer.keys(), expect_k)
+        assert torch.equal(layer.values(), torch.cat(vs, dim=2)[:, :, :keep])
+        assert torch.equal(layer.row_positions()[0], torch.arange(keep))
+        assert layer.contiguous
+    assert cache.nbytes == 3 * 2 * 2 * H * D * keep * 4
+    assert cache.next_positions().tolist() == [keep, keep]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 20), data=st.data())
+def test_select_rows_picks_those_rows(n, data):
+    index = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    cache = KVCache.empty(2, 1, H, D)
+    k, v, pos = _rows(1, 0, n)
+    for layer in cache.layers:
+        layer.append(k, v, pos)
+    picked = cache.select_rows(torch.tensor(index))
+    for layer in picked.layers:
+        assert torch.equal(layer.keys(), k[:, :, index])
+        assert layer.row_positions()[0].tolist() == index
+        assert layer.contiguous == (index == list(range(len(index))))
+
+
+def test_trim_too_much_is_an_error():
+    cache = KVCache.empty(1, 1, H, D)
+    cache[0].append(*_rows(1, 0, 3))
+    with pytest.raises(ValueError):
+        cache.trim(4)
+
+
+def test_non_contiguous_positions_clear_the_fast_path_flag():
+    cache = KVCache.empty(1, 1, H, D)
+    k, v, _ = _rows(1, 0, 3)
+    cache[0].append(k, v, torch.tensor([[0, 2, 5]]))
+    assert not cache[0].contiguous
+    assert cache.next_positions().tolist() == [6]
+
+
+def test_provenance_is_kept_per_row():
+    cache = KVCache.empty(1, 1, H, D)
+    cache[0].append(*_rows(1, 0, 2), kind=RowKind.EXACT)
+    cache[0].append(*_rows(1, 2, 2), kind=RowKind.FILLED)
+    assert cache[0].row_kinds()[0].tolist() == [0, 0, 1, 1]
+
+
+def test_save_load_round_trip(tmp_path):
+    cache = KVCache.empty(2, 1, H, D)
+    for layer in cache.layers:
+        layer.append(*_rows(1, 0, 5))
+    path = tmp_path / "c.safetensors"
+    cache.save(path, {"model": "tiny"})
+    loaded, meta = KVCache.load(path)
+    assert meta["model"] == "tiny"
+    for a, b in zip(cache.layers, loaded.layers):
+        assert torch.equal(a.keys(), b.keys())
+        assert torch.equal(a.row_positions(), b.row_positions())
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temp file left
+
+
+def test_corrupt_cache_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ArtifactError, match="cannot read"):
+        KVCache.load(path)

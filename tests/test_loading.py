@@ -1,0 +1,105 @@
+"""Model resolution, the GGUF conversion cache, fingerprints and device checks."""
+
+import pytest
+import torch
+
+from conftest import tiny_hf_model
+from kvforge.errors import DeviceError, MissingPackageError, UnknownModelError
+from kvforge.models import load_model, resolve_device
+from kvforge.models import loading
+from kvforge.models.loading import model_fingerprint
+from kvforge.models.registry import PackagedModel
+
+
+def test_load_local_directory_gives_the_same_model(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir))
+    reference = tiny_hf_model("llama")
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.inference_mode():
+        assert torch.allclose(loaded.hf(ids).logits, reference(ids).logits, atol=1e-6)
+    assert loaded.adapter.family == "llama"
+    assert loaded.fingerprint == model_fingerprint(reference)
+
+
+def test_fingerprint_tells_models_apart():
+    assert model_fingerprint(tiny_hf_model("llama", seed=0)) != model_fingerprint(tiny_hf_model("llama", seed=1))
+    assert model_fingerprint(tiny_hf_model("llama")) != model_fingerprint(tiny_hf_model("qwen3"))
+
+
+def test_unknown_alias_lists_the_known_ones():
+    with pytest.raises(UnknownModelError, match="smollm2-135m"):
+        load_model("no-such-model")
+
+
+def test_unreachable_hub_id_is_a_clear_error():
+    with pytest.raises(UnknownModelError, match="cannot load model 'someorg/some-model'"):
+        load_model("someorg/some-model")
+
+
+def test_missing_gguf_and_bad_directory(tmp_path):
+    with pytest.raises(UnknownModelError, match="does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(UnknownModelError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_missing_package_names_the_pip_command():
+    fake = PackagedModel("fake", "d", ("kvforge-no-such-package",), "x.gguf", "pip install kvforge-no-such-package")
+    assert not fake.installed()
+    with pytest.raises(MissingPackageError, match="pip install kvforge-no-such-package"):
+        fake.require()
+
+
+def test_devices_that_are_not_here():
+    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(DeviceError):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            resolve_device("cuda")
+
+
+@pytest.fixture
+def fake_conversion(tmp_path, monkeypatch):
+    """A .gguf path whose 'conversion' saves a tiny model, counting calls."""
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+    calls = []
+
+    def convert(gguf_path, out):
+        calls.append(gguf_path)
+        tiny_hf_model("llama").save_pretrained(out)
+
+    monkeypatch.setattr(loading, "_convert_gguf", convert)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    return gguf, calls
+
+
+def test_conversion_is_cached_and_left_whole(fake_conversion):
+    gguf, calls = fake_conversion
+    first = loading.converted_dir_for_gguf(gguf)
+    second = loading.converted_dir_for_gguf(gguf)
+    assert first == second and len(calls) == 1
+    assert (first / loading.MANIFEST).is_file()
+    siblings = [p.name for p in first.parent.iterdir()]
+    assert siblings == [first.name]  # no temp directory left behind
+
+
+def test_corrupt_conversion_is_detected_and_rebuilt(fake_conversion):
+    gguf, calls = fake_conversion
+    directory = loading.converted_dir_for_gguf(gguf)
+    weights = directory / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    weights.write_bytes(bytes(data))
+    rebuilt = loading.converted_dir_for_gguf(gguf)
+    assert rebuilt == directory and len(calls) == 2
+    assert loading._manifest_ok(rebuilt)
+
+
+def test_half_written_conversion_is_rebuilt(fake_conversion):
+    gguf, calls = fake_conversion
+    directory = loading.converted_dir_for_gguf(gguf)
+    (directory / loading.MANIFEST).unlink()  # as if killed before the manifest was written
+    loading.converted_dir_for_gguf(gguf)
+    assert len(calls) == 2
