@@ -89,14 +89,6 @@ def family(request):
 
 
 @pytest.fixture(scope="session")
-def real_model():
-    """The packaged smollm2-135m (slow tests only)."""
-    from kvforge.models import load_model
-
-    return load_model("smollm2-135m")
-
-
-@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny llama saved as a Hugging Face directory (weights + tokenizer)."""
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -106,3 +98,11 @@ def tiny_model_dir(tmp_path_factory):
     char_tokenizer().save_pretrained(path)
     return path
 
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The packaged smollm2-135m (slow tests only)."""
+    from kvforge.models import load_model
+
+    return load_model("smollm2-135m")

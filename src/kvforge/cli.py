@@ -22,6 +22,8 @@ from kvforge.errors import KvforgeError
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Forge KV caches instead of computing them in full.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: methods side by side in one process.")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluations: each method measured against exact on held-out data.")
+app.add_typer(eval_app, name="eval")
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Alias, HF directory, .gguf file or hub id.")
@@ -112,6 +114,8 @@ def generate(
     if (prompt is None) == (prompt_file is None):
         raise KvforgeError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else _read_prompt(prompt_file)
+    if not text.strip():
+        raise KvforgeError("empty prompt: give some text")
     config = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop), chunk_size=chunk_size)
     engine = _load(model, device)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
@@ -189,6 +193,33 @@ def _parse_lengths(text: str) -> list[int]:
     if not lengths or any(n < 1 for n in lengths):
         raise KvforgeError(f"--tokens must list positive lengths, got {text!r}")
     return lengths
+
+
+@eval_app.command("exact")
+@user_errors
+def eval_exact_cmd(
+    model: str = ModelOpt,
+    prompts: int = typer.Option(5, "--prompts", help="Held-out prompts to compare."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Exact engine vs transformers on real prompts: logit difference and greedy token identity."""
+    from kvforge.evaluate.parity import eval_parity
+
+    _setup(threads)
+    if prompts < 1 or max_new_tokens < 1:
+        raise KvforgeError("--prompts and --max-new-tokens must be >= 1")
+    engine = _load(model, device)
+    report = eval_parity(engine, prompts, max_new_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("prompt tokens", "max |Δlogit|", "greedy identical", "first divergence")
+    for r in report["results"]:
+        table.add_row(str(r["tokens"]), f"{r['max_abs_logit_diff']:.2e}", str(r["greedy_identical"]), str(r["first_divergence"]))
+    Console().print(table)
 
 
 @app.command()

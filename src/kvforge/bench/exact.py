@@ -31,7 +31,7 @@ def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens
             progress(f"{tokens} tokens: parity")
         ours_logits, cache = engine.prefill(ids)
         with torch.inference_mode():
-            hf_logits = hf(ids, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            hf_logits = _hf_prefill(hf, ids)[1].logits[:, -1].float()
         diff = float((ours_logits - hf_logits).abs().max())
 
         if progress:
@@ -80,8 +80,12 @@ def _discard(_result) -> None:
 
 
 def _hf_prefill(hf, ids):
+    """transformers' prefill as `generate` runs it: its DynamicCache, last-position logits."""
+    from transformers import DynamicCache
+
     with torch.inference_mode():
-        return hf(ids, use_cache=True, logits_to_keep=1)
+        cache = DynamicCache(config=hf.config)
+        return cache, hf(ids, cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
@@ -101,13 +105,13 @@ def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
 
 def _hf_decode(hf, ids: torch.Tensor, steps: int) -> float:
     with torch.inference_mode():
-        out = _hf_prefill(hf, ids)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, out = _hf_prefill(hf, ids)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
 
         def loop():
-            nonlocal cache, token
-            for _ in range(steps):
+            nonlocal token
+            for _ in range(steps):  # the cache grows in place
                 out = hf(token, cache=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
 
         return timed(loop)[0]

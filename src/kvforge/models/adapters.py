@@ -12,6 +12,7 @@ base; every other family is its difference from Llama.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class LlamaAdapter:
@@ -32,6 +33,8 @@ class LlamaAdapter:
         self.hidden_size = c.hidden_size
         self.scaling = [layer.self_attn.scaling for layer in self.layers]
         self.windows = [self._window(i) for i in range(self.num_layers)]
+        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
 
     # --- per-layer facts -------------------------------------------------------------------
     def _window(self, layer: int) -> int | None:
@@ -58,13 +61,12 @@ class LlamaAdapter:
     def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D); k after k-norm and RoPE."""
         block = self.layers[layer]
-        attn = block.self_attn
         x = block.input_layernorm(h)
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = self._qk_norm(attn, q, k)
+        weight, bias = self.qkv[layer]
+        qkv = F.linear(x, weight, bias).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k = self._qk_norm(block.self_attn, q, k)
         cos, sin = rope[self.rope_key(layer)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
@@ -80,7 +82,14 @@ class LlamaAdapter:
 
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
-        return h + block.mlp(block.post_attention_layernorm(h))
+        return h + self._mlp(layer, block.post_attention_layernorm(h))
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP with gate and up projections as one matmul."""
+        mlp = self.layers[layer].mlp
+        weight, bias = self.gate_up[layer]
+        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h (B, T, E) -> logits (B, T, V)."""
@@ -130,7 +139,7 @@ class Gemma3Adapter(Qwen3Adapter):
 
     def mlp_block(self, layer, h):
         block = self.layers[layer]
-        return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
+        return h + block.post_feedforward_layernorm(self._mlp(layer, block.pre_feedforward_layernorm(h)))
 
 
 ModelAdapter = LlamaAdapter
@@ -162,3 +171,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (weight, bias) for several linears that read the same input, so a layer does one
+    larger matmul instead of several. The modules' own weights are re-pointed at views of the
+    fused tensor: memory is not doubled and transformers' forward still works unchanged."""
+    weight = torch.cat([l.weight.detach() for l in linears], dim=0)
+    biases = [l.bias for l in linears]
+    bias = torch.cat([b.detach() for b in biases], dim=0) if all(b is not None for b in biases) else None
+    if any(b is not None for b in biases) and bias is None:
+        raise ValueError("cannot fuse linears where only some have a bias")
+    offset = 0
+    for l in linears:
+        n = l.weight.shape[0]
+        l.weight = torch.nn.Parameter(weight[offset : offset + n], requires_grad=False)
+        if bias is not None:
+            l.bias = torch.nn.Parameter(bias[offset : offset + n], requires_grad=False)
+        offset += n
+    return weight, bias

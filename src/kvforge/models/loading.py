@@ -81,7 +81,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
     """Load `spec` (alias, HF directory, .gguf file or hub id) on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     dev = resolve_device(device)
     dtype = dtype or default_dtype(dev)
     hf_dir, source = _resolve(spec)

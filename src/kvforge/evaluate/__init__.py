@@ -1,0 +1,1 @@
+"""Evaluations: each approximation (and the exact engine itself) measured against a reference."""

@@ -1,0 +1,64 @@
+"""`kvforge eval exact`: the exact engine against transformers on real held-out prompts.
+
+For each prompt: the largest logit difference over every prompt position, and whether greedy
+decoding (up to `max_new_tokens`, or EOS) gives the same tokens as transformers' own `generate`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.data.prompts import held_out_conversations
+from kvforge.engine import Engine
+from kvforge.generation import GenerationConfig
+from kvforge.prompting import encode_prompt
+
+
+def parity_prompts(tokenizer, count: int) -> list[list[int]]:
+    """The first user turn of `count` held-out conversations (200–2000 characters), as chat
+    prompts when the model has a template."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    convs = held_out_conversations(count, min_chars=200, max_chars=2000)
+    return [encode_prompt(tokenizer, conv.turns[0][1], chat=chat) for conv in convs]
+
+
+def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, progress=None) -> dict:
+    hf = engine.model.hf
+    rows = []
+    for i, ids in enumerate(parity_prompts(engine.model.tokenizer, prompts)):
+        if progress:
+            progress(f"prompt {i + 1}/{prompts}: {len(ids)} tokens")
+        x = torch.tensor([ids], device=engine.device)
+        ours_logits, _ = engine.prefill(x, logits="all")
+        with torch.inference_mode():
+            hf_logits = hf(x).logits.float()
+            hf_tokens = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=hf.generation_config.pad_token_id or 0,
+            )[0, len(ids) :].tolist()
+        ours_tokens = engine.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens))[0].token_ids
+        diverge = next((t for t, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), None)
+        rows.append(
+            {
+                "tokens": len(ids),
+                "method": "exact",
+                "max_abs_logit_diff": float((ours_logits - hf_logits).abs().max()),
+                "greedy_identical": ours_tokens == hf_tokens,
+                "first_divergence": diverge,
+            }
+        )
+    identical = sum(r["greedy_identical"] for r in rows)
+    return {
+        "command": "eval exact",
+        "model": engine.model.name,
+        "method": "exact",
+        "tokens": [r["tokens"] for r in rows],
+        "max_new_tokens": max_new_tokens,
+        "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        "greedy_identical": identical,
+        "greedy_identical_pct": 100.0 * identical / len(rows),
+        "results": rows,
+    }
