@@ -49,3 +49,11 @@ def test_cached_conversion_loads_again(real_model):
 
     again = load_model("smollm2-135m")
     assert again.fingerprint == real_model.fingerprint
+
+
+def test_demo_answers_a_long_real_prompt(engine):
+    from kvforge.demo import run_demo
+
+    rows, prompt = run_demo(engine, max_new_tokens=8)
+    assert rows[0].method == "exact" and rows[0].prompt_tokens > 1000
+    assert rows[0].answer and prompt.endswith("two sentences.")

@@ -251,10 +251,13 @@ def demo(
         return
     out = Console()
     out.print(f"[bold]kvforge demo[/bold] on {model}: a held-out ShareGPT conversation, then: {prompt.splitlines()[-1]!r}")
-    table = Table("method", "prompt tokens", "TTFT s", "decode tok/s", "answer")
+    table = Table("method", "prompt tokens", "TTFT s", "decode tok/s")
     for r in rows:
-        table.add_row(r.method, str(r.prompt_tokens), f"{r.ttft_s:.2f}", f"{r.decode_tokens_per_s:.1f}", r.answer)
+        table.add_row(r.method, str(r.prompt_tokens), f"{r.ttft_s:.2f}", f"{r.decode_tokens_per_s:.1f}")
     out.print(table)
+    for r in rows:
+        answer = " ".join(r.answer.split())
+        out.print(f"[bold]{r.method}[/bold]: {answer[:400]}{'…' if len(answer) > 400 else ''}", highlight=False)
 
 
 def main() -> None:

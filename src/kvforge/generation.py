@@ -92,7 +92,7 @@ def generate(
     tokenizer = engine.model.tokenizer
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
-    generator = params.generator()
+    generator = params.generator(engine.device)
     seqs = [_Sequence(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()
