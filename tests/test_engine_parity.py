@@ -101,3 +101,16 @@ def test_layer_loop_is_composable():
         h = engine.run_layers(h, positions, cache, 2, None)
         logits = model.adapter.head(h[:, -1])
     assert (logits - full).abs().max() < TOL
+
+
+def test_sliding_window_decode_past_the_window_matches_transformers():
+    """A local layer's decode step reads only its last `window` rows (gemma3 tiny window is 8)."""
+    model = tiny_loaded("gemma3")
+    engine = Engine(model)
+    ids = _ids(30, seed=5)
+    logits, cache = engine.prefill(ids[:, :12])
+    with torch.inference_mode():
+        ref = model.hf(ids).logits[0]
+    for t in range(12, 30):
+        logits = engine.decode_step(ids[:, t], cache)
+        assert (logits[0] - ref[t]).abs().max() < TOL

@@ -47,9 +47,12 @@ def attend(
     k, v = layer.keys(), layer.values()
     tq, tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    fast = layer.contiguous and new_rows == tq and (window is None or tk <= window)
-    if fast and tq == 1:
+    continues = layer.contiguous and new_rows == tq
+    if continues and tq == 1:
+        if window is not None and tk > window:  # a local layer's decode step sees its last `window` rows
+            k, v = k[:, :, tk - window :], v[:, :, tk - window :]
         return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+    fast = continues and (window is None or tk <= window)
     if fast and tk == tq:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     mask = visibility_mask(q_pos, layer.row_positions(), window)

@@ -167,10 +167,15 @@ def bench_exact_cmd(
     """Exact engine vs transformers (sdpa) on the same weights: prefill, decode, KV bytes, logit parity."""
     from kvforge.bench.exact import bench_exact
 
+    import time
+
     _setup(threads)
     lengths = _parse_lengths(tokens)
+    start = time.perf_counter()
     engine = _load(model, device)
+    load_s = time.perf_counter() - start
     report = bench_exact(engine, lengths, runs=runs, decode_tokens=decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["load_s"] = load_s  # includes a GGUF conversion only when none was cached
     if json_out:
         _emit(report)
         return
@@ -182,7 +187,7 @@ def bench_exact_cmd(
             f"{r['kv_bytes']:,}", f"{r['max_abs_logit_diff']:.2e}",
         )
     Console().print(table)
-    err.print(f"[dim]{report['threads']} thread(s), median of {runs} runs after a warm-up[/dim]")
+    err.print(f"[dim]{report['threads']} thread(s), median of {runs} runs after a warm-up; model load {load_s:.1f} s[/dim]")
 
 
 def _parse_lengths(text: str) -> list[int]:

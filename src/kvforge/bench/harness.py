@@ -24,8 +24,10 @@ def interleaved_medians(arms: dict[str, Callable[[], float | None]], runs: int =
     if runs < 1:
         raise ValueError("runs must be >= 1")
     samples: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms.items())
     for i in range(warmup + runs):
-        for name, fn in arms.items():
+        # Alternate the order, so neither arm always runs right after the other.
+        for name, fn in order if i % 2 == 0 else order[::-1]:
             seconds, measured = timed(fn)
             if i >= warmup:
                 samples[name].append(measured if isinstance(measured, float) else seconds)
