@@ -9,7 +9,7 @@ token position (-1 for a padding slot of a shorter sequence in a batch) and its 
 (`RowKind`). Attention masks are built from positions, never from row order, so a layer's rows
 need not be contiguous.
 
-Storage is preallocated with doubling growth: appending a decode row is a slice copy, and
+Storage is preallocated and grows geometrically: appending a decode row is a slice copy, and
 `trim(n)` (speculative rollback) only moves the length back.
 """
 
@@ -73,7 +73,9 @@ class LayerCache:
         needed = self.length + rows
         if needed <= self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity, 16)
+        # Grow by an eighth (at least 256 rows): amortised O(1) per appended row without
+        # doubling a long prompt's cache on its first decode step.
+        capacity = max(needed, self.capacity + max(256, self.capacity // 8))
         self.k = _grow(self.k, capacity, dim=2, fill=0)
         self.v = _grow(self.v, capacity, dim=2, fill=0)
         self.positions = _grow(self.positions, capacity, dim=1, fill=-1)

@@ -99,7 +99,9 @@ class Engine:
         logits='all') and the cache. With `cache`, the prompts continue the cached sequences.
         """
         ids, positions = self.pad_batch(prompts, cache)
-        cache = cache if cache is not None else self.new_cache(ids.shape[0], capacity=ids.shape[1] + 64)
+        # A fresh cache is sized to the prompt exactly: attention then reads K/V that are one
+        # contiguous block per layer, which the CPU attention kernel runs measurably faster on.
+        cache = cache if cache is not None else self.new_cache(ids.shape[0], capacity=ids.shape[1])
         chunk = chunk_size or self.chunk_size or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):

@@ -1,0 +1,125 @@
+"""Closed-form ridge regression from streamed float64 moments (shared by RidgeFill and KV-Lingo).
+
+Shapes: N rows, I input features, O outputs.
+
+Data is seen once, in batches, and only its moments are kept: n, Σx, Σy, XᵀX, XᵀY and Σy²
+per output. The fit centres them (so the map has a bias), eigendecomposes the input covariance
+once, and solves W = Q (Λ + λ·mean(diag C))⁻¹ Qᵀ C_xy, treating eigenvalues below `rel_tol`
+× the largest as zero (the pseudo-inverse on the well-determined subspace). λ is relative to the
+covariance's mean diagonal, so one value means the same across layers of different scale.
+Held-out R² per output comes from the held-out set's own moments, without its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE = torch.float64
+
+
+@dataclass
+class Moments:
+    """Sufficient statistics of (x, y) pairs, accumulated in float64."""
+
+    n: int
+    sx: torch.Tensor  # (I,)
+    sy: torch.Tensor  # (O,)
+    xx: torch.Tensor  # (I, I)
+    xy: torch.Tensor  # (I, O)
+    yy: torch.Tensor  # (O,) Σ y² per output
+
+    @classmethod
+    def zeros(cls, inputs: int, outputs: int, device: torch.device | str = "cpu") -> "Moments":
+        z = lambda *shape: torch.zeros(*shape, dtype=DTYPE, device=device)  # noqa: E731
+        return cls(0, z(inputs), z(outputs), z(inputs, inputs), z(inputs, outputs), z(outputs))
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> "Moments":
+        """Add rows x (N, I), y (N, O) in place; returns self."""
+        if x.shape[0] != y.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
+        x, y = x.to(DTYPE), y.to(DTYPE)
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.xx += x.T @ x
+        self.xy += x.T @ y
+        self.yy += (y * y).sum(0)
+        return self
+
+    def __add__(self, other: "Moments") -> "Moments":
+        return Moments(
+            self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.xx + other.xx, self.xy + other.xy, self.yy + other.yy
+        )
+
+    def centred(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean x, mean y, cov x (I, I), cov xy (I, O)), population normalisation."""
+        if self.n == 0:
+            raise ValueError("no rows accumulated")
+        mx, my = self.sx / self.n, self.sy / self.n
+        cxx = self.xx / self.n - torch.outer(mx, mx)
+        cxy = self.xy / self.n - torch.outer(mx, my)
+        return mx, my, cxx, cxy
+
+
+@dataclass
+class Eigen:
+    """The input covariance's eigendecomposition, computed once and reused across λ."""
+
+    values: torch.Tensor  # (I,)
+    vectors: torch.Tensor  # (I, I)
+    mean_diag: float
+
+
+def eigen(moments: Moments) -> Eigen:
+    _, _, cxx, _ = moments.centred()
+    values, vectors = torch.linalg.eigh(cxx)
+    return Eigen(values, vectors, float(cxx.diagonal().mean()))
+
+
+def solve(
+    moments: Moments, lam: float = 0.0, rel_tol: float = 1e-8, decomposition: Eigen | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge map with bias: y ≈ x @ W + b. Returns W (I, O), b (O,) in float64.
+
+    lam: ridge strength relative to the mean diagonal of cov(x); eigenvalues below rel_tol × the
+    largest are treated as zero.
+    """
+    if lam < 0 or rel_tol < 0:
+        raise ValueError(f"lam and rel_tol must be >= 0, got {lam}, {rel_tol}")
+    mx, my, _, cxy = moments.centred()
+    e = decomposition or eigen(moments)
+    keep = e.values > rel_tol * e.values.max().clamp(min=0)
+    inv = torch.where(keep, 1.0 / (e.values + lam * e.mean_diag).clamp(min=torch.finfo(DTYPE).tiny), 0.0)
+    w = e.vectors @ (inv.unsqueeze(1) * (e.vectors.T @ cxy))
+    b = my - mx @ w
+    return w, b
+
+
+def r2(moments: Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(O,) coefficient of determination of y ≈ x @ w + b on the data behind `moments`.
+
+    Expands Σ (y - xw - b)² in the moments, so held-out data need not be kept.
+    """
+    w, b = w.to(DTYPE), b.to(DTYPE)
+    n = moments.n
+    sse = (
+        moments.yy
+        - 2 * (moments.xy * w).sum(0)
+        - 2 * b * moments.sy
+        + ((moments.xx @ w) * w).sum(0)
+        + 2 * b * (moments.sx @ w)
+        + n * b * b
+    )
+    sst = moments.yy - moments.sy**2 / n
+    return 1.0 - sse / sst.clamp(min=torch.finfo(DTYPE).tiny)
+
+
+def pick_lambda(
+    fit: Moments, held_out: Moments, candidates: list[float], rel_tol: float = 1e-8
+) -> tuple[float, dict[float, float]]:
+    """The λ with the best mean held-out R², and the mean R² of every candidate."""
+    e = eigen(fit)
+    scores = {lam: float(r2(held_out, *solve(fit, lam, rel_tol, e)).mean()) for lam in candidates}
+    return max(scores, key=scores.get), scores

@@ -1,0 +1,82 @@
+"""ridge.py against numpy least squares and closed-form ridge."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge.ridge import Moments, pick_lambda, r2, solve
+
+
+def _data(n=400, i=6, o=3, noise=0.1, seed=0):
+    g = np.random.default_rng(seed)
+    x = g.normal(size=(n, i)) * g.uniform(0.5, 3.0, size=i) + g.normal(size=i)
+    w = g.normal(size=(i, o))
+    b = g.normal(size=o)
+    y = x @ w + b + noise * g.normal(size=(n, o))
+    return x, y
+
+
+def _moments(x, y, batches=1):
+    m = Moments.zeros(x.shape[1], y.shape[1])
+    for xs, ys in zip(np.array_split(x, batches), np.array_split(y, batches)):
+        m.update(torch.tensor(xs, dtype=torch.float32), torch.tensor(ys, dtype=torch.float32))
+    return m
+
+
+@settings(max_examples=20, deadline=None)
+@given(batches=st.integers(1, 7), seed=st.integers(0, 1000))
+def test_unregularised_solve_equals_numpy_lstsq(batches, seed):
+    x, y = _data(seed=seed)
+    x32, y32 = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+    w, b = solve(_moments(x, y, batches), lam=0.0)
+    design = np.hstack([x32, np.ones((len(x32), 1))])
+    ref, *_ = np.linalg.lstsq(design, y32, rcond=None)
+    assert np.allclose(w.numpy(), ref[:-1], atol=1e-6)
+    assert np.allclose(b.numpy(), ref[-1], atol=1e-6)
+
+
+def test_ridge_matches_the_closed_form_on_centred_data():
+    x, y = _data(n=200)
+    x, y = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+    lam = 0.3
+    w, b = solve(_moments(x, y), lam=lam)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    cov = xc.T @ xc / len(x)
+    ref = np.linalg.solve(cov + lam * np.trace(cov) / len(cov) * np.eye(len(cov)), xc.T @ yc / len(x))
+    assert np.allclose(w.numpy(), ref, atol=1e-8)
+    assert np.allclose(b.numpy(), y.mean(0) - x.mean(0) @ ref, atol=1e-8)
+
+
+def test_r2_from_moments_equals_r2_from_rows():
+    x, y = _data(seed=3)
+    xh, yh = _data(seed=4)
+    w, b = solve(_moments(x, y), lam=0.01)
+    xh32 = xh.astype(np.float32).astype(np.float64)
+    yh32 = yh.astype(np.float32).astype(np.float64)
+    pred = xh32 @ w.numpy() + b.numpy()
+    ref = 1 - ((yh32 - pred) ** 2).sum(0) / ((yh32 - yh32.mean(0)) ** 2).sum(0)
+    assert np.allclose(r2(_moments(xh, yh), w, b).numpy(), ref, atol=1e-8)
+
+
+def test_rank_deficient_inputs_are_solved_on_their_subspace():
+    x, y = _data(n=300, i=4)
+    x = np.hstack([x, x[:, :1] * 2.0])  # a duplicated direction
+    w, b = solve(_moments(x, y), lam=0.0, rel_tol=1e-6)
+    assert torch.isfinite(w).all()
+    assert r2(_moments(x, y), w, b).min() > 0.95
+
+
+def test_pick_lambda_prefers_little_ridge_on_clean_data():
+    x, y = _data(n=2500, noise=0.01)
+    best, scores = pick_lambda(_moments(x[:2000], y[:2000]), _moments(x[2000:], y[2000:]), [0.0, 1e-3, 1.0, 10.0])
+    assert best in (0.0, 1e-3) and scores[10.0] < scores[best]
+
+
+def test_mismatched_rows_and_negative_lambda_are_errors():
+    m = Moments.zeros(2, 1)
+    with pytest.raises(ValueError):
+        m.update(torch.zeros(3, 2), torch.zeros(2, 1))
+    with pytest.raises(ValueError):
+        solve(_moments(*_data()), lam=-1.0)
