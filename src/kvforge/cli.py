@@ -171,6 +171,8 @@ def bench_exact_cmd(
 
     _setup(threads)
     lengths = _parse_lengths(tokens)
+    import transformers  # noqa: F401  (the interpreter-wide import is not part of loading a model)
+
     start = time.perf_counter()
     engine = _load(model, device)
     load_s = time.perf_counter() - start

@@ -2,8 +2,9 @@
 
 GGUF files are dequantized once (20–60 s) and cached as safetensors under `$KVFORGE_HOME`
 (default `~/.cache/kvforge`). A conversion is written into a temp directory and renamed into
-place, with a manifest of file sizes and sha256 written last; a cached conversion whose files do
-not match its manifest is rebuilt, so a killed process or a damaged file never poisons the cache.
+place, with a manifest of file sizes, mtimes and sha256 written last; a cached conversion whose
+files do not match its manifest is rebuilt, so a killed process or a damaged file never poisons
+the cache.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvforge.models.adapters import ModelAdapter, adapter_for
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
 
 MANIFEST = "kvforge-conversion.json"
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "1"  # bump when the conversion itself changes
 
 
 @dataclass
@@ -173,7 +174,11 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
 
 def _write_manifest(directory: Path) -> None:
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(directory.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
     (directory / MANIFEST).write_text(json.dumps({"version": CONVERSION_VERSION, "files": files}, indent=1))
 
 
@@ -181,8 +186,12 @@ def _manifest_ok(directory: Path) -> bool:
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         for name, entry in manifest["files"].items():
-            path = directory / name
-            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+            stat = (directory / name).stat()
+            if stat.st_size != entry["size"]:
+                return False
+            # A file untouched since it was written is trusted without re-hashing (0.5 s for
+            # SmolLM2); any rewrite changes its mtime and sends it through the full check.
+            if stat.st_mtime_ns != entry.get("mtime_ns") and _sha256(directory / name) != entry["sha256"]:
                 return False
         return True
     except (OSError, ValueError, KeyError, TypeError):
