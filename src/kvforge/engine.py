@@ -16,6 +16,7 @@ from kvforge.attention import attend
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.models.loading import LoadedModel
+from kvforge.plan import PrefillPlan
 
 
 class Engine:
@@ -92,16 +93,23 @@ class Engine:
         cache: KVCache | None = None,
         chunk_size: int | None = None,
         logits: str = "last",
+        plan: PrefillPlan | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
-        """Exact prefill of one or more prompts (left-padded into a batch).
+        """Prefill one or more prompts (left-padded into a batch), exactly or by a `PrefillPlan`.
 
         Returns the logits of each prompt's last token (B, V) (or every token's, (B, T, V), with
-        logits='all') and the cache. With `cache`, the prompts continue the cached sequences.
+        logits='all', exact only) and the cache. With `cache`, the prompts continue the cached
+        sequences.
         """
         ids, positions = self.pad_batch(prompts, cache)
         # A fresh cache is sized to the prompt exactly: attention then reads K/V that are one
         # contiguous block per layer, which the CPU attention kernel runs measurably faster on.
         cache = cache if cache is not None else self.new_cache(ids.shape[0], capacity=ids.shape[1])
+        if plan is not None and not plan.is_exact(self.num_layers):
+            if ids.shape[0] != 1 or logits != "last":
+                raise ValueError("a non-exact prefill plan runs one prompt and returns last-token logits")
+            plan.validate(ids.shape[1], self.num_layers)
+            return self._run_plan(ids, positions, cache, plan), cache
         chunk = chunk_size or self.chunk_size or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):
@@ -111,6 +119,29 @@ class Engine:
         if logits == "all":
             return torch.cat(outputs, dim=1), cache
         return outputs[-1], cache
+
+    @torch.inference_mode()
+    def _run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> torch.Tensor:
+        """Layer by layer: rows still within their depth run the layer exactly; rows past it are
+        filled (their K/V written from the plan's predicted input, before the exact rows attend)
+        or absent."""
+        a = self.adapter
+        depth = plan.depth.to(self.device)
+        h = a.embed(ids)  # (1, T, E)
+        rope = a.rope(h, positions)
+        at_depth = torch.zeros_like(h)  # residual stream entering each row's own depth
+        for layer in range(self.num_layers):
+            leaving = depth == layer
+            if bool(leaving.any()):
+                at_depth[:, leaving] = h[:, leaving]
+            past = depth <= layer
+            if plan.fill is not None and bool(past.any()):
+                x = plan.fill(layer, at_depth[:, past])
+                k, v = a.key_value(layer, x, _rope_rows(rope, past))
+                cache[layer].append(k, v, positions[:, past], RowKind.FILLED)
+            active = ~past
+            h[:, active] = self.run_layer(layer, h[:, active], positions[:, active], cache, _rope_rows(rope, active))
+        return a.head(h[:, -1:]).squeeze(1).float()
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence (B,) at `positions` (B,; default: the next free ones) -> logits (B, V)."""
@@ -150,3 +181,8 @@ def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
     kinds = torch.full(positions.shape, int(RowKind.EXACT), dtype=torch.uint8, device=positions.device)
     kinds[padding] = int(RowKind.PADDING)
     return kinds
+
+
+def _rope_rows(rope: dict, rows: torch.Tensor) -> dict:
+    """The rotary tables restricted to some rows (a bool mask over T)."""
+    return {key: (cos[:, rows], sin[:, rows]) for key, (cos, sin) in rope.items()}

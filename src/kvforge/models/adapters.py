@@ -66,13 +66,28 @@ class LlamaAdapter:
         weight, bias = self.qkv[layer]
         qkv = F.linear(x, weight, bias).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
-        q, k = self._qk_norm(block.self_attn, q, k)
         cos, sin = rope[self.rope_key(layer)]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(self._q_norm(block.self_attn, q), cos, sin)
+        k = apply_rope(self._k_norm(block.self_attn, k), cos, sin)
         return q, k, v
 
-    def _qk_norm(self, attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def key_value(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the cache rows a layer writes from input h (B, T, E): k, v (B, H, T, D), no query."""
+        block = self.layers[layer]
+        x = block.input_layernorm(h)
+        b, t, _ = x.shape
+        weight, bias = self.qkv[layer]
+        start = self.num_heads * self.head_dim
+        kv = F.linear(x, weight[start:], None if bias is None else bias[start:])
+        k, v = kv.view(b, t, -1, self.head_dim).transpose(1, 2).split([self.kv_heads, self.kv_heads], dim=1)
+        cos, sin = rope[self.rope_key(layer)]
+        return apply_rope(self._k_norm(block.self_attn, k), cos, sin), v
+
+    def _q_norm(self, attn: torch.nn.Module, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    def _k_norm(self, attn: torch.nn.Module, k: torch.Tensor) -> torch.Tensor:
+        return k
 
     def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual update from attention output o (B, Hq, T, D)."""
@@ -105,8 +120,11 @@ class Qwen3Adapter(LlamaAdapter):
 
     family = "qwen3"
 
-    def _qk_norm(self, attn, q, k):
-        return attn.q_norm(q), attn.k_norm(k)
+    def _q_norm(self, attn, q):
+        return attn.q_norm(q)
+
+    def _k_norm(self, attn, k):
+        return attn.k_norm(k)
 
 
 class Gemma3Adapter(Qwen3Adapter):

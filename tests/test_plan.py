@@ -1,0 +1,90 @@
+"""PrefillPlan: exact, filled and absent rows through one engine loop."""
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from kvforge.cache import RowKind
+from kvforge.engine import Engine
+from kvforge.plan import PrefillPlan
+
+T = 24
+TOL = 1e-4
+
+
+def _ids(seed=0):
+    return torch.randint(3, 97, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _layer_inputs(engine, ids):
+    """The residual stream entering every layer, from an exact run: list of (1, T, E)."""
+    cache = engine.new_cache()
+    positions = torch.arange(T).unsqueeze(0)
+    inputs = []
+    with torch.inference_mode():
+        h = engine.adapter.embed(ids)
+        rope = engine.adapter.rope(h, positions)
+        for layer in range(engine.num_layers):
+            inputs.append(h.clone())
+            h = engine.run_layer(layer, h, positions, cache, rope)
+    return inputs
+
+
+def _depth(split, shallow):
+    depth = torch.full((T,), 4, dtype=torch.long)
+    depth[shallow] = split
+    return depth
+
+
+def test_plan_with_every_row_full_depth_is_exact(family):
+    engine = Engine(tiny_loaded(family))
+    ids = _ids()
+    exact, exact_cache = engine.prefill(ids)
+    plan = PrefillPlan.exact(T, engine.num_layers)
+    logits = engine._run_plan(*engine.pad_batch(ids), engine.new_cache(), plan)
+    assert (logits - exact).abs().max() < TOL
+    assert plan.is_exact(engine.num_layers)
+
+
+def test_filling_with_the_true_inputs_reproduces_exact_prefill(family):
+    """An oracle filler (the exact input of each layer) makes filled rows' K/V exact, so the
+    whole prefill equals exact: the fill machinery adds no error of its own."""
+    engine = Engine(tiny_loaded(family))
+    ids = _ids(1)
+    inputs = _layer_inputs(engine, ids)
+    depth = _depth(2, slice(2, T - 3))  # rows 2..T-4 filled above layer 2
+    oracle = lambda layer, h: inputs[layer][:, depth <= layer]  # noqa: E731
+    logits, cache = engine.prefill(ids, plan=PrefillPlan(depth, oracle, "oracle"))
+    exact, exact_cache = engine.prefill(ids)
+    assert (logits - exact).abs().max() < TOL
+    for layer in range(2, engine.num_layers):
+        kinds = cache[layer].row_kinds()[0]
+        assert int((kinds == RowKind.FILLED).sum()) == T - 5
+        order = cache[layer].row_positions()[0].argsort()
+        assert (cache[layer].keys()[:, :, order] - exact_cache[layer].keys()).abs().max() < TOL
+
+
+def test_absent_rows_are_not_cached_above_their_depth_and_decode_continues(family):
+    engine = Engine(tiny_loaded(family))
+    ids = _ids(2)
+    depth = _depth(3, slice(1, T - 2))  # keep row 0 (anchor) and the last two rows full depth
+    logits, cache = engine.prefill(ids, plan=PrefillPlan(depth, None, "absent"))
+    for layer in range(engine.num_layers):
+        held = cache[layer].row_positions()[0].tolist()
+        assert held == (list(range(T)) if layer < 3 else [0, T - 2, T - 1])
+    exact_cache = engine.prefill(ids)[1]
+    assert cache.nbytes == exact_cache.nbytes * (3 * T + 3) // (4 * T)
+    step = engine.decode_step(logits.argmax(-1), cache)
+    assert torch.isfinite(step).all() and cache[3].row_positions()[0, -1] == T
+
+
+def test_invalid_plans_are_rejected():
+    engine = Engine(tiny_loaded("llama"))
+    ids = _ids()
+    bad_last = _depth(2, slice(5, T))
+    with pytest.raises(ValueError, match="last prompt row"):
+        engine.prefill(ids, plan=PrefillPlan(bad_last))
+    with pytest.raises(ValueError, match="covers"):
+        engine.prefill(ids, plan=PrefillPlan(torch.full((T - 1,), 2)))
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.prefill([[5] * T, [6] * T], plan=PrefillPlan(_depth(2, slice(3, 6))))
