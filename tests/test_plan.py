@@ -88,3 +88,16 @@ def test_invalid_plans_are_rejected():
         engine.prefill(ids, plan=PrefillPlan(torch.full((T - 1,), 2)))
     with pytest.raises(ValueError, match="one prompt"):
         engine.prefill([[5] * T, [6] * T], plan=PrefillPlan(_depth(2, slice(3, 6))))
+
+
+def test_generate_with_an_oracle_plan_commits_the_exact_tokens():
+    from kvforge.generation import GenerationConfig
+
+    engine = Engine(tiny_loaded("qwen3"))
+    ids = _ids(3)
+    inputs = _layer_inputs(engine, ids)
+    depth = _depth(1, slice(1, T - 4))
+    oracle = lambda layer, h: inputs[layer][:, depth <= layer]  # noqa: E731
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    planned = engine.generate(ids[0].tolist(), config, plan=PrefillPlan(depth, oracle, "oracle"))[0]
+    assert planned.token_ids == engine.generate(ids[0].tolist(), config)[0].token_ids

@@ -166,11 +166,11 @@ class Engine:
             positions[row, longest - n :] = torch.arange(n) + start[row]
         return ids.to(self.device), positions.to(self.device)
 
-    def generate(self, prompts, config=None, on_text=None):
+    def generate(self, prompts, config=None, on_text=None, plan: PrefillPlan | None = None):
         """See `kvforge.generation.generate`."""
         from kvforge.generation import generate
 
-        return generate(self, prompts, config, on_text)
+        return generate(self, prompts, config, on_text, plan)
 
 
 def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:

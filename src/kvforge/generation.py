@@ -75,10 +75,12 @@ def generate(
     prompts: list[list[int]] | list[int],
     config: GenerationConfig | None = None,
     on_text: Callable[[int, str], None] | None = None,
+    plan=None,
 ) -> list[Generation]:
     """Generate for one prompt (a list of ids) or a batch (a list of lists).
 
-    `on_text(i, delta)` receives sequence i's new text as it is produced.
+    `on_text(i, delta)` receives sequence i's new text as it is produced. `plan`: a
+    `PrefillPlan` for the prompt (one prompt); decode always runs every layer.
     """
     config = config or GenerationConfig()
     if prompts and isinstance(prompts[0], int):
@@ -96,7 +98,7 @@ def generate(
     seqs = [_Sequence(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()
-    logits, cache = engine.prefill(prompts, chunk_size=config.chunk_size)
+    logits, cache = engine.prefill(prompts, chunk_size=config.chunk_size, plan=plan)
     positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
