@@ -139,6 +139,9 @@ class Engine:
                 x = plan.fill(layer, at_depth[:, past])
                 k, v = a.key_value(layer, x, _rope_rows(rope, past))
                 cache[layer].append(k, v, positions[:, past], RowKind.FILLED)
+            if not bool(past.any()):  # below every row's depth: the plain exact layer, no gathers
+                h = self.run_layer(layer, h, positions, cache, rope)
+                continue
             active = ~past
             h[:, active] = self.run_layer(layer, h[:, active], positions[:, active], cache, _rope_rows(rope, active))
         return a.head(h[:, -1:]).squeeze(1).float()

@@ -37,7 +37,7 @@ def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens
         if progress:
             progress(f"{tokens} tokens: prefill x{runs}")
         prefill = interleaved_medians(
-            {"ours": lambda: _discard(engine.prefill(ids)), "hf": lambda: _discard(_hf_prefill(hf, ids))}, runs=runs
+            {"ours": lambda: engine.prefill(ids), "hf": lambda: _hf_prefill(hf, ids)}, runs=runs
         )
         if progress:
             progress(f"{tokens} tokens: decode {decode_tokens} x{runs}")
@@ -74,11 +74,6 @@ def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens
     }
 
 
-def _discard(_result) -> None:
-    """Arms time their whole call; the result is not kept."""
-    return None
-
-
 def _hf_prefill(hf, ids):
     """transformers' prefill as `generate` runs it: its DynamicCache, last-position logits."""
     from transformers import DynamicCache
@@ -95,7 +90,7 @@ def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
     positions = torch.tensor([ids.shape[1]], device=engine.device)
 
     def loop():
-        nonlocal token, positions, logits
+        nonlocal token, positions
         for _ in range(steps):
             logits = engine.decode_step(token, cache, positions)
             token, positions = logits.argmax(-1), positions + 1

@@ -18,9 +18,9 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def interleaved_medians(arms: dict[str, Callable[[], float | None]], runs: int = 3, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per arm. An arm returns None (its own wall time is used) or the seconds
-    it measured itself, for arms that time only part of what they do."""
+def interleaved_medians(arms: dict[str, Callable[[], object]], runs: int = 3, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per arm: its wall time, unless it returns a float, the seconds it measured
+    itself (for arms that time only part of what they do)."""
     if runs < 1:
         raise ValueError("runs must be >= 1")
     samples: dict[str, list[float]] = {name: [] for name in arms}

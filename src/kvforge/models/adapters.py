@@ -60,28 +60,27 @@ class LlamaAdapter:
 
     def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D); k after k-norm and RoPE."""
-        block = self.layers[layer]
-        x = block.input_layernorm(h)
-        b, t, _ = x.shape
-        weight, bias = self.qkv[layer]
-        qkv = F.linear(x, weight, bias).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k, v = qkv.split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k, v = self._project(layer, h, 0).split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
         cos, sin = rope[self.rope_key(layer)]
-        q = apply_rope(self._q_norm(block.self_attn, q), cos, sin)
-        k = apply_rope(self._k_norm(block.self_attn, k), cos, sin)
-        return q, k, v
+        q = apply_rope(self._q_norm(self.layers[layer].self_attn, q), cos, sin)
+        return q, self._rotate_key(layer, k, rope), v
 
     def key_value(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the cache rows a layer writes from input h (B, T, E): k, v (B, H, T, D), no query."""
-        block = self.layers[layer]
-        x = block.input_layernorm(h)
+        k, v = self._project(layer, h, self.num_heads * self.head_dim).split([self.kv_heads, self.kv_heads], dim=1)
+        return self._rotate_key(layer, k, rope), v
+
+    def _project(self, layer: int, h: torch.Tensor, start: int) -> torch.Tensor:
+        """Input norm, then the fused q/k/v projection from output row `start` on: (B, heads, T, D)."""
+        x = self.layers[layer].input_layernorm(h)
         b, t, _ = x.shape
         weight, bias = self.qkv[layer]
-        start = self.num_heads * self.head_dim
-        kv = F.linear(x, weight[start:], None if bias is None else bias[start:])
-        k, v = kv.view(b, t, -1, self.head_dim).transpose(1, 2).split([self.kv_heads, self.kv_heads], dim=1)
+        out = F.linear(x, weight[start:], None if bias is None else bias[start:])
+        return out.view(b, t, -1, self.head_dim).transpose(1, 2)
+
+    def _rotate_key(self, layer: int, k: torch.Tensor, rope: dict) -> torch.Tensor:
         cos, sin = rope[self.rope_key(layer)]
-        return apply_rope(self._k_norm(block.self_attn, k), cos, sin), v
+        return apply_rope(self._k_norm(self.layers[layer].self_attn, k), cos, sin)
 
     def _q_norm(self, attn: torch.nn.Module, q: torch.Tensor) -> torch.Tensor:
         return q
@@ -91,9 +90,11 @@ class LlamaAdapter:
 
     def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual update from attention output o (B, Hq, T, D)."""
+        return h + self._output_projection(layer, o)
+
+    def _output_projection(self, layer: int, o: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = o.shape
-        out = self.layers[layer].self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        return h + out
+        return self.layers[layer].self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
@@ -150,10 +151,7 @@ class Gemma3Adapter(Qwen3Adapter):
         return {kind: self.body.rotary_emb(h, pos, kind) for kind in set(self.layer_types)}
 
     def attention_output(self, layer, h, o):
-        block = self.layers[layer]
-        b, _, t, _ = o.shape
-        out = block.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        return h + block.post_attention_layernorm(out)
+        return h + self.layers[layer].post_attention_layernorm(self._output_projection(layer, o))
 
     def mlp_block(self, layer, h):
         block = self.layers[layer]
