@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvforge.cli import app
 
 runner = CliRunner()
-SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval"]
+SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit"]
 
 
 def _run(*args):
@@ -26,7 +26,7 @@ def test_help_lists_every_subcommand_and_each_has_help():
     assert result.returncode == 0
     for name in SUBCOMMANDS:
         assert name in result.stdout
-    for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["eval", "exact"]):
+    for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"]):
         assert _run(*args, "--help").exit_code == 0, args
 
 
@@ -81,3 +81,44 @@ def test_prompt_over_the_context_names_both_lengths(tiny_model_dir):
 def test_bench_rejects_bad_lengths():
     result = _run("bench", "exact", "--tokens", "10,abc")
     assert result.exit_code == 2 and "--tokens" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_maps(tiny_model_dir, tmp_path_factory):
+    """RidgeFill maps fitted through the CLI on the tiny model and real chat text."""
+    out = tmp_path_factory.mktemp("maps") / "tiny.safetensors"
+    result = _run("fit", "ridgefill", "--model", tiny_model_dir, "--split", "2", "--calib-tokens", 1400, "--seq-len", 64, "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    obj = _last_json(result)
+    assert obj["splits"] == [2] and obj["tokens"] >= 1400 and set(obj["info"]["splits"]["2"]["r2"]) == {"3"}
+    return out
+
+
+def test_generate_with_ridgefill_maps(tiny_model_dir, tiny_maps):
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "ridgefill", "--maps", tiny_maps)
+    obj = _last_json(_run(*args, "--split", 2, "--tail", 8, "--json"))
+    assert obj["method"] == "ridgefill" and len(obj["token_ids"]) == 5
+    fallback = _run(*args, "--split", 2, "--tail", 500)
+    assert fallback.exit_code == 0 and "running exact prefill" in fallback.stderr
+
+
+def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
+    from conftest import char_tokenizer, tiny_hf_model
+
+    other = tmp_path / "other-llama"
+    tiny_hf_model("llama", seed=7).save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    base = ("generate", "--model", tiny_model_dir, "--prompt", "hello world, hello", "--method", "ridgefill")
+    cases = [
+        ((*base, "--maps", tiny_maps, "--split", 1), "not split 1"),
+        ((*base, "--maps", tiny_maps, "--split", 9), "outside 1..3"),
+        ((*base, "--maps", tmp_path / "none.safetensors", "--split", 2), "does not exist"),
+        (("generate", "--model", other, "--prompt", "hi", "--method", "ridgefill", "--maps", tiny_maps, "--split", 2), "fitted for"),
+        (("fit", "ridgefill", "--model", tiny_model_dir, "--split", "4"), "outside 1..3"),
+    ]
+    for args, message in cases:
+        result = _run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr

@@ -31,6 +31,18 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
     return visible.unsqueeze(1)
 
 
+def readable_rows(positions: torch.Tensor, active: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(T,) bool: rows of one sequence that some active row can see through a sliding window.
+
+    Decode steps come after the last prompt row, which is always active, so a row no active row
+    sees is never read and need not be written."""
+    if window is None:
+        return torch.ones_like(active)
+    seen_from = positions[active]  # ascending
+    nxt = torch.searchsorted(seen_from, positions).clamp(max=seen_from.numel() - 1)
+    return (seen_from[nxt] >= positions) & (seen_from[nxt] - positions < window)
+
+
 def attend(
     q: torch.Tensor,
     layer: LayerCache,

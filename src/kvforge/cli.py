@@ -24,12 +24,18 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: methods side by 
 app.add_typer(bench_app, name="bench")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluations: each method measured against exact on held-out data.")
 app.add_typer(eval_app, name="eval")
+fit_app = typer.Typer(no_args_is_help=True, help="Fit maps once per model, in closed form.")
+app.add_typer(fit_app, name="fit")
 err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Alias, HF directory, .gguf file or hub id.")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
 ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last line of stdout.")
+MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: the cached ones).")
+PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
+SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
+TailOpt = typer.Option(None, "--tail", help="RidgeFill exact tail tokens (overrides the preset).")
 
 
 def user_errors(fn):
@@ -102,11 +108,16 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill chunk (tokens)."),
+    method: str = typer.Option("exact", "--method", help="Prefill method: exact or ridgefill."),
+    maps: Optional[Path] = MapsOpt,
+    preset: str = PresetOpt,
+    split: Optional[int] = SplitOpt,
+    tail: Optional[int] = TailOpt,
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Generate a completion with the exact engine."""
+    """Generate a completion: exact prefill, or RidgeFill (late layers filled from ridge maps)."""
     from kvforge.generation import GenerationConfig
     from kvforge.prompting import encode_prompt
 
@@ -117,16 +128,21 @@ def generate(
     if not text.strip():
         raise KvforgeError("empty prompt: give some text")
     config = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop), chunk_size=chunk_size)
+    if method not in ("exact", "ridgefill"):
+        raise KvforgeError(f"unknown --method {method!r}: use exact or ridgefill")
     engine = _load(model, device)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
+    plan = None
+    if method == "ridgefill":
+        plan = _ridgefill_plan(engine, model, ids, maps, preset, split, tail)
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
-    out = engine.generate(ids, config, on_text=stream)[0]
+    out = engine.generate(ids, config, on_text=stream, plan=plan)[0]
     if json_out:
         _emit(
             {
                 "command": "generate",
                 "model": model,
-                "method": "exact",
+                "method": method,
                 "tokens": out.prompt_tokens,
                 "prompt_tokens": out.prompt_tokens,
                 "text": out.text,
@@ -142,6 +158,31 @@ def generate(
             f"[dim]{out.prompt_tokens} prompt tokens, {len(out.token_ids)} generated, TTFT {out.ttft_s:.3f} s, "
             f"{out.decode_tokens_per_s:.1f} tokens/s, finish: {out.finish_reason}[/dim]"
         )
+
+
+def _ridgefill_config(engine, maps_path, preset, split, tail, streamed=False):
+    """(maps, config) for a RidgeFill run: the preset with overrides, maps checked against the model."""
+    from kvforge.fill.maps import RidgeMaps
+    from kvforge.fill.ridgefill import default_maps_path, preset as make_preset
+
+    config = make_preset(preset, engine.num_layers, split=split, tail=tail)
+    config.check(engine.num_layers)
+    path = maps_path or default_maps_path(engine.model.name)
+    if maps_path is None and not path.is_file():
+        raise KvforgeError(f"no RidgeFill maps for {engine.model.name} at {path}: run `kvforge fit ridgefill --model {engine.model.name}` or pass --maps")
+    maps = RidgeMaps.load(path, streamed=streamed)
+    maps.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+    return maps, config
+
+
+def _ridgefill_plan(engine, model, ids, maps_path, preset, split, tail):
+    from kvforge.fill.ridgefill import ridgefill_plan
+
+    maps, config = _ridgefill_config(engine, maps_path, preset, split, tail)
+    plan = ridgefill_plan(engine, ids, config, maps)
+    if plan is None:
+        err.print(f"[yellow]note:[/yellow] the {len(ids)}-token prompt is no longer than RidgeFill's exact rows (tail {config.tail}); running exact prefill")
+    return plan
 
 
 def _read_prompt(path: Path) -> str:
@@ -192,6 +233,64 @@ def bench_exact_cmd(
     err.print(f"[dim]{report['threads']} thread(s), median of {runs} runs after a warm-up; model load {load_s:.1f} s[/dim]")
 
 
+@fit_app.command("ridgefill")
+@user_errors
+def fit_ridgefill_cmd(
+    model: str = ModelOpt,
+    split: str = typer.Option("fast,quality", "--split", help="Layer indices and/or presets (fast, quality), comma-separated; one file holds them all."),
+    calib_tokens: int = typer.Option(200_000, "--calib-tokens", help="Calibration tokens (fit split of the packaged chat data)."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per calibration sequence."),
+    lam: Optional[float] = typer.Option(None, "--lam", help="Ridge λ relative to the mean diagonal; default: per layer by held-out R²."),
+    int8: bool = typer.Option(False, "--int8", help="Store maps as int8 per output channel; reports the error."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Fit RidgeFill maps: one exact pass over calibration text, then a ridge solve per late layer."""
+    import time
+
+    from tqdm import tqdm
+
+    from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
+    from kvforge.fill.ridgefill import default_maps_path, parse_splits
+
+    _setup(threads)
+    engine = _load(model, device)
+    splits = parse_splits(split, engine.num_layers)
+    config = CalibrationConfig(tuple(splits), calib_tokens, seq_len, lam=lam, int8=int8)
+    path = out or default_maps_path(model)
+    start = time.perf_counter()
+    with tqdm(total=calib_tokens, unit="tok", desc="calibration", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+        maps = fit_ridgefill(engine, config, model, progress=bar.update)
+    maps.save(path)
+    elapsed = time.perf_counter() - start
+    summary = {
+        "command": "fit ridgefill",
+        "model": model,
+        "method": "ridgefill",
+        "tokens": maps.info["calibration"]["fit_rows"] + maps.info["calibration"]["held_out_rows"],
+        "out": str(path),
+        "splits": maps.splits,
+        "seconds": elapsed,
+        "int8": int8,
+        "info": maps.info,
+    }
+    if json_out:
+        _emit(summary)
+        return
+    table = Table("split", "late layers", "held-out R² first → last", "λ range")
+    for s, report in maps.info["splits"].items():
+        r2 = list(report["r2"].values())
+        lams = list(report["lam"].values())
+        table.add_row(s, str(len(r2)), f"{r2[0]:.3f} → {r2[-1]:.3f}", f"{min(lams):g} … {max(lams):g}")
+    Console().print(table)
+    if int8:
+        worst = max(max(r["int8_rel_error"].values()) for r in maps.info["splits"].values())
+        err.print(f"int8 maps: largest relative weight error {worst:.2e}")
+    err.print(f"wrote {path} in {elapsed:.0f} s ({summary['tokens']:,} calibration tokens)")
+
+
 def _parse_lengths(text: str) -> list[int]:
     try:
         lengths = [int(t) for t in text.split(",") if t.strip()]
@@ -200,6 +299,93 @@ def _parse_lengths(text: str) -> list[int]:
     if not lengths or any(n < 1 for n in lengths):
         raise KvforgeError(f"--tokens must list positive lengths, got {text!r}")
     return lengths
+
+
+@bench_app.command("ridgefill")
+@user_errors
+def bench_ridgefill_cmd(
+    model: str = ModelOpt,
+    maps: Optional[Path] = MapsOpt,
+    preset: str = PresetOpt,
+    split: Optional[int] = SplitOpt,
+    tail: Optional[int] = TailOpt,
+    tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ridgefill-<model>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """TTFT of exact vs RidgeFill (maps resident and streamed) vs identity fill, with the MAC ceiling."""
+    from kvforge.bench.ridgefill import bench_ridgefill, plot as plot_report
+    from kvforge.fill.maps import RidgeMaps
+
+    _setup(threads)
+    lengths = _parse_lengths(tokens)
+    engine = _load(model, device)
+    resident, config = _ridgefill_config(engine, maps, preset, split, tail)
+    streamed = RidgeMaps.load(resident.path, streamed=True)
+    report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ridgefill-{_safe(model)}.png"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("tokens", "exact s", "RidgeFill s", "speedup", "streamed", "identity", "ceiling", "filled")
+    for r in report["results"]:
+        table.add_row(
+            str(r["tokens"]), f"{r['exact_ttft_s']:.2f}", f"{r['ridgefill_ttft_s']:.2f}", f"{r['speedup']:.2f}×",
+            f"{r['speedup_streamed']:.2f}×", f"{r['speedup_identity']:.2f}×", f"{r['ceiling']:.2f}×", f"{100 * r['filled_fraction']:.0f} %",
+        )
+    Console().print(table)
+    err.print(
+        f"[dim]split {config.split}, tail {config.tail}; maps resident {report['maps_resident_bytes'] / 2**20:.1f} MiB, "
+        f"streamed {report['maps_streamed_bytes'] / 2**20:.2f} MiB at a time; {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]"
+    )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+@eval_app.command("ridgefill")
+@user_errors
+def eval_ridgefill_cmd(
+    model: str = ModelOpt,
+    maps: Optional[Path] = MapsOpt,
+    preset: str = PresetOpt,
+    split: Optional[int] = SplitOpt,
+    tail: Optional[int] = TailOpt,
+    samples: int = typer.Option(12, "--samples", help="Held-out continuation samples."),
+    needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
+    prompt_tokens: int = typer.Option(2048, "--prompt-tokens"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """RidgeFill and identity fill vs exact on held-out text: novel/key-token loss, splices, needles."""
+    from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill, summary
+
+    _setup(threads)
+    if samples < 2 or needles < 0:
+        raise KvforgeError("--samples must be >= 2 (for the bootstrap) and --needles >= 0")
+    engine = _load(model, device)
+    resident, config = _ridgefill_config(engine, maps, preset, split, tail)
+    settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
+    report = eval_ridgefill(engine, resident, config, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    out = summary(report, model, config, prompt_tokens)
+    arms = report["arms"]
+    if json_out:
+        _emit(out)
+        return
+    table = Table("arm", "novel nats", "novel ppl gap [95 % CI]", "key nats", "key ppl gap")
+    for name, a in arms.items():
+        gap = f"{a['ppl_gap_novel_pct']:+.2f} % [{a['ppl_gap_novel_ci'][0]:+.2f}, {a['ppl_gap_novel_ci'][1]:+.2f}]" if name != "exact" else "—"
+        key_gap = f"{a['ppl_gap_key_pct']:+.2f} %" if name != "exact" else "—"
+        table.add_row(name, f"{a['novel_nll']:.4f}", gap, f"{a['key_nll']:.4f}", key_gap)
+    Console().print(table)
+    n = report["needle"]
+    Console().print(f"needles ({n['samples']}, {n['needle_filled']} wholly filled): exact {n['exact']:.0f} %, RidgeFill {n['ridgefill']:.0f} %, identity {n['identity']:.0f} %")
 
 
 @eval_app.command("exact")
@@ -243,6 +429,10 @@ def demo(
 
     _setup(threads)
     engine = _load(model, device)
+    from kvforge.fill.ridgefill import default_maps_path
+
+    if not default_maps_path(engine.model.name).is_file():
+        err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {default_maps_path(engine.model.name)}[/dim]")
     with err.status("answering"):
         rows, prompt = run_demo(engine, max_new_tokens)
     if json_out:

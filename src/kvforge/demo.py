@@ -36,7 +36,32 @@ def run_exact(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> Dem
     return DemoRow("exact", out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
-DEMO_METHODS = {"exact": run_exact}
+DEMO_FIT_TOKENS = 60_000  # a few minutes here; `kvforge fit ridgefill` defaults to 200K
+
+
+def demo_maps(engine: Engine):
+    """RidgeFill maps for the engine's model: the cached ones, or fitted once and cached."""
+    from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
+    from kvforge.fill.maps import RidgeMaps
+    from kvforge.fill.ridgefill import PRESETS, default_maps_path, preset_split
+
+    path = default_maps_path(engine.model.name)
+    if not path.is_file():
+        splits = tuple(preset_split(name, engine.num_layers) for name in PRESETS)
+        fit_ridgefill(engine, CalibrationConfig(splits, tokens=DEMO_FIT_TOKENS), engine.model.name).save(path)
+    return RidgeMaps.load(path)
+
+
+def run_ridgefill(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    from kvforge.fill.ridgefill import preset, ridgefill_plan
+
+    maps = demo_maps(engine)
+    plan = ridgefill_plan(engine, prompt_ids, preset("fast", engine.num_layers), maps)
+    out = engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), plan=plan)[0]
+    return DemoRow("ridgefill (fast)", out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+
+
+DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill}
 
 
 def run_demo(engine: Engine, max_new_tokens: int = 64) -> tuple[list[DemoRow], str]:

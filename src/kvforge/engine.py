@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.attention import attend
+from kvforge.attention import attend, readable_rows
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.models.loading import LoadedModel
@@ -123,27 +123,39 @@ class Engine:
     @torch.inference_mode()
     def _run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> torch.Tensor:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are
-        filled (their K/V written from the plan's predicted input, before the exact rows attend)
-        or absent."""
+        filled (their K/V written from the plan's predicted input, in position order among the
+        exact rows, before those attend) or absent."""
         a = self.adapter
         depth = plan.depth.to(self.device)
         h = a.embed(ids)  # (1, T, E)
         rope = a.rope(h, positions)
         at_depth = torch.zeros_like(h)  # residual stream entering each row's own depth
+        h_before, chosen = h, plan.choose is None
         for layer in range(self.num_layers):
+            if not chosen and layer > 0 and bool((depth <= layer).any()):
+                depth, chosen = plan.choose(layer, h_before, positions, cache, depth).to(self.device), True
             leaving = depth == layer
             if bool(leaving.any()):
                 at_depth[:, leaving] = h[:, leaving]
             past = depth <= layer
-            if plan.fill is not None and bool(past.any()):
-                x = plan.fill(layer, at_depth[:, past])
-                k, v = a.key_value(layer, x, _rope_rows(rope, past))
-                cache[layer].append(k, v, positions[:, past], RowKind.FILLED)
             if not bool(past.any()):  # below every row's depth: the plain exact layer, no gathers
-                h = self.run_layer(layer, h, positions, cache, rope)
+                h_before, h = h, self.run_layer(layer, h, positions, cache, rope)
                 continue
             active = ~past
-            h[:, active] = self.run_layer(layer, h[:, active], positions[:, active], cache, _rope_rows(rope, active))
+            h_active = h[:, active]
+            q, k, v = a.attention_inputs(layer, h_active, _rope_rows(rope, active))
+            present, kinds = active, RowKind.EXACT
+            if plan.fill is not None:
+                written = past & readable_rows(positions[0], active, a.windows[layer])
+                x = plan.fill(layer, at_depth[:, written], written)
+                k_fill, v_fill = a.key_value(layer, x, _rope_rows(rope, written))
+                present = active | written
+                is_exact = active[present]
+                k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
+                kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
+            cache[layer].append(k, v, positions[:, present], kinds)
+            o = attend(q, cache[layer], positions[:, active], a.scaling[layer], a.windows[layer])
+            h[:, active] = a.mlp_block(layer, a.attention_output(layer, h_active, o))
         return a.head(h[:, -1:]).squeeze(1).float()
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,3 +201,12 @@ def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
 def _rope_rows(rope: dict, rows: torch.Tensor) -> dict:
     """The rotary tables restricted to some rows (a bool mask over T)."""
     return {key: (cos[:, rows], sin[:, rows]) for key, (cos, sin) in rope.items()}
+
+
+def _interleave(exact: torch.Tensor, filled: torch.Tensor, is_exact: torch.Tensor) -> torch.Tensor:
+    """Exact and filled rows (B, H, *, D) merged along dim 2 in position order."""
+    b, heads, _, d = exact.shape
+    out = exact.new_empty(b, heads, is_exact.numel(), d)
+    out[:, :, is_exact] = exact
+    out[:, :, ~is_exact] = filled
+    return out

@@ -7,7 +7,16 @@ Above its depth a row is either
     k/v projections, k-norm and RoPE run; attention and MLP do not) -- RidgeFill; or
   - absent: no compute, no cache rows, invisible to every later query -- SPEED (no `fill`).
 Rows with depth == num_layers are exact everywhere. The last prompt row must be exact: it
-produces the first output token.
+produces the first output token. Every layer stores its rows in position order, filled and exact
+interleaved, so a layer that holds every row stays on attention's mask-free decode path.
+
+On a sliding-window layer a filled row that no exact row of the prompt can see (and so no later
+decode step either) is not written at all: it would never be read.
+
+`choose`, when given, is called once, before the first layer any row leaves, with the layer
+index, the residual stream entering the layer before it, the positions, the cache (whose layer
+`layer - 1` holds every row's keys) and the depths; it returns the final depths. RidgeFill uses
+it to keep exact the rows the prompt's tail attends to most.
 
 Invariant: a plan whose rows are all full depth computes exactly what exact prefill computes.
 """
@@ -19,9 +28,11 @@ from typing import Callable
 
 import torch
 
-# fill(layer, h) -> predicted input of `layer`, for rows whose depth <= layer; h (1, N, E) is
-# each such row's residual stream entering its own depth.
-Filler = Callable[[int, torch.Tensor], torch.Tensor]
+# fill(layer, h, rows) -> the predicted input of `layer` (1, N, E) for the N prompt rows picked by
+# the bool mask `rows` (T,); h (1, N, E) is each such row's residual stream entering its own depth.
+Filler = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# choose(layer, h_before, positions, cache, depth) -> depth (T,)
+Chooser = Callable[[int, torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,7 @@ class PrefillPlan:
     depth: torch.Tensor  # (T,) int64, 0 <= depth <= num_layers
     fill: Filler | None = None
     method: str = "exact"
+    choose: Chooser | None = None
 
     @classmethod
     def exact(cls, tokens: int, num_layers: int) -> "PrefillPlan":

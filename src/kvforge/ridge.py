@@ -97,11 +97,10 @@ def solve(
     return w, b
 
 
-def r2(moments: Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(O,) coefficient of determination of y ≈ x @ w + b on the data behind `moments`.
-
-    Expands Σ (y - xw - b)² in the moments, so held-out data need not be kept.
-    """
+def residuals(moments: Moments, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O,) sums of squared error of y ≈ x @ w + b and (O,) total sums of squares about the mean,
+    on the data behind `moments`. Expands Σ (y - xw - b)² in the moments, so held-out data need
+    not be kept."""
     w, b = w.to(DTYPE), b.to(DTYPE)
     n = moments.n
     sse = (
@@ -112,8 +111,20 @@ def r2(moments: Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         + 2 * b * (moments.sx @ w)
         + n * b * b
     )
-    sst = moments.yy - moments.sy**2 / n
+    return sse, moments.yy - moments.sy**2 / n
+
+
+def r2(moments: Moments, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(O,) coefficient of determination of y ≈ x @ w + b, per output."""
+    sse, sst = residuals(moments, w, b)
     return 1.0 - sse / sst.clamp(min=torch.finfo(DTYPE).tiny)
+
+
+def r2_pooled(moments: Moments, w: torch.Tensor, b: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(groups,) variance-weighted R² (1 - ΣSSE / ΣSST) of each of `groups` equal blocks of outputs:
+    the share of a predicted vector's variance the map explains (a layer's input, for RidgeFill)."""
+    sse, sst = residuals(moments, w, b)
+    return 1.0 - sse.view(groups, -1).sum(1) / sst.view(groups, -1).sum(1).clamp(min=torch.finfo(DTYPE).tiny)
 
 
 def pick_lambda(

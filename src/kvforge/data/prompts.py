@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from kvforge.data.sharegpt import conversations, render
 
 
@@ -32,3 +34,15 @@ def held_out_conversations(count: int, min_chars: int = 0, max_chars: int | None
         if len(out) == count:
             break
     return out
+
+
+def token_sequences(tokenizer, length: int, split: str = "fit") -> Iterator[list[int]]:
+    """Conversations of `split`, chat-rendered, concatenated and cut into `length`-token
+    sequences; each starts with the tokenizer's own special prefix (BOS where it has one)."""
+    prefix = tokenizer("", add_special_tokens=True).input_ids
+    buffer: list[int] = list(prefix)
+    for conv in conversations(split):
+        buffer.extend(tokenizer(render(tokenizer, conv), add_special_tokens=False).input_ids)
+        while len(buffer) >= length:
+            yield buffer[:length]
+            buffer = list(prefix) + buffer[length:]

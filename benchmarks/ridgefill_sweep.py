@@ -1,0 +1,93 @@
+"""RidgeFill split/tail sweep: speed vs quality, so a user can pick a point.
+
+For each setting: perplexity gap on novel and key tokens (held-out continuation), needle accuracy
+(the exact arm is computed once and shared), then TTFT of every setting and exact interleaved in
+one process at one prompt length, with the MAC ceiling. Writes
+benchmarks/results/ridgefill-sweep-<model>.json and prints a Markdown table.
+
+    python benchmarks/ridgefill_sweep.py --maps MAPS [--model smollm2-135m] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.bench.harness import environment, interleaved_medians
+from kvforge.data.prompts import held_out_text_tokens
+from kvforge.engine import Engine
+from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill
+from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.models import load_model
+
+# (split, tail, attended rows)
+SETTINGS = [(10, 256, 64), (15, 256, 0), (15, 256, 64), (15, 512, 128), (20, 256, 64), (20, 512, 128)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--maps", required=True, type=Path)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--needles", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(load_model(args.model))
+    maps = RidgeMaps.load(args.maps)
+    maps.check_model(args.model, engine.model.fingerprint, engine.num_layers)
+    configs = [RidgeFillConfig(split=s, tail=t, attended_rows=a) for s, t, a in SETTINGS if maps.has_split(s)]
+    settings = EvalSettings(samples=args.samples, needles=args.needles)
+    memo: dict = {}
+    rows = []
+    for c in configs:
+        print(f"quality: split {c.split}, tail {c.tail}, attended {c.attended_rows}", file=sys.stderr, flush=True)
+        q = eval_ridgefill(engine, maps, c, settings, memo=memo)
+        rows.append({"config": asdict(c), "quality": q})
+
+    prompt = held_out_text_tokens(engine.model.tokenizer, args.tokens)
+    arms = {"exact": lambda: engine.prefill([prompt])}
+    for i, c in enumerate(configs):
+        arms[str(i)] = lambda c=c: engine.prefill([prompt], plan=ridgefill_plan(engine, prompt, c, maps))
+    print(f"speed: {len(arms)} arms at {args.tokens} tokens", file=sys.stderr, flush=True)
+    times = interleaved_medians(arms, runs=args.runs)
+    for i, (row, c) in enumerate(zip(rows, configs)):
+        plan = ridgefill_plan(engine, prompt, c, maps)
+        engine.prefill([prompt], plan=plan)
+        depth = (plan.choose.last_depth if plan.choose is not None else plan.depth).cpu()
+        row["speed"] = {
+            "tokens": args.tokens,
+            "speedup": times["exact"] / times[str(i)],
+            "ceiling": exact_macs(engine.adapter, args.tokens) / prefill_macs(engine.adapter, depth, c.split, True),
+            "filled_fraction": float((depth < engine.num_layers).float().mean()),
+        }
+    out = {"model": args.model, "maps": str(args.maps), "exact_ttft_s": times["exact"], **environment(), "settings": asdict(settings), "rows": rows}
+    path = Path("benchmarks/results") / f"ridgefill-sweep-{args.model}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str))
+    print(f"| split | tail | attended rows | TTFT speedup @{args.tokens} (ceiling) | novel ppl gap [95 % CI] | key ppl gap | needle (exact) | identity novel gap | identity needle |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        c, q, s = row["config"], row["quality"], row["speed"]
+        r, ident = q["arms"]["ridgefill"], q["arms"]["identity"]
+        ci = r["ppl_gap_novel_ci"]
+        print(
+            f"| {c['split']} | {c['tail']} | {c['attended_rows']} | {s['speedup']:.2f}× ({s['ceiling']:.2f}×) | "
+            f"{r['ppl_gap_novel_pct']:+.1f} % [{ci[0]:+.1f}, {ci[1]:+.1f}] | {r['ppl_gap_key_pct']:+.1f} % | "
+            f"{q['needle']['ridgefill']:.0f} % ({q['needle']['exact']:.0f} %) | {ident['ppl_gap_novel_pct']:+.1f} % | {q['needle']['identity']:.0f} % |"
+        )
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""`kvforge bench ridgefill`: time to first token of exact, RidgeFill (maps resident and
+streamed) and the identity fill, in one process on the same held-out prompt, interleaved, after
+a warm-up; the MAC ceiling of the same plan beside the measured speedup."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.bench.harness import environment, interleaved_medians
+from kvforge.data.prompts import held_out_text_tokens
+from kvforge.engine import Engine
+from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+
+
+def bench_ridgefill(
+    engine: Engine, maps: RidgeMaps, streamed: RidgeMaps, config: RidgeFillConfig, lengths: list[int], runs: int = 3, progress=None
+) -> dict:
+    arms = {"ridgefill": (config, maps), "ridgefill_streamed": (config, streamed), "identity": (replace(config, fill="identity"), None)}
+    results = []
+    for tokens in lengths:
+        if tokens >= engine.model.context_length:
+            raise ValueError(f"{tokens} tokens exceed the context of {engine.model.context_length}")
+        prompt = held_out_text_tokens(engine.model.tokenizer, tokens)
+        if progress:
+            progress(f"{tokens} tokens: {len(arms) + 1} arms x{runs}")
+        # The plan is built inside each timed call: choosing rows and reading maps are part of TTFT.
+        timings = interleaved_medians(
+            {"exact": lambda: engine.prefill([prompt]), **{name: _planned(engine, prompt, c, m) for name, (c, m) in arms.items()}},
+            runs=runs,
+        )
+        plan = ridgefill_plan(engine, prompt, config, maps)
+        engine.prefill([prompt], plan=plan)  # resolves the attention-chosen rows for the count
+        depth = plan.choose.last_depth if getattr(plan.choose, "last_depth", None) is not None else plan.depth
+        depth = depth.cpu()
+        ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
+        results.append(
+            {
+                "tokens": tokens,
+                "method": "ridgefill",
+                "split": config.split,
+                "tail": config.tail,
+                "exact_ttft_s": timings["exact"],
+                "ridgefill_ttft_s": timings["ridgefill"],
+                "ridgefill_streamed_ttft_s": timings["ridgefill_streamed"],
+                "identity_ttft_s": timings["identity"],
+                "speedup": timings["exact"] / timings["ridgefill"],
+                "speedup_streamed": timings["exact"] / timings["ridgefill_streamed"],
+                "speedup_identity": timings["exact"] / timings["identity"],
+                "ceiling": ceiling,
+                "fraction_of_ceiling": (timings["exact"] / timings["ridgefill"]) / ceiling,
+                "filled_fraction": float((depth < engine.num_layers).float().mean()),
+            }
+        )
+    return {
+        "command": "bench ridgefill",
+        "model": engine.model.name,
+        "method": "ridgefill",
+        "tokens": lengths,
+        "split": config.split,
+        "tail": config.tail,
+        "attended_rows": config.attended_rows,
+        "maps_resident_bytes": maps.resident_bytes(config.split),
+        "maps_streamed_bytes": maps.layer_bytes(),
+        "runs": runs,
+        **environment(),
+        "results": results,
+    }
+
+
+def _planned(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None):
+    return lambda: engine.prefill([prompt], plan=ridgefill_plan(engine, prompt, config, maps))
+
+
+def plot(report: dict, path: Path) -> Path:
+    """PNG of measured speedup (resident, streamed, identity) and the MAC ceiling vs tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    x = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["ceiling"] for r in rows], "k--", label="MAC ceiling")
+    ax.plot(x, [r["speedup"] for r in rows], "o-", label="RidgeFill, maps resident")
+    ax.plot(x, [r["speedup_streamed"] for r in rows], "s-", label="RidgeFill, maps streamed")
+    ax.plot(x, [r["speedup_identity"] for r in rows], "^-", label="identity fill")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT speedup over exact")
+    ax.set_title(f"{report['model']}: split {report['split']}, tail {report['tail']}, {report['threads']} thread(s)")
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

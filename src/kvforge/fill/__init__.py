@@ -1,0 +1,1 @@
+"""Methods that fill or skip part of a prompt's cache: RidgeFill (late-layer fill), later SPEED."""

@@ -1,0 +1,149 @@
+"""RidgeFill maps: the artifact that predicts each late layer's input from the split layer's state.
+
+Shapes: N rows, E hidden size.
+
+For a split s of L layers the artifact holds, for every late layer l in (s, L), W_l (E, E) and
+b_l (E,) with input_l ≈ h_s @ W_l + b_l, where h_s is the residual stream entering layer s. Layer
+s itself needs no map: its input *is* h_s. One file may hold maps for several splits (a fast and
+a quality setting fitted in one calibration pass). Weights are float32, or int8 per output
+channel with a float32 scale (`--int8`, the seed's `-i8` maps).
+
+Maps are used resident (every layer's tensors in memory) or streamed (each layer read from the
+memory-mapped file when it runs, and dropped after).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvforge.cache import atomic_save_safetensors
+from kvforge.errors import ArtifactError
+
+FORMAT = "kvforge.ridgefill"
+FORMAT_VERSION = "1"
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: w (I, O) -> (q int8 (I, O), scale (O,))."""
+    scale = (w.abs().amax(dim=0) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).float()
+    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def map_key(split: int, layer: int, part: str) -> str:
+    return f"split.{split}.layer.{layer}.{part}"
+
+
+@dataclass
+class RidgeMaps:
+    """Maps for one or more splits of one model, with the facts needed to trust them."""
+
+    num_layers: int
+    hidden_size: int
+    fingerprint: str
+    model: str
+    splits: list[int]
+    int8: bool
+    info: dict = field(default_factory=dict)  # λ, R², calibration description, per split
+    tensors: dict[str, torch.Tensor] | None = None  # resident; None when streamed
+    path: Path | None = None
+
+    def has_split(self, split: int) -> bool:
+        return split in self.splits
+
+    def weights(self, split: int, layer: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W (E, E), b (E,)) for `layer` at `split`, dequantized to `dtype`."""
+        if not split < layer < self.num_layers or split not in self.splits:
+            raise KeyError(f"no map for layer {layer} at split {split}")
+        if self.tensors is not None:
+            get = self.tensors.__getitem__
+            return self._dequantize(get, split, layer, dtype)
+        with safe_open(str(self.path), framework="pt", device="cpu") as f:  # memory-mapped read
+            return self._dequantize(f.get_tensor, split, layer, dtype)
+
+    def _dequantize(self, get, split: int, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        w = get(map_key(split, layer, "weight"))
+        if self.int8:
+            w = w.to(dtype) * get(map_key(split, layer, "scale")).to(dtype)
+        return w.to(dtype), get(map_key(split, layer, "bias")).to(dtype)
+
+    def resident_bytes(self, split: int) -> int:
+        """Bytes of the maps one split keeps in memory when resident."""
+        if self.tensors is None:
+            return 0
+        prefix = f"split.{split}."
+        return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefix))
+
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's map as stored: what streaming holds at a time."""
+        e = self.hidden_size
+        return e * e * (1 if self.int8 else 4) + e * 4 * (2 if self.int8 else 1)
+
+    # --- file ----------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        if self.tensors is None:
+            raise ValueError("only resident maps can be saved")
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": "ridgefill-maps",
+            "model": self.model,
+            "model_fingerprint": self.fingerprint,
+            "num_layers": str(self.num_layers),
+            "hidden_size": str(self.hidden_size),
+            "splits": json.dumps(self.splits),
+            "int8": json.dumps(self.int8),
+            "info": json.dumps(self.info),
+        }
+        atomic_save_safetensors({k: v.contiguous() for k, v in self.tensors.items()}, Path(path), meta)
+        self.path = Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, streamed: bool = False) -> "RidgeMaps":
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"maps file {str(path)!r} does not exist")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise ArtifactError(f"{path} is not a kvforge RidgeFill maps file (format={meta.get('format')!r})")
+                if meta.get("format_version") != FORMAT_VERSION:
+                    raise ArtifactError(f"{path} has maps format {meta.get('format_version')}, this kvforge reads {FORMAT_VERSION}")
+                maps = cls(
+                    num_layers=int(meta["num_layers"]),
+                    hidden_size=int(meta["hidden_size"]),
+                    fingerprint=meta["model_fingerprint"],
+                    model=meta["model"],
+                    splits=[int(s) for s in json.loads(meta["splits"])],
+                    int8=bool(json.loads(meta["int8"])),
+                    info=json.loads(meta["info"]),
+                    path=path,
+                )
+                names = set(f.keys())
+                expected = {map_key(s, l, p) for s in maps.splits for l in range(s + 1, maps.num_layers) for p in maps._parts()}
+                if names != expected:
+                    raise ArtifactError(f"{path} is incomplete: {len(expected - names)} of {len(expected)} map tensors missing")
+                if not streamed:
+                    maps.tensors = {name: f.get_tensor(name) for name in names}
+        except ArtifactError:
+            raise
+        except Exception as exc:  # safetensors raises several types for a damaged file
+            raise ArtifactError(f"cannot read RidgeFill maps {path}: {exc}") from exc
+        return maps
+
+    def _parts(self) -> tuple[str, ...]:
+        return ("weight", "bias", "scale") if self.int8 else ("weight", "bias")
+
+    def check_model(self, model_name: str, fingerprint: str, num_layers: int) -> None:
+        """A clear error when these maps were fitted for another model."""
+        if fingerprint != self.fingerprint or num_layers != self.num_layers:
+            raise ArtifactError(
+                f"maps {self.path or ''} were fitted for {self.model} ({self.num_layers} layers, fingerprint "
+                f"{self.fingerprint[:12]}), not for {model_name} ({num_layers} layers, fingerprint {fingerprint[:12]})"
+            )

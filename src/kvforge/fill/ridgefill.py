@@ -1,0 +1,185 @@
+"""RidgeFill: run the layers below a split exactly, fill the late layers' caches from ridge maps.
+
+Shapes: T prompt tokens, E hidden size, L layers, Hq query heads, D head dim.
+
+A RidgeFill prefill is a `PrefillPlan`: exact rows (the first `sinks` tokens, the chat template's
+special tokens, an explicit list, the last `tail` tokens and, optionally, the rows the tail
+attends to most at the last exact layer) run every layer; every other row runs layers [0, split)
+exactly and, at each late layer l >= split, the layer writes its K/V from the predicted input
+h_split @ W_l + b_l (at l = split the input is h_split itself). The `identity` fill (the seed's POP
+baseline) uses h_split as every late layer's input, through the same plan. Decoding is unchanged:
+every decode step runs the full model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvforge.attention import visibility_mask
+from kvforge.engine import Engine
+from kvforge.errors import ArtifactError
+from kvforge.fill.maps import RidgeMaps
+from kvforge.models.loading import kvforge_home
+from kvforge.plan import PrefillPlan
+
+FILLS = ("ridge", "identity")
+# Split as a fraction of the depth, tail in tokens, rows chosen by the tail's attention.
+PRESETS = {
+    "fast": {"split_fraction": 0.5, "tail": 256, "attended_rows": 64},
+    "quality": {"split_fraction": 2 / 3, "tail": 512, "attended_rows": 128},
+}
+
+
+@dataclass(frozen=True)
+class RidgeFillConfig:
+    split: int
+    tail: int = 256
+    sinks: int = 4
+    special_rows: bool = True  # the chat template's special-token rows stay exact
+    attended_rows: int = 0  # rows the tail attends to most at the last exact layer stay exact
+    rows: tuple[int, ...] = ()  # explicit prompt positions kept exact
+    fill: str = "ridge"  # or "identity"
+
+    def __post_init__(self):
+        if self.tail < 1 or self.sinks < 0 or self.attended_rows < 0:
+            raise ValueError("tail must be >= 1 and sinks, attended rows >= 0")
+        if self.fill not in FILLS:
+            raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {self.fill!r}")
+
+    def check(self, num_layers: int) -> None:
+        """Splits 1..L-1 fill layers [split, L); split = L fills nothing (exact, the degenerate case)."""
+        if not 1 <= self.split <= num_layers:
+            raise ValueError(f"split {self.split} is outside 1..{num_layers - 1} for a {num_layers}-layer model")
+
+
+def preset(name: str, num_layers: int, **overrides) -> RidgeFillConfig:
+    """The `fast` or `quality` setting for a model of `num_layers`, with fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown RidgeFill preset {name!r}: use {' or '.join(PRESETS)}")
+    p = PRESETS[name]
+    settings = {"split": preset_split(name, num_layers), "tail": p["tail"], "attended_rows": p["attended_rows"]}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    return RidgeFillConfig(**settings)
+
+
+def preset_split(name: str, num_layers: int) -> int:
+    return max(1, min(num_layers - 1, round(PRESETS[name]["split_fraction"] * num_layers)))
+
+
+def parse_splits(text: str, num_layers: int) -> list[int]:
+    """'fast,quality,12' -> layer indices (presets resolved for this depth)."""
+    splits = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item in PRESETS:
+            splits.append(preset_split(item, num_layers))
+        else:
+            try:
+                splits.append(int(item))
+            except ValueError as exc:
+                raise ValueError(f"--split takes layer indices or {', '.join(PRESETS)}, got {item!r}") from exc
+    if not splits:
+        raise ValueError("--split is empty")
+    for s in splits:
+        if not 1 <= s <= num_layers - 1:
+            raise ValueError(f"split {s} is outside 1..{num_layers - 1} for a {num_layers}-layer model")
+    return sorted(set(splits))
+
+
+def default_maps_path(model: str) -> Path:
+    """Where fitted maps live unless told otherwise: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return kvforge_home() / "maps" / f"{safe}-ridgefill.safetensors"
+
+
+def exact_row_mask(prompt: list[int], config: RidgeFillConfig, special_ids: set[int]) -> torch.Tensor:
+    """(T,) bool: rows kept exact before any attention-based choice."""
+    t = len(prompt)
+    exact = torch.zeros(t, dtype=torch.bool)
+    exact[: config.sinks] = True
+    exact[max(0, t - config.tail) :] = True
+    if config.special_rows and special_ids:
+        exact |= torch.tensor([tok in special_ids for tok in prompt], dtype=torch.bool)
+    for row in config.rows:
+        if not 0 <= row < t:
+            raise ValueError(f"exact row {row} is outside the {t}-token prompt")
+        exact[row] = True
+    return exact
+
+
+def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None = None) -> PrefillPlan | None:
+    """The plan for one prompt, or None when nothing would be filled (the prompt is no longer
+    than the exact rows): the caller then runs exact prefill and says so. split = L gives the
+    exact plan."""
+    num_layers = engine.num_layers
+    config.check(num_layers)
+    if config.split == num_layers:
+        return PrefillPlan.exact(len(prompt), num_layers)
+    if config.fill == "ridge":
+        if maps is None:
+            raise ValueError("RidgeFill needs maps: pass --maps (fit them with `kvforge fit ridgefill`)")
+        maps.check_model(engine.model.name, engine.model.fingerprint, num_layers)
+        if not maps.has_split(config.split):
+            raise ArtifactError(
+                f"maps {maps.path or ''} hold splits {maps.splits}, not split {config.split}: fit that split or pick one of those"
+            )
+    special = set(getattr(engine.model.tokenizer, "all_special_ids", []) or [])
+    exact = exact_row_mask(prompt, config, special)
+    if bool(exact.all()):
+        return None
+    depth = torch.where(exact, num_layers, config.split)
+    fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
+    choose = AttendedRows(engine, config.attended_rows, config.tail) if config.attended_rows else None
+    return PrefillPlan(depth, fill, f"ridgefill-{config.fill}", choose)
+
+
+def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The split layer's state as every late layer's input (POP's fill)."""
+    return h
+
+
+class MapFill:
+    """Predicted late-layer inputs h_split @ W_l + b_l; maps read once per prefill per layer."""
+
+    def __init__(self, maps: RidgeMaps, split: int, dtype: torch.dtype, device: torch.device):
+        self.maps, self.split, self.dtype, self.device = maps, split, dtype, device
+
+    def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if layer == self.split:  # the split layer's input is h_split itself
+            return h
+        w, b = self.maps.weights(self.split, layer, self.dtype)
+        return torch.addmm(b.to(self.device), h.view(-1, h.shape[-1]), w.to(self.device)).view(h.shape)
+
+
+class AttendedRows:
+    """Keeps exact the `count` filled-to-be rows the tail's queries attend to most at the last
+    exact layer (split - 1), where every row's key is exact and already cached. Only the tail's
+    queries are recomputed (tail × one q projection)."""
+
+    def __init__(self, engine: Engine, count: int, tail: int):
+        self.adapter, self.count, self.tail = engine.adapter, count, tail
+        self.last_depth: torch.Tensor | None = None  # the depths it returned last, for reports
+
+    def __call__(self, layer: int, h_before: torch.Tensor, positions: torch.Tensor, cache, depth: torch.Tensor) -> torch.Tensor:
+        a, last_exact = self.adapter, layer - 1
+        tail = slice(max(0, depth.numel() - self.tail), depth.numel())
+        q_pos = positions[:, tail]
+        q, _, _ = a.attention_inputs(last_exact, h_before[:, tail], a.rope(h_before[:, tail], q_pos))  # (1, Hq, Tt, D)
+        keys, k_pos = cache[last_exact].keys(), cache[last_exact].row_positions()  # (1, H, T, D)
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        scores = (q @ keys.transpose(-1, -2)) * a.scaling[last_exact]  # (1, Hq, Tt, T)
+        mask = visibility_mask(q_pos, k_pos, a.windows[last_exact])
+        weight = scores.masked_fill(~mask, float("-inf")).softmax(-1).sum(dim=(0, 1, 2))  # (T,) by cache row
+        rel = k_pos[0] - positions[0, 0]  # cache row -> prompt row
+        ours = (rel >= 0) & (rel < depth.numel())
+        by_position = torch.zeros(depth.numel(), dtype=weight.dtype, device=weight.device)
+        by_position[rel[ours]] = weight[ours]
+        candidates = depth < a.num_layers
+        by_position[~candidates] = -1.0
+        top = by_position.topk(min(self.count, int(candidates.sum()))).indices
+        depth = depth.clone()
+        depth[top] = a.num_layers
+        self.last_depth = depth
+        return depth

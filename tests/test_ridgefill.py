@@ -1,0 +1,200 @@
+"""RidgeFill: plans, maps, calibration and the artifact, on tiny random models."""
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.cache import RowKind
+from kvforge.engine import Engine
+from kvforge.errors import ArtifactError
+from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
+from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.ridgefill import AttendedRows, RidgeFillConfig, exact_row_mask, parse_splits, preset, ridgefill_plan
+
+T = 40
+TOL = 1e-4
+
+
+def _ids(seed=0, t=T):
+    return torch.randint(3, 97, (t,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _random_sequences(count, length=48, seed=0):
+    return [_ids(seed + i, length) for i in range(count)]
+
+
+def _fit(engine, splits, **kw):
+    config = CalibrationConfig(splits=tuple(splits), tokens=20 * 44, seq_len=48, lam=kw.pop("lam", 1e-6), **kw)
+    return fit_ridgefill(engine, config, engine.model.name, sequences=_random_sequences(20))
+
+
+def _zero_late_layers(engine, split):
+    """Zero the attention and MLP outputs of layers >= split: every late input then equals h_split."""
+    with torch.no_grad():
+        for layer in engine.adapter.layers[split:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
+def test_split_equal_to_depth_is_exact_bit_for_bit(family):
+    engine = Engine(tiny_loaded(family))
+    ids = _ids()
+    plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=engine.num_layers, tail=4, fill="identity"))
+    assert plan.is_exact(engine.num_layers)
+    planned, cache = engine.prefill([ids], plan=plan)
+    exact, exact_cache = engine.prefill([ids])
+    assert torch.equal(planned, exact)
+    assert all(torch.equal(a.keys(), b.keys()) for a, b in zip(cache.layers, exact_cache.layers))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_fitted_maps_reproduce_exact_when_late_inputs_equal_the_split_state(family):
+    engine = Engine(tiny_loaded(family, seed=1))
+    split = 2
+    _zero_late_layers(engine, split)
+    maps = _fit(engine, [split])
+    assert min(maps.info["splits"][str(split)]["r2"].values()) > 0.999
+    ids = _ids(3)
+    config = RidgeFillConfig(split=split, tail=6, sinks=2)
+    plan = ridgefill_plan(engine, ids, config, maps)
+    logits, cache = engine.prefill([ids], plan=plan)
+    exact, exact_cache = engine.prefill([ids])
+    assert (logits - exact).abs().max() < TOL
+    for layer in range(split, engine.num_layers):
+        held = cache[layer].row_positions()[0]
+        assert (cache[layer].keys() - exact_cache[layer].keys()[:, :, held]).abs().max() < 1e-3
+        assert (cache[layer].values() - exact_cache[layer].values()[:, :, held]).abs().max() < 1e-3
+
+
+def test_filled_rows_are_recorded_and_decode_runs_the_full_model():
+    engine = Engine(tiny_loaded("llama"))
+    ids = _ids(4)
+    plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=5, sinks=3, fill="identity"))
+    logits, cache = engine.prefill([ids], plan=plan)
+    for layer in range(engine.num_layers):
+        kinds = cache[layer].row_kinds()[0]
+        expected_filled = 0 if layer < 2 else T - 8
+        assert int((kinds == RowKind.FILLED).sum()) == expected_filled
+        assert cache[layer].row_positions()[0].tolist() == list(range(T))
+    before = cache.lengths()
+    step = engine.decode_step(logits.argmax(-1), cache)
+    assert torch.isfinite(step).all()
+    assert cache.lengths() == [n + 1 for n in before]
+    assert all(int(layer.row_kinds()[0, -1]) == RowKind.EXACT for layer in cache.layers)
+
+
+def test_identity_fill_differs_from_exact_and_ridge_fill_needs_maps():
+    engine = Engine(tiny_loaded("llama"))
+    ids = _ids(5)
+    identity = ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=4, fill="identity"))
+    assert not torch.allclose(engine.prefill([ids], plan=identity)[0], engine.prefill([ids])[0])
+    with pytest.raises(ValueError, match="needs maps"):
+        ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=4))
+
+
+def test_exact_rows_sinks_tail_specials_and_a_list():
+    config = RidgeFillConfig(split=1, tail=3, sinks=2, rows=(7,))
+    prompt = [5, 6, 1, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    mask = exact_row_mask(prompt, config, special_ids={1})
+    assert mask.nonzero().flatten().tolist() == [0, 1, 2, 7, 9, 10, 11]
+    with pytest.raises(ValueError, match="outside"):
+        exact_row_mask(prompt, RidgeFillConfig(split=1, rows=(40,)), set())
+
+
+def test_a_tail_longer_than_the_prompt_falls_back_to_exact():
+    engine = Engine(tiny_loaded("llama"))
+    assert ridgefill_plan(engine, _ids(0, 10), RidgeFillConfig(split=1, tail=16, fill="identity")) is None
+
+
+def test_attended_rows_keep_exact_the_rows_the_tail_attends_to():
+    engine = Engine(tiny_loaded("qwen2"))
+    ids = _ids(6)
+    chooser = AttendedRows(engine, count=5, tail=4)
+    plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=4, attended_rows=5, fill="identity"))
+    plan = type(plan)(plan.depth, plan.fill, plan.method, chooser)
+    engine.prefill([ids], plan=plan)
+    before, after = plan.depth, chooser.last_depth
+    rescued = (before < engine.num_layers) & (after == engine.num_layers)
+    assert int(rescued.sum()) == 5 and bool((after[before == engine.num_layers] == engine.num_layers).all())
+    # the rescued rows are the filled candidates with the most attention from the tail at layer 1
+    cache = engine.new_cache()
+    with torch.inference_mode():
+        h = engine.adapter.embed(torch.tensor([ids]))
+        pos = torch.arange(T).unsqueeze(0)
+        rope = engine.adapter.rope(h, pos)
+        h = engine.run_layer(0, h, pos, cache, rope)
+        h1 = h
+        engine.run_layer(1, h, pos, cache, rope)
+        q, _, _ = engine.adapter.attention_inputs(1, h1[:, -4:], engine.adapter.rope(h1[:, -4:], pos[:, -4:]))
+        k = cache[1].keys().repeat_interleave(2, dim=1)
+        s = (q @ k.transpose(-1, -2)) * engine.adapter.scaling[1]
+        s = s + torch.triu(torch.full((4, T), float("-inf")), diagonal=T - 4 + 1)
+        weight = s.softmax(-1).sum((0, 1, 2))
+    weight = weight.clone()
+    weight[before == engine.num_layers] = -1
+    assert set(weight.topk(5).indices.tolist()) == set(rescued.nonzero().flatten().tolist())
+
+
+def test_maps_round_trip_resident_streamed_and_int8(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    maps = _fit(engine, [1, 2])
+    path = tmp_path / "maps.safetensors"
+    maps.save(path)
+    resident, streamed = RidgeMaps.load(path), RidgeMaps.load(path, streamed=True)
+    assert resident.splits == [1, 2] and streamed.tensors is None
+    for layer in (2, 3):
+        w, b = maps.weights(1, layer)
+        assert torch.equal(resident.weights(1, layer)[0], w) and torch.equal(streamed.weights(1, layer)[1], b)
+    q = _fit(engine, [1], int8=True)
+    report = q.info["splits"]["1"]
+    assert max(report["int8_rel_error"].values()) < 0.02
+    w_q, _ = q.weights(1, 2)
+    assert (w_q - maps.weights(1, 2)[0]).norm() / maps.weights(1, 2)[0].norm() < 0.02
+    q.save(tmp_path / "q.safetensors")
+    assert RidgeMaps.load(tmp_path / "q.safetensors").int8
+
+
+def test_maps_for_another_model_or_split_and_damaged_files_are_clear_errors(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    path = tmp_path / "maps.safetensors"
+    _fit(engine, [2]).save(path)
+    maps = RidgeMaps.load(path)
+    other = Engine(tiny_loaded("llama", seed=7))
+    with pytest.raises(ArtifactError, match="fitted for tiny-llama .* not for tiny-llama"):
+        ridgefill_plan(other, _ids(), RidgeFillConfig(split=2, tail=4), maps)
+    with pytest.raises(ArtifactError, match="not split 1"):
+        ridgefill_plan(engine, _ids(), RidgeFillConfig(split=1, tail=4), maps)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ArtifactError):
+        RidgeMaps.load(truncated)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    with pytest.raises(ArtifactError):
+        RidgeMaps.load(garbage)
+    with pytest.raises(ArtifactError, match="does not exist"):
+        RidgeMaps.load(tmp_path / "missing.safetensors")
+
+
+def test_split_settings_are_validated():
+    engine = Engine(tiny_loaded("llama"))
+    with pytest.raises(ValueError, match="outside 1..3"):
+        ridgefill_plan(engine, _ids(), RidgeFillConfig(split=0, fill="identity"))
+    with pytest.raises(ValueError, match="outside 1..3"):
+        parse_splits("4", 4)
+    assert parse_splits("fast,quality,1", 30) == [1, 15, 20]
+    assert preset("quality", 30, tail=100).tail == 100
+    with pytest.raises(ValueError, match="unknown RidgeFill preset"):
+        preset("turbo", 30)
+
+
+def test_mac_ceiling_is_one_for_exact_and_grows_with_the_filled_share():
+    adapter = tiny_loaded("llama").adapter
+    full = torch.full((T,), 4)
+    assert prefill_macs(adapter, full, None, True) == exact_macs(adapter, T)
+    shallow = full.clone()
+    shallow[2:-4] = 1
+    deeper = full.clone()
+    deeper[2:-4] = 3
+    assert exact_macs(adapter, T) > prefill_macs(adapter, deeper, 3, True) > prefill_macs(adapter, shallow, 1, True)
