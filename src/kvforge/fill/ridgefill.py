@@ -4,7 +4,7 @@ Shapes: T prompt tokens, E hidden size, L layers, Hq query heads, D head dim.
 
 A RidgeFill prefill is a `PrefillPlan`: exact rows (the first `sinks` tokens, the chat template's
 special tokens, an explicit list, the last `tail` tokens and, optionally, the rows the tail
-attends to most at the last exact layer) run every layer; every other row runs layers [0, split)
+attends to most at the last exact layer with the rows after each) run every layer; every other row runs layers [0, split)
 exactly and, at each late layer l >= split, the layer writes its K/V from the predicted input
 h_split @ W_l + b_l (at l = split the input is h_split itself). The `identity` fill (the seed's POP
 baseline) uses h_split as every late layer's input, through the same plan. Decoding is unchanged:
@@ -28,8 +28,8 @@ from kvforge.plan import PrefillPlan
 FILLS = ("ridge", "identity")
 # Split as a fraction of the depth, tail in tokens, rows chosen by the tail's attention.
 PRESETS = {
-    "fast": {"split_fraction": 0.5, "tail": 256, "attended_rows": 64},
-    "quality": {"split_fraction": 2 / 3, "tail": 512, "attended_rows": 128},
+    "fast": {"split_fraction": 0.5, "tail": 256, "attended_rows": 16},
+    "quality": {"split_fraction": 2 / 3, "tail": 512, "attended_rows": 32},
 }
 
 
@@ -39,13 +39,14 @@ class RidgeFillConfig:
     tail: int = 256
     sinks: int = 4
     special_rows: bool = True  # the chat template's special-token rows stay exact
-    attended_rows: int = 0  # rows the tail attends to most at the last exact layer stay exact
+    attended_rows: int = 0  # rows the tail attends to most at the last exact layer stay exact,
+    attended_span: int = 16  # each with the rows that follow it
     rows: tuple[int, ...] = ()  # explicit prompt positions kept exact
     fill: str = "ridge"  # or "identity"
 
     def __post_init__(self):
-        if self.tail < 1 or self.sinks < 0 or self.attended_rows < 0:
-            raise ValueError("tail must be >= 1 and sinks, attended rows >= 0")
+        if self.tail < 1 or self.sinks < 0 or self.attended_rows < 0 or self.attended_span < 0:
+            raise ValueError("tail must be >= 1 and sinks, attended rows and their span >= 0")
         if self.fill not in FILLS:
             raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {self.fill!r}")
 
@@ -131,7 +132,7 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
         return None
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
-    choose = AttendedRows(engine, config.attended_rows, config.tail) if config.attended_rows else None
+    choose = AttendedRows(engine, config.attended_rows, config.tail, config.attended_span) if config.attended_rows else None
     return PrefillPlan(depth, fill, f"ridgefill-{config.fill}", choose)
 
 
@@ -154,12 +155,17 @@ class MapFill:
 
 
 class AttendedRows:
-    """Keeps exact the `count` filled-to-be rows the tail's queries attend to most at the last
-    exact layer (split - 1), where every row's key is exact and already cached. Only the tail's
-    queries are recomputed (tail × one q projection)."""
+    """Keeps exact the rows the tail's queries attend to most at the last exact layer (split - 1),
+    where every row's key is exact and already cached, and the `span` rows after each.
 
-    def __init__(self, engine: Engine, count: int, tail: int):
-        self.adapter, self.count, self.tail = engine.adapter, count, tail
+    A row's score is its largest attention weight from any tail query in any head: a question
+    attends sharply to the few rows that match it, while summed weight favours rows every query
+    glances at. The rows after a match are what a retrieval copies (the value after its key),
+    so they stay exact with it. Only the tail's queries are recomputed (tail × one q projection).
+    """
+
+    def __init__(self, engine: Engine, count: int, tail: int, span: int = 16):
+        self.adapter, self.count, self.tail, self.span = engine.adapter, count, tail, span
         self.last_depth: torch.Tensor | None = None  # the depths it returned last, for reports
 
     def __call__(self, layer: int, h_before: torch.Tensor, positions: torch.Tensor, cache, depth: torch.Tensor) -> torch.Tensor:
@@ -171,15 +177,16 @@ class AttendedRows:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         scores = (q @ keys.transpose(-1, -2)) * a.scaling[last_exact]  # (1, Hq, Tt, T)
         mask = visibility_mask(q_pos, k_pos, a.windows[last_exact])
-        weight = scores.masked_fill(~mask, float("-inf")).softmax(-1).sum(dim=(0, 1, 2))  # (T,) by cache row
+        weight = scores.masked_fill(~mask, float("-inf")).softmax(-1).amax(dim=(0, 1, 2))  # (T,) by cache row
         rel = k_pos[0] - positions[0, 0]  # cache row -> prompt row
         ours = (rel >= 0) & (rel < depth.numel())
-        by_position = torch.zeros(depth.numel(), dtype=weight.dtype, device=weight.device)
-        by_position[rel[ours]] = weight[ours]
+        by_row = torch.full((depth.numel(),), -1.0, dtype=weight.dtype, device=weight.device)
+        by_row[rel[ours]] = weight[ours]
         candidates = depth < a.num_layers
-        by_position[~candidates] = -1.0
-        top = by_position.topk(min(self.count, int(candidates.sum()))).indices
+        by_row[~candidates] = -1.0
+        anchors = by_row.topk(min(self.count, int(candidates.sum()))).indices
+        rows = (anchors.unsqueeze(1) + torch.arange(self.span + 1, device=anchors.device)).flatten()
         depth = depth.clone()
-        depth[top] = a.num_layers
+        depth[rows[rows < depth.numel()]] = a.num_layers
         self.last_depth = depth
         return depth
