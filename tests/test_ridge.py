@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.ridge import Moments, pick_lambda, r2, solve
+from kvforge.ridge import Moments, pick_lambda, r2, r2_pooled, solve
 
 
 def _data(n=400, i=6, o=3, noise=0.1, seed=0):
@@ -58,6 +58,17 @@ def test_r2_from_moments_equals_r2_from_rows():
     pred = xh32 @ w.numpy() + b.numpy()
     ref = 1 - ((yh32 - pred) ** 2).sum(0) / ((yh32 - yh32.mean(0)) ** 2).sum(0)
     assert np.allclose(r2(_moments(xh, yh), w, b).numpy(), ref, atol=1e-8)
+
+
+def test_pooled_r2_weights_outputs_by_their_variance():
+    x, y = _data(o=4, seed=5)
+    y[:, 2:] *= 10.0  # the second group's outputs carry far more variance
+    w, b = solve(_moments(x, y), lam=0.01)
+    y32 = y.astype(np.float32).astype(np.float64)
+    pred = x.astype(np.float32).astype(np.float64) @ w.numpy() + b.numpy()
+    sse, sst = ((y32 - pred) ** 2).sum(0), ((y32 - y32.mean(0)) ** 2).sum(0)
+    ref = [1 - sse[:2].sum() / sst[:2].sum(), 1 - sse[2:].sum() / sst[2:].sum()]
+    assert np.allclose(r2_pooled(_moments(x, y), w, b, groups=2).numpy(), ref, atol=1e-8)
 
 
 def test_rank_deficient_inputs_are_solved_on_their_subspace():

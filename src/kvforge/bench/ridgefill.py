@@ -34,7 +34,8 @@ def bench_ridgefill(
             runs=runs,
         )
         plan = ridgefill_plan(engine, prompt, config, maps)
-        engine.prefill([prompt], plan=plan)  # resolves the attention-chosen rows for the count
+        _, cache = engine.prefill([prompt], plan=plan)  # also resolves the attention-chosen rows
+        exact_kv = engine.prefill([prompt])[1].nbytes
         depth = plan.choose.last_depth if getattr(plan.choose, "last_depth", None) is not None else plan.depth
         depth = depth.cpu()
         ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
@@ -54,6 +55,9 @@ def bench_ridgefill(
                 "ceiling": ceiling,
                 "fraction_of_ceiling": (timings["exact"] / timings["ridgefill"]) / ceiling,
                 "filled_fraction": float((depth < engine.num_layers).float().mean()),
+                # sliding-window layers skip filled rows no exact row can read
+                "kv_bytes_exact": exact_kv,
+                "kv_bytes_ridgefill": cache.nbytes,
             }
         )
     return {
