@@ -97,7 +97,7 @@ def tiny_maps(tiny_model_dir, tmp_path_factory):
 def test_generate_with_ridgefill_maps(tiny_model_dir, tiny_maps):
     prompt = "the quick brown fox jumps over the lazy dog " * 2
     args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "ridgefill", "--maps", tiny_maps)
-    obj = _last_json(_run(*args, "--split", 2, "--tail", 8, "--json"))
+    obj = _last_json(_run(*args, "--split", 2, "--tail", 8, "--exact-rows", "5,9", "--json"))
     assert obj["method"] == "ridgefill" and len(obj["token_ids"]) == 5
     fallback = _run(*args, "--split", 2, "--tail", 500)
     assert fallback.exit_code == 0 and "running exact prefill" in fallback.stderr
@@ -113,6 +113,7 @@ def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
     cases = [
         ((*base, "--maps", tiny_maps, "--split", 1), "not split 1"),
         ((*base, "--maps", tiny_maps, "--split", 9), "outside 1..3"),
+        ((*base, "--maps", tiny_maps, "--split", 2, "--exact-rows", "99"), "outside the 18-token prompt"),
         ((*base, "--maps", tmp_path / "none.safetensors", "--split", 2), "does not exist"),
         (("generate", "--model", other, "--prompt", "hi", "--method", "ridgefill", "--maps", tiny_maps, "--split", 2), "fitted for"),
         (("fit", "ridgefill", "--model", tiny_model_dir, "--split", "4"), "outside 1..3"),

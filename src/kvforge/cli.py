@@ -113,6 +113,7 @@ def generate(
     preset: str = PresetOpt,
     split: Optional[int] = SplitOpt,
     tail: Optional[int] = TailOpt,
+    exact_rows: Optional[str] = typer.Option(None, "--exact-rows", help="RidgeFill: prompt positions kept exact, comma-separated."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
@@ -134,7 +135,7 @@ def generate(
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
     plan = None
     if method == "ridgefill":
-        plan = _ridgefill_plan(engine, model, ids, maps, preset, split, tail)
+        plan = _ridgefill_plan(engine, ids, maps, preset, split, tail, _parse_rows(exact_rows))
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
     out = engine.generate(ids, config, on_text=stream, plan=plan)[0]
     if json_out:
@@ -175,10 +176,20 @@ def _ridgefill_config(engine, maps_path, preset, split, tail, streamed=False):
     return maps, config
 
 
-def _ridgefill_plan(engine, model, ids, maps_path, preset, split, tail):
+def _parse_rows(text: Optional[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in (text or "").split(",") if t.strip())
+    except ValueError as exc:
+        raise KvforgeError(f"--exact-rows takes comma-separated token positions, got {text!r}") from exc
+
+
+def _ridgefill_plan(engine, ids, maps_path, preset, split, tail, rows=()):
+    from dataclasses import replace
+
     from kvforge.fill.ridgefill import ridgefill_plan
 
     maps, config = _ridgefill_config(engine, maps_path, preset, split, tail)
+    config = replace(config, rows=tuple(rows))
     plan = ridgefill_plan(engine, ids, config, maps)
     if plan is None:
         err.print(f"[yellow]note:[/yellow] the {len(ids)}-token prompt is no longer than RidgeFill's exact rows (tail {config.tail}); running exact prefill")
@@ -385,7 +396,8 @@ def eval_ridgefill_cmd(
         table.add_row(name, f"{a['novel_nll']:.4f}", gap, f"{a['key_nll']:.4f}", key_gap)
     Console().print(table)
     n = report["needle"]
-    Console().print(f"needles ({n['samples']}, {n['needle_filled']} wholly filled): exact {n['exact']:.0f} %, RidgeFill {n['ridgefill']:.0f} %, identity {n['identity']:.0f} %")
+    if n["samples"]:
+        Console().print(f"needles ({n['samples']}, {n['needle_filled']} wholly filled): exact {n['exact']:.0f} %, RidgeFill {n['ridgefill']:.0f} %, identity {n['identity']:.0f} %")
 
 
 @eval_app.command("exact")

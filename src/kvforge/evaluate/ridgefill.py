@@ -154,7 +154,7 @@ def _needles(engine: Engine, maps: RidgeMaps, arms: dict, settings: EvalSettings
         if bool(_filled_rows(plans["ridgefill"], len(sample.prompt), engine.num_layers)[start:end].all()):
             in_filled += 1  # the whole needle was filled (not rescued by the attention choice)
     n = settings.needles
-    return {"samples": n, "needle_filled": in_filled, **{name: 100.0 * c / n for name, c in correct.items()}}
+    return {"samples": n, "needle_filled": in_filled, **{name: 100.0 * c / n if n else None for name, c in correct.items()}}
 
 
 def summary(report: dict, model: str, config: RidgeFillConfig, prompt_tokens: int) -> dict:
