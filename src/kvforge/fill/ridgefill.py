@@ -21,6 +21,7 @@ import torch
 from kvforge.attention import visibility_mask
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError
+from kvforge.fill.calibrate import validate_splits
 from kvforge.fill.maps import RidgeMaps
 from kvforge.models.loading import kvforge_home
 from kvforge.plan import PrefillPlan
@@ -83,9 +84,7 @@ def parse_splits(text: str, num_layers: int) -> list[int]:
                 raise ValueError(f"--split takes layer indices or {', '.join(PRESETS)}, got {item!r}") from exc
     if not splits:
         raise ValueError("--split is empty")
-    for s in splits:
-        if not 1 <= s <= num_layers - 1:
-            raise ValueError(f"split {s} is outside 1..{num_layers - 1} for a {num_layers}-layer model")
+    validate_splits(tuple(splits), num_layers)
     return sorted(set(splits))
 
 
