@@ -24,7 +24,7 @@ from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.fill.ridgefill import RidgeFillConfig, final_depth, ridgefill_plan
 from kvforge.models import load_model
 
 # (split, tail, attended rows: anchors kept exact with the 16 rows after each)
@@ -66,7 +66,7 @@ def main() -> None:
     for i, (row, c) in enumerate(zip(rows, configs)):
         plan = ridgefill_plan(engine, prompt, c, maps)
         engine.prefill([prompt], plan=plan)
-        depth = (plan.choose.last_depth if plan.choose is not None else plan.depth).cpu()
+        depth = final_depth(plan)
         row["speed"] = {
             "tokens": args.tokens,
             "speedup": times["exact"] / times[str(i)],

@@ -56,6 +56,3 @@ class PrefillPlan:
             raise ValueError(f"plan depths must lie in [0, {num_layers}]")
         if int(self.depth[-1]) != num_layers:
             raise ValueError("the last prompt row must be exact at every layer: it produces the first token")
-
-    def exact_rows(self, num_layers: int) -> int:
-        return int((self.depth == num_layers).sum())

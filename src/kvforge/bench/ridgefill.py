@@ -14,7 +14,7 @@ from kvforge.bench.harness import environment, interleaved_medians
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.fill.ridgefill import RidgeFillConfig, final_depth, ridgefill_plan
 
 
 def bench_ridgefill(
@@ -36,8 +36,7 @@ def bench_ridgefill(
         plan = ridgefill_plan(engine, prompt, config, maps)
         _, cache = engine.prefill([prompt], plan=plan)  # also resolves the attention-chosen rows
         exact_kv = engine.prefill([prompt])[1].nbytes
-        depth = plan.choose.last_depth if getattr(plan.choose, "last_depth", None) is not None else plan.depth
-        depth = depth.cpu()
+        depth = final_depth(plan)
         ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
         results.append(
             {

@@ -26,7 +26,7 @@ from kvforge.data.tasks import answered, needle_sample
 from kvforge.engine import Engine
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct, token_classes
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.fill.ridgefill import RidgeFillConfig, final_depth, ridgefill_plan
 from kvforge.generation import GenerationConfig
 
 
@@ -95,8 +95,7 @@ def _filled_rows(plan, tokens: int, num_layers: int) -> torch.Tensor:
     """(T,) rows the plan filled, after any attention-based choice made during its prefill."""
     if plan is None:
         return torch.zeros(tokens, dtype=torch.bool)
-    depth = getattr(plan.choose, "last_depth", None)
-    return (depth if depth is not None else plan.depth).cpu() < num_layers
+    return final_depth(plan) < num_layers
 
 
 def _prefill(engine: Engine, prompt: list[int], plan) -> KVCache:

@@ -135,6 +135,12 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
     return PrefillPlan(depth, fill, f"ridgefill-{config.fill}", choose)
 
 
+def final_depth(plan: PrefillPlan) -> torch.Tensor:
+    """(T,) depths a plan's last prefill ran with: the tail-attended choice when it made one."""
+    chosen = getattr(plan.choose, "last_depth", None)
+    return (chosen if chosen is not None else plan.depth).cpu()
+
+
 def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The split layer's state as every late layer's input (POP's fill)."""
     return h
