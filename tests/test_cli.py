@@ -26,7 +26,8 @@ def test_help_lists_every_subcommand_and_each_has_help():
     assert result.returncode == 0
     for name in SUBCOMMANDS:
         assert name in result.stdout
-    for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"]):
+    for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"],
+                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"]):
         assert _run(*args, "--help").exit_code == 0, args
 
 
@@ -123,3 +124,64 @@ def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model_dir, tmp_path_factory):
+    """A SPEED LoRA adapter trained for two steps through the CLI on the tiny model."""
+    out = tmp_path_factory.mktemp("adapter") / "tiny-speed.safetensors"
+    result = _run("fit", "speed", "--model", tiny_model_dir, "--cut", 2, "--steps", 2, "--max-tokens", 200, "--lora-rank", 2, "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    obj = _last_json(result)
+    assert obj["cut"] == 2 and obj["training"]["rank"] == 2 and obj["out"] == str(out)
+    return out
+
+
+def test_generate_with_speed_and_an_adapter(tiny_model_dir, tiny_adapter):
+    prompt = "the quick brown fox jumps over the lazy dog"
+    args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "speed", "--json")
+    plain = _last_json(_run(*args, "--cut", "0.5"))
+    adapted = _last_json(_run(*args, "--adapter", tiny_adapter))  # the adapter's cut (2) by default
+    assert plain["method"] == adapted["method"] == "speed"
+    assert len(plain["token_ids"]) == len(adapted["token_ids"]) == 5 and adapted["adapter"] == str(tiny_adapter)
+
+
+def test_speed_bad_input_is_one_line(tiny_model_dir, tiny_adapter, tmp_path):
+    from conftest import char_tokenizer, tiny_hf_model
+
+    other = tmp_path / "other-llama"
+    tiny_hf_model("llama", seed=7).save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    base = ("generate", "--model", tiny_model_dir, "--prompt", "hello world", "--method", "speed")
+    cases = [
+        ((*base, "--cut", 5), "outside 1..4"),
+        ((*base, "--cut", "0"), "outside 1..4"),
+        ((*base, "--anchors", "3,40"), "anchor row 40 is past the 11-token prompt"),
+        ((*base, "--adapter", tiny_adapter, "--cut", 3), "trained for SPEED cut 2"),
+        (("generate", "--model", other, "--prompt", "hi", "--method", "speed", "--adapter", tiny_adapter), "trained on"),
+        ((*base, "--adapter", tmp_path / "none.safetensors"), "does not exist"),
+        (("fit", "speed", "--model", tiny_model_dir, "--cut", "9"), "outside 1..4"),
+    ]
+    for args, message in cases:
+        result = _run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_bench_and_eval_speed_json(tiny_model_dir, tiny_adapter, tmp_path):
+    bench = _run("bench", "speed", "--model", tiny_model_dir, "--tokens", 40, "--cuts", "2,0.75", "--runs", 1, "--decode-tokens", 3, "--plot", tmp_path / "s.png", "--json")
+    assert bench.exit_code == 0, bench.output
+    rows = _last_json(bench)["results"]
+    assert [(r["tokens"], r["cut"]) for r in rows] == [(40, 2), (40, 3)]
+    for r in rows:
+        for key in ("cut_fraction", "ttft_speedup", "tpot_speedup", "kv_reduction_pct", "ttft_ceiling", "tpot_ceiling"):
+            assert key in r
+    assert rows[0]["kv_reduction_pct"] > rows[1]["kv_reduction_pct"] > 0
+    assert (tmp_path / "s.png").is_file()
+    ev = _run("eval", "speed", "--model", tiny_model_dir, "--adapter", tiny_adapter, "--samples", 2, "--max-tokens", 200, "--needles", 1, "--needle-tokens", 16, "--json")
+    assert ev.exit_code == 0, ev.output
+    obj = _last_json(ev)
+    assert set(obj["ppl_gap_pct"]) == set(obj["ppl_gap_ci"]) == {"speed", "adapted_exact", "adapted_speed"}
+    assert set(obj["needle"]) == {"exact", "speed", "adapted_exact", "adapted_speed"} and obj["cut"] == 2
+    assert set(obj["policy_gap_pct"]) == {"training_free", "adapted"}

@@ -35,7 +35,10 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last 
 MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: the cached ones).")
 PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
 SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
-TailOpt = typer.Option(None, "--tail", help="RidgeFill exact tail tokens (overrides the preset).")
+TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 1).")
+CutOpt = typer.Option(None, "--cut", help="SPEED cut: layers (e.g. 22) or a fraction of the depth (default 0.75, or the adapter's).")
+AnchorsOpt = typer.Option("bos", "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated.")
+AdapterOpt = typer.Option(None, "--adapter", help="LoRA adapter from `kvforge fit speed`, merged into the model.")
 
 
 def user_errors(fn):
@@ -108,17 +111,21 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Prefill chunk (tokens)."),
-    method: str = typer.Option("exact", "--method", help="Prefill method: exact or ridgefill."),
+    method: str = typer.Option("exact", "--method", help="Prefill method: exact, ridgefill or speed."),
     maps: Optional[Path] = MapsOpt,
     preset: str = PresetOpt,
     split: Optional[int] = SplitOpt,
     tail: Optional[int] = TailOpt,
     exact_rows: Optional[str] = typer.Option(None, "--exact-rows", help="RidgeFill: prompt positions kept exact, comma-separated."),
+    cut: Optional[str] = CutOpt,
+    anchors: str = AnchorsOpt,
+    adapter: Optional[Path] = AdapterOpt,
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Generate a completion: exact prefill, or RidgeFill (late layers filled from ridge maps)."""
+    """Generate a completion: exact prefill, RidgeFill (late layers filled from ridge maps) or
+    SPEED (prompt rows cached only below the cut; decode runs full depth)."""
     from kvforge.generation import GenerationConfig
     from kvforge.prompting import encode_prompt
 
@@ -129,13 +136,18 @@ def generate(
     if not text.strip():
         raise KvforgeError("empty prompt: give some text")
     config = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop), chunk_size=chunk_size)
-    if method not in ("exact", "ridgefill"):
-        raise KvforgeError(f"unknown --method {method!r}: use exact or ridgefill")
+    if method not in ("exact", "ridgefill", "speed"):
+        raise KvforgeError(f"unknown --method {method!r}: use exact, ridgefill or speed")
     engine = _load(model, device)
+    lora = _apply_adapter(engine, adapter)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
     plan = None
     if method == "ridgefill":
         plan = _ridgefill_plan(engine, ids, maps, preset, split, tail, _parse_rows(exact_rows))
+    elif method == "speed":
+        from kvforge.fill.speed import speed_plan
+
+        plan = speed_plan(len(ids), _speed_config(engine, cut, anchors, tail, lora), engine.num_layers)
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
     out = engine.generate(ids, config, on_text=stream, plan=plan)[0]
     if json_out:
@@ -151,6 +163,7 @@ def generate(
                 "finish_reason": out.finish_reason,
                 "ttft_s": out.ttft_s,
                 "decode_tokens_per_s": out.decode_tokens_per_s,
+                "adapter": str(adapter) if adapter else None,
             }
         )
     else:
@@ -194,6 +207,32 @@ def _ridgefill_plan(engine, ids, maps_path, preset, split, tail, rows=()):
     if plan is None:
         err.print(f"[yellow]note:[/yellow] the {len(ids)}-token prompt is no longer than RidgeFill's exact rows (tail {config.tail}); running exact prefill")
     return plan
+
+
+def _apply_adapter(engine, path: Optional[Path]):
+    """Load a LoRA adapter, refuse it for another model, merge it into the engine's weights."""
+    if path is None:
+        return None
+    from kvforge.fill.lora import LoraAdapter
+
+    lora = LoraAdapter.load(path)
+    lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+    lora.merge_into(engine.adapter)
+    return lora
+
+
+def _speed_config(engine, cut: Optional[str], anchors: str, tail: Optional[int], lora=None):
+    """The SPEED setting: --cut (default: the adapter's cut, else 0.75), anchors, tail; an adapter
+    trained for another cut is refused."""
+    from kvforge.errors import ArtifactError
+    from kvforge.fill.speed import DEFAULT_CUT, SpeedConfig, parse_anchors, resolve_cut
+
+    trained = (lora.info or {}).get("cut") if lora is not None else None
+    layers = resolve_cut(cut, engine.num_layers) if cut is not None else (trained or resolve_cut(DEFAULT_CUT, engine.num_layers))
+    if trained is not None and layers != trained:
+        raise ArtifactError(f"adapter {lora.path} was trained for SPEED cut {trained}, not cut {layers}: pass --cut {trained} or fit one for this cut")
+    first, rows = parse_anchors(anchors)
+    return SpeedConfig(layers, first, rows, tail if tail is not None else 1)
 
 
 def _read_prompt(path: Path) -> str:
@@ -398,6 +437,142 @@ def eval_ridgefill_cmd(
     n = report["needle"]
     if n["samples"]:
         Console().print(f"needles ({n['samples']}, {n['needle_filled']} wholly filled): exact {n['exact']:.0f} %, RidgeFill {n['ridgefill']:.0f} %, identity {n['identity']:.0f} %")
+
+
+@fit_app.command("speed")
+@user_errors
+def fit_speed_cmd(
+    model: str = ModelOpt,
+    cut: str = typer.Option("0.75", "--cut", help="Layers (e.g. 22) or a fraction of the depth."),
+    steps: int = typer.Option(200, "--steps", help="Optimizer steps."),
+    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
+    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
+    accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
+    anchors: str = AnchorsOpt,
+    tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Adapt a model to SPEED: LoRA fine-tuning on the fit split of the chat data under the SPEED mask."""
+    from tqdm import tqdm
+
+    from kvforge.fill.speed_fit import SpeedFitConfig, default_adapter_path, fit_speed
+
+    _setup(threads)
+    config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens)
+    engine = _load(model, device)
+    speed = _speed_config(engine, cut, anchors, tail)
+    path = out or default_adapter_path(model, speed.cut)
+    with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+
+        def progress(step: int, loss: float) -> None:
+            bar.set_postfix(loss=f"{loss:.3f}")
+            bar.update(1)
+
+        lora = fit_speed(engine, speed, config, model, progress)
+    lora.save(path)
+    summary = {"command": "fit speed", "model": model, "method": "speed", "tokens": lora.info["training"]["tokens"], "out": str(path), **lora.info}
+    if json_out:
+        _emit(summary)
+        return
+    err.print(
+        f"wrote {path}: cut {speed.cut}/{engine.num_layers}, rank {lora_rank}, {steps} steps in {lora.info['seconds']:.0f} s; "
+        f"training loss {lora.info['loss_first']:.3f} → {lora.info['loss_last']:.3f}"
+    )
+
+
+@bench_app.command("speed")
+@user_errors
+def bench_speed_cmd(
+    model: str = ModelOpt,
+    tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
+    cuts: str = typer.Option("0.5,0.75,0.875", "--cuts", help="Comma-separated cuts (layers or fractions)."),
+    anchors: str = AnchorsOpt,
+    tail: Optional[int] = TailOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/speed-<model>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """TTFT, TPOT and active KV bytes of exact vs SPEED at several cuts, with their ceilings."""
+    from kvforge.bench.speed import bench_speed, plot as plot_report
+
+    _setup(threads)
+    lengths = _parse_lengths(tokens)
+    if decode_tokens < 1:
+        raise KvforgeError("--decode-tokens must be >= 1")
+    engine = _load(model, device)
+    # The adapter changes weights, not cost: it is accepted (and checked) so a bench runs the served model.
+    _apply_adapter(engine, adapter)
+    configs = [_speed_config(engine, c, anchors, tail) for c in cuts.split(",") if c.strip()]
+    if not configs:
+        raise KvforgeError("--cuts is empty")
+    report = bench_speed(engine, configs, lengths, runs, decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"speed-{_safe(model)}.png"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("tokens", "cut", "TTFT exact s", "TTFT SPEED s", "TTFT ×", "ceiling", "TPOT exact ms", "TPOT SPEED ms", "TPOT ×", "ceiling", "KV −%")
+    for r in report["results"]:
+        table.add_row(
+            str(r["tokens"]), f"{r['cut']} ({r['cut_fraction']:.2f})", f"{r['exact_ttft_s']:.2f}", f"{r['speed_ttft_s']:.2f}",
+            f"{r['ttft_speedup']:.2f}", f"{r['ttft_ceiling']:.2f}", f"{1000 * r['exact_tpot_s']:.1f}", f"{1000 * r['speed_tpot_s']:.1f}",
+            f"{r['tpot_speedup']:.2f}", f"{r['tpot_ceiling']:.2f}", f"{r['kv_reduction_pct']:.1f}",
+        )
+    Console().print(table)
+    err.print(f"[dim]{report['threads']} thread(s), median of {runs}, {decode_tokens} decoded tokens; plot {report['plot']}[/dim]")
+
+
+@eval_app.command("speed")
+@user_errors
+def eval_speed_cmd(
+    model: str = ModelOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    cut: Optional[str] = CutOpt,
+    anchors: str = AnchorsOpt,
+    tail: Optional[int] = TailOpt,
+    samples: int = typer.Option(40, "--samples", help="Held-out conversations (reply loss)."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Prompt + reply tokens per conversation."),
+    needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
+    needle_tokens: int = typer.Option(1024, "--needle-tokens"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Exact vs SPEED (training-free and, with --adapter, adapted) on held-out replies and needles."""
+    from kvforge.evaluate.speed import SpeedEvalSettings, eval_speed, summary
+
+    _setup(threads)
+    if samples < 2 or needles < 0 or max_tokens < 32:
+        raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
+    base = _load(model, device)
+    adapted, lora = None, None
+    if adapter is not None:
+        adapted = _load(model, device)  # a second copy: the base arms keep the original weights
+        lora = _apply_adapter(adapted, adapter)
+    speed = _speed_config(base, cut, anchors, tail, lora)
+    settings = SpeedEvalSettings(samples=samples, max_tokens=max_tokens, needles=needles, needle_tokens=needle_tokens)
+    report = eval_speed(base, adapted, speed, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    out = summary(report, model, speed, base.num_layers, str(adapter) if adapter else None)
+    if json_out:
+        _emit(out)
+        return
+    table = Table("arm", "reply nats/token", "ppl gap vs exact [95 % CI]", "needles %")
+    for name, nll in out["nll"].items():
+        gap = "—" if name == "exact" else f"{out['ppl_gap_pct'][name]:+.2f} % [{out['ppl_gap_ci'][name][0]:+.2f}, {out['ppl_gap_ci'][name][1]:+.2f}]"
+        needle = out["needle"].get(name)
+        table.add_row(name, f"{nll:.4f}", gap, "—" if needle is None else f"{needle:.0f}")
+    Console().print(table)
+    for name, gap in out["policy_gap_pct"].items():
+        low, high = out["policy_gap_ci"][name]
+        Console().print(f"SPEED vs full depth, {name.replace('_', '-')}: {gap:+.2f} % [{low:+.2f}, {high:+.2f}]")
 
 
 @eval_app.command("exact")

@@ -61,7 +61,35 @@ def run_ridgefill(engine: Engine, prompt_ids: list[int], max_new_tokens: int) ->
     return DemoRow("ridgefill (fast)", out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
-DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill}
+def run_speed(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    """SPEED at the default cut; adapted when `kvforge fit speed` left an adapter for this model
+    and cut in the default place, training-free otherwise (the row's name says which)."""
+    import contextlib
+
+    import torch
+
+    from kvforge.errors import ArtifactError
+    from kvforge.fill.lora import LoraAdapter
+    from kvforge.fill.speed import DEFAULT_CUT, SpeedConfig, resolve_cut, speed_plan
+    from kvforge.fill.speed_fit import default_adapter_path
+
+    cut = resolve_cut(DEFAULT_CUT, engine.num_layers)
+    plan = speed_plan(len(prompt_ids), SpeedConfig(cut), engine.num_layers)
+    path, adapted = default_adapter_path(engine.model.name, cut), contextlib.nullcontext()
+    name = f"speed (cut {cut}/{engine.num_layers})"
+    if path.is_file():
+        try:
+            lora = LoraAdapter.load(path)
+            lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+            adapted, name = lora.applied(engine.adapter), f"speed (cut {cut}/{engine.num_layers}, adapted)"
+        except ArtifactError:
+            pass  # an adapter for other weights: run training-free
+    with torch.inference_mode(), adapted:
+        out = engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), plan=plan)[0]
+    return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+
+
+DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed}
 
 
 def run_demo(engine: Engine, max_new_tokens: int = 64) -> tuple[list[DemoRow], str]:

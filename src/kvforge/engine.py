@@ -109,7 +109,9 @@ class Engine:
             if ids.shape[0] != 1 or logits != "last":
                 raise ValueError("a non-exact prefill plan runs one prompt and returns last-token logits")
             plan.validate(ids.shape[1], self.num_layers)
-            return self._run_plan(ids, positions, cache, plan), cache
+            with torch.inference_mode():
+                h = self.run_plan(ids, positions, cache, plan)
+                return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache
         chunk = chunk_size or self.chunk_size or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):
@@ -120,11 +122,14 @@ class Engine:
             return torch.cat(outputs, dim=1), cache
         return outputs[-1], cache
 
-    @torch.inference_mode()
-    def _run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> torch.Tensor:
+    def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> torch.Tensor:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are
         filled (their K/V written from the plan's predicted input, in position order among the
-        exact rows, before those attend) or absent."""
+        exact rows, before those attend) or absent. Returns the residual stream leaving the last
+        layer (1, T, E), final for full-depth rows only.
+
+        Not under inference mode, so training under a plan (SPEED adaptation) backpropagates
+        through it; `prefill` is the inference entry point."""
         a = self.adapter
         depth = plan.depth.to(self.device)
         h = a.embed(ids)  # (1, T, E)
@@ -155,8 +160,10 @@ class Engine:
                 kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
             cache[layer].append(k, v, positions[:, present], kinds)
             o = attend(q, cache[layer], positions[:, active], a.scaling[layer], a.windows[layer])
-            h[:, active] = a.mlp_block(layer, a.attention_output(layer, h_active, o))
-        return a.head(h[:, -1:]).squeeze(1).float()
+            # Out of place: autograd may still need the old h when a plan is trained through.
+            h_new = a.mlp_block(layer, a.attention_output(layer, h_active, o))
+            h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+        return h
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence (B,) at `positions` (B,; default: the next free ones) -> logits (B, V)."""

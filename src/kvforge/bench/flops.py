@@ -4,7 +4,8 @@ Per exact row and layer: q/k/v and output projections, the gated MLP and attenti
 the row sees (its position + 1, or its window). Per filled row and late layer: the ridge map
 (E × E; none at the split layer, whose input is the split state itself) and the k/v projections,
 only on rows the layer writes (sliding-window layers skip rows nothing reads). The head runs on
-the last row. The ceiling is exact MACs / plan MACs: the speedup if time were proportional to MACs.
+the last row. The ceiling is exact MACs / plan MACs: the speedup if time were proportional to MACs. A decode
+step's MACs (`decode_macs`) give the same ceiling for time per output token.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
     e, q_dim, kv_dim, ffn, vocab = _dims(adapter)
     t = depth.numel()
     positions = torch.arange(t)
-    per_row_linear = e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * ffn
+    per_row_linear = _per_row_linear(adapter)
     total = 0
     for layer in range(adapter.num_layers):
         active = depth > layer
@@ -40,6 +41,23 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
             map_macs = e * e if (split is not None and layer > split) else 0
             total += int(written.sum()) * (map_macs + e * 2 * kv_dim)
     return total + e * vocab
+
+
+def decode_macs(adapter, cached_rows: list[int]) -> int:
+    """MACs of one decode step over a cache holding `cached_rows[l]` rows at layer l: every layer's
+    projections and MLP on one row, attention over the cached rows it sees plus itself, the head."""
+    e, q_dim, _, _, vocab = _dims(adapter)
+    total = 0
+    for layer, rows in enumerate(cached_rows):
+        window = adapter.windows[layer]
+        seen = rows + 1 if window is None else min(rows + 1, window)
+        total += _per_row_linear(adapter) + seen * 2 * q_dim
+    return total + e * vocab
+
+
+def _per_row_linear(adapter) -> int:
+    e, q_dim, kv_dim, ffn, _ = _dims(adapter)
+    return e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * ffn
 
 
 def exact_macs(adapter, tokens: int) -> int:

@@ -95,7 +95,12 @@ def conversations(split: str | None = None, path: Path | None = None, min_turns:
 
 def render(tokenizer, conv: Conversation, add_generation_prompt: bool = False) -> str:
     """The conversation as the model sees it: its chat template, or plain role lines."""
-    messages = [m for m in conv.messages() if m["role"] != "system"]
+    return render_messages(tokenizer, conv.messages(), add_generation_prompt)
+
+
+def render_messages(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """Messages (system turns dropped) through the chat template, or as plain role lines."""
+    messages = [m for m in messages if m["role"] != "system"]
     if getattr(tokenizer, "chat_template", None):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

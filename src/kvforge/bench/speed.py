@@ -1,0 +1,120 @@
+"""`kvforge bench speed`: time to first token, time per output token and active KV bytes of
+exact prefill vs SPEED at several cuts, in one process on the same held-out prompt, arms
+interleaved after a warm-up, medians.
+
+Each timed call prefills (TTFT) and then decodes `decode_tokens` greedy tokens (TPOT = decode
+time / tokens). Ceilings beside the measurements: TTFT from multiply-accumulates (absent rows cost
+nothing above the cut), TPOT from a decode step's multiply-accumulates (projections, MLP and head
+are the same; attention above the cut reads a few rows instead of the prompt), KV from the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvforge.bench.flops import decode_macs, exact_macs, prefill_macs
+from kvforge.bench.harness import environment, interleaved_metric_medians
+from kvforge.data.prompts import held_out_text_tokens
+from kvforge.engine import Engine
+from kvforge.fill.speed import SpeedConfig, speed_plan
+from kvforge.plan import PrefillPlan
+
+
+def bench_speed(
+    engine: Engine, configs: list[SpeedConfig], lengths: list[int], runs: int = 3, decode_tokens: int = 64, progress=None
+) -> dict:
+    num_layers = engine.num_layers
+    results = []
+    for tokens in lengths:
+        if tokens + decode_tokens >= engine.model.context_length:
+            raise ValueError(f"{tokens} tokens + {decode_tokens} decoded exceed the context of {engine.model.context_length}")
+        prompt = held_out_text_tokens(engine.model.tokenizer, tokens)
+        plans = {"exact": None, **{f"cut {c.cut}": speed_plan(tokens, c, num_layers) for c in configs}}
+        if progress:
+            progress(f"{tokens} tokens: {len(plans)} arms x{runs}, {decode_tokens} decoded tokens each")
+        timings = interleaved_metric_medians({name: _prefill_then_decode(engine, prompt, plan, decode_tokens) for name, plan in plans.items()}, runs)
+        exact = timings["exact"]
+        exact_cache = engine.prefill([prompt])[1]
+        kv_exact = exact_cache.nbytes
+        for config in configs:
+            name, plan = f"cut {config.cut}", plans[f"cut {config.cut}"]
+            cache = engine.prefill([prompt], plan=plan)[1]
+            kv = cache.nbytes
+            t = timings[name]
+            results.append(
+                {
+                    "tokens": tokens,
+                    "method": "speed",
+                    "cut": config.cut,
+                    "cut_fraction": config.fraction(num_layers),
+                    "exact_ttft_s": exact["ttft"],
+                    "speed_ttft_s": t["ttft"],
+                    "ttft_speedup": exact["ttft"] / t["ttft"],
+                    "ttft_ceiling": exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, plan.depth, None, False),
+                    "exact_tpot_s": exact["tpot"],
+                    "speed_tpot_s": t["tpot"],
+                    "tpot_speedup": exact["tpot"] / t["tpot"],
+                    "tpot_ceiling": decode_macs(engine.adapter, exact_cache.lengths()) / decode_macs(engine.adapter, cache.lengths()),
+                    "kv_bytes_exact": kv_exact,
+                    "kv_bytes_speed": kv,
+                    "kv_reduction_pct": 100.0 * (1 - kv / kv_exact),
+                    # every shallow row is absent from the layers at and above the cut
+                    "kv_reduction_ceiling_pct": 100.0 * (num_layers - config.cut) / num_layers,
+                }
+            )
+    return {
+        "command": "bench speed",
+        "model": engine.model.name,
+        "method": "speed",
+        "tokens": lengths,
+        "cuts": [c.cut for c in configs],
+        "anchors_first": configs[0].first if configs else 1,
+        "tail": configs[0].tail if configs else 1,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        **environment(),
+        "results": results,
+    }
+
+
+def _prefill_then_decode(engine: Engine, prompt: list[int], plan: PrefillPlan | None, decode_tokens: int):
+    def run() -> dict[str, float]:
+        start = time.perf_counter()
+        logits, cache = engine.prefill([prompt], plan=plan)
+        token = logits.argmax(-1)
+        first = time.perf_counter()
+        position = torch.tensor([len(prompt)], device=engine.device)
+        for i in range(decode_tokens):
+            token = engine.decode_step(token, cache, position + i).argmax(-1)
+        return {"ttft": first - start, "tpot": (time.perf_counter() - first) / max(1, decode_tokens)}
+
+    return run
+
+
+def plot(report: dict, path: Path) -> Path:
+    """PNG: TTFT and TPOT speedup vs prompt tokens, one line per cut, ceilings dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+        for cut in report["cuts"]:
+            rows = [r for r in report["results"] if r["cut"] == cut]
+            x = [r["tokens"] for r in rows]
+            line = ax.plot(x, [r[f"{key}_speedup"] for r in rows], "o-", label=f"cut {cut}")[0]
+            ax.plot(x, [r[f"{key}_ceiling"] for r in rows], "--", color=line.get_color())
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(f"{title} speedup over exact (dashed: ceiling)")
+        ax.legend()
+    fig.suptitle(f"{report['model']}: SPEED, {report['threads']} thread(s)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

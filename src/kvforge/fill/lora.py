@@ -1,0 +1,140 @@
+"""LoRA adapters on the engine's fused projections, saved as a `.safetensors` artifact.
+
+Shapes: E hidden size, O a fused projection's output rows, r rank.
+
+A LoRA pair (A (r, E), B (O, r)) per layer and target adds (alpha / r) * B @ A to the target's
+weight. Targets are the fused q/k/v projection (`qkv`) and the fused MLP gate/up projection
+(`gate_up`): the two matmuls every row runs in every layer, held by the family adapter. Training
+swaps in W + delta for the duration of a forward (`applied`), so gradients reach A and B only;
+inference merges the delta into the weights once (`merge_into`), so an adapted model runs at the
+base model's speed. The artifact names the base model and its fingerprint, and what the adapter
+was trained for (SPEED: the cut and anchors), so loading it onto another model is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvforge.cache import atomic_save_safetensors
+from kvforge.errors import ArtifactError
+
+FORMAT = "kvforge.lora"
+VERSION = "1"
+TARGETS = ("qkv", "gate_up")
+
+
+@dataclass
+class LoraAdapter:
+    rank: int
+    alpha: float
+    num_layers: int
+    model: str
+    fingerprint: str
+    tensors: dict[str, torch.Tensor]  # "layers.{i}.{target}.{A|B}"
+    info: dict = field(default_factory=dict)  # what it was trained for and how
+    path: Path | None = None
+
+    @classmethod
+    def new(cls, adapter, rank: int, alpha: float, model: str, fingerprint: str, seed: int = 0) -> "LoraAdapter":
+        """A fresh adapter: A random (scaled by 1/sqrt(E)), B zero, so it starts as the base model."""
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for layer in range(adapter.num_layers):
+            for target in TARGETS:
+                weight = getattr(adapter, target)[layer][0]
+                out_rows, in_cols = weight.shape
+                tensors[_key(layer, target, "A")] = torch.randn(rank, in_cols, generator=g) / in_cols**0.5
+                tensors[_key(layer, target, "B")] = torch.zeros(out_rows, rank)
+        return cls(rank, alpha, adapter.num_layers, model, fingerprint, tensors)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.tensors.values())
+
+    def delta(self, layer: int, target: str) -> torch.Tensor:
+        return self.scale * self.tensors[_key(layer, target, "B")] @ self.tensors[_key(layer, target, "A")]
+
+    @contextmanager
+    def applied(self, adapter):
+        """Within the block the adapter's fused weights are W + delta (differentiable in A, B)."""
+        saved = {target: list(getattr(adapter, target)) for target in TARGETS}
+        try:
+            for target in TARGETS:
+                fused = getattr(adapter, target)
+                for layer, (weight, bias) in enumerate(saved[target]):
+                    fused[layer] = (weight + self.delta(layer, target).to(weight), bias)
+            yield
+        finally:
+            for target in TARGETS:
+                getattr(adapter, target)[:] = saved[target]
+
+    @torch.no_grad()
+    def merge_into(self, adapter) -> None:
+        """Add every delta to the weights in place (the transformers modules share that storage)."""
+        for target in TARGETS:
+            for layer, (weight, _) in enumerate(getattr(adapter, target)):
+                weight.add_(self.delta(layer, target).to(weight))
+
+    def check_model(self, model: str, fingerprint: str, num_layers: int) -> None:
+        if fingerprint != self.fingerprint or num_layers != self.num_layers:
+            raise ArtifactError(
+                f"adapter {self.path or ''} was trained on {self.model} (fingerprint {self.fingerprint}, "
+                f"{self.num_layers} layers), not {model} (fingerprint {fingerprint}, {num_layers} layers)"
+            )
+
+    def save(self, path: str | Path) -> None:
+        meta = {
+            "format": FORMAT,
+            "format_version": VERSION,
+            "rank": str(self.rank),
+            "alpha": str(self.alpha),
+            "num_layers": str(self.num_layers),
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "targets": ",".join(TARGETS),
+            "info": json.dumps(self.info),
+        }
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        atomic_save_safetensors(tensors, Path(path), meta)
+        self.path = Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LoraAdapter":
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"adapter file {path} does not exist")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise ArtifactError(f"{path} is not a kvforge LoRA adapter (format={meta.get('format')!r})")
+                if meta.get("format_version") != VERSION:
+                    raise ArtifactError(f"{path} has adapter format version {meta.get('format_version')}, this kvforge reads {VERSION}")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                adapter = cls(
+                    int(meta["rank"]), float(meta["alpha"]), int(meta["num_layers"]), meta["model"], meta["fingerprint"],
+                    tensors, json.loads(meta.get("info", "{}")), path,
+                )
+        except ArtifactError:
+            raise
+        except Exception as exc:  # safetensors and json raise several types for a damaged file
+            raise ArtifactError(f"cannot read adapter {path}: {exc}") from exc
+        expected = {_key(l, t, p) for l in range(adapter.num_layers) for t in TARGETS for p in "AB"}
+        if set(tensors) != expected:
+            raise ArtifactError(f"adapter {path} is incomplete: {len(expected - set(tensors))} LoRA tensors missing")
+        return adapter
+
+
+def _key(layer: int, target: str, part: str) -> str:
+    return f"layers.{layer}.{target}.{part}"

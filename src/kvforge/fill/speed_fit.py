@@ -1,0 +1,140 @@
+"""SPEED adaptation: LoRA fine-tuning of a model under the SPEED visibility policy.
+
+The source studies SPEED with the model trained under the policy. Here the training forward *is*
+the SPEED plan run over prompt + reply (`Engine.run_plan` with gradients on): shallow prompt rows
+exist only below the cut, anchors, the tail and the reply rows run full depth, so above the cut a
+reply token sees exactly what a decode token sees at inference. The loss is the reply's
+next-token cross entropy (teacher forced). Only the LoRA factors train (the base weights are
+frozen): AdamW, no weight decay, cosine schedule with warmup, gradient clipping at 1.0, one
+conversation per step with gradient accumulation for the effective batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.data.replies import ReplySample, reply_samples
+from kvforge.engine import Engine
+from kvforge.fill.lora import LoraAdapter
+from kvforge.fill.speed import SpeedConfig, speed_plan
+from kvforge.plan import PrefillPlan
+
+
+@dataclass(frozen=True)
+class SpeedFitConfig:
+    steps: int = 200
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 5e-4
+    warmup_fraction: float = 0.05
+    accumulate: int = 1  # conversations per optimizer step
+    max_tokens: int = 512  # prompt + reply per sample: what one step costs on this machine's CPU
+    max_reply: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.accumulate < 1 or self.max_tokens < 32:
+            raise ValueError("--steps and accumulation must be >= 1 and --max-tokens >= 32")
+
+
+def reply_nll(engine: Engine, sample: ReplySample, plan: PrefillPlan) -> torch.Tensor:
+    """(R,) nats of each reply token given everything before it, under `plan` (which covers
+    prompt + reply). Differentiable when called with gradients enabled."""
+    ids = torch.tensor([sample.ids], device=engine.device)
+    positions = torch.arange(len(sample.ids), device=engine.device).unsqueeze(0)
+    h = engine.run_plan(ids, positions, engine.new_cache(1, capacity=len(sample.ids)), plan)
+    logits = engine.adapter.head(h[:, sample.prompt_tokens - 1 : -1])[0].float()
+    return F.cross_entropy(logits, ids[0, sample.prompt_tokens :], reduction="none")
+
+
+def sample_plan(engine: Engine, sample: ReplySample, speed: SpeedConfig | None) -> PrefillPlan:
+    """SPEED over the prompt with the reply as decode-phase rows, or exact (speed None)."""
+    if speed is None:
+        return PrefillPlan.exact(len(sample.ids), engine.num_layers)
+    return speed_plan(sample.prompt_tokens, speed, engine.num_layers, total=len(sample.ids))
+
+
+def fit_speed(
+    engine: Engine,
+    speed: SpeedConfig,
+    config: SpeedFitConfig,
+    model_name: str,
+    progress: Callable[[int, float], None] | None = None,
+) -> LoraAdapter:
+    """Train a LoRA adapter for `speed` on the fit split of the packaged chat data."""
+    speed.check(engine.num_layers)
+    torch.manual_seed(config.seed)
+    for p in engine.model.hf.parameters():
+        p.requires_grad_(False)
+    lora = LoraAdapter.new(engine.adapter, config.rank, config.alpha, model_name, engine.model.fingerprint, config.seed)
+    params = lora.parameters()
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    warmup = max(1, round(config.warmup_fraction * config.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, config.steps))
+    samples = itertools.cycle(_fit_samples(engine, config))
+    losses, tokens, start = [], 0, time.perf_counter()
+    for step in range(config.steps):
+        total = 0.0
+        for _ in range(config.accumulate):
+            sample = next(samples)
+            with lora.applied(engine.adapter):
+                loss = reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean() / config.accumulate
+            loss.backward()
+            total += float(loss.detach())
+            tokens += len(sample.ids)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        losses.append(total)
+        if progress:
+            progress(step, total)
+    for p in params:
+        p.requires_grad_(False)
+    window = max(1, min(20, len(losses) // 4))
+    lora.info = {
+        "method": "speed",
+        "cut": speed.cut,
+        "cut_fraction": speed.fraction(engine.num_layers),
+        "anchors_first": speed.first,
+        "anchor_rows": list(speed.rows),
+        "tail": speed.tail,
+        "training": {**asdict(config), "data": "sharegpt fit split, one reply per conversation", "tokens": tokens},
+        "loss_first": sum(losses[:window]) / window,
+        "loss_last": sum(losses[-window:]) / window,
+        "seconds": time.perf_counter() - start,
+    }
+    return lora
+
+
+def _fit_samples(engine: Engine, config: SpeedFitConfig) -> list[ReplySample]:
+    """Enough distinct fit-split samples for the run (at most 2000), read once."""
+    wanted = min(2000, config.steps * config.accumulate)
+    tok = engine.model.tokenizer
+    samples = list(itertools.islice(reply_samples(tok, "fit", config.max_tokens, max_reply=config.max_reply), wanted))
+    if not samples:
+        raise ValueError(f"no fit conversation fits in {config.max_tokens} tokens: raise --max-tokens")
+    return samples
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def default_adapter_path(model: str, cut: int):
+    """$KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors"""
+    from kvforge.models.loading import kvforge_home
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return kvforge_home() / "adapters" / f"{safe}-speed-cut{cut}.safetensors"

@@ -1,0 +1,217 @@
+"""SPEED: the shallow-prefill plan, its visibility against transformers with per-layer masks,
+the LoRA adapter artifact and adaptation."""
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from kvforge.data.replies import ReplySample
+from kvforge.engine import Engine
+from kvforge.errors import ArtifactError, KvforgeError
+from kvforge.fill.lora import LoraAdapter
+from kvforge.fill.speed import SpeedConfig, parse_anchors, resolve_cut, speed_plan
+from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed, reply_nll, sample_plan
+from kvforge.generation import GenerationConfig
+
+T = 24
+
+
+def _prompt(seed=0, n=T):
+    return torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_cut_at_full_depth_equals_exact_bit_for_bit(family):
+    engine = Engine(tiny_loaded(family))
+    prompt = _prompt()
+    plan = speed_plan(T, SpeedConfig(cut=engine.num_layers), engine.num_layers)
+    logits, cache = engine.prefill([prompt], plan=plan)
+    exact, exact_cache = engine.prefill([prompt])
+    assert torch.equal(logits, exact)
+    for a, b in zip(cache.layers, exact_cache.layers):
+        assert torch.equal(a.keys(), b.keys()) and torch.equal(a.values(), b.values())
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    assert engine.generate(prompt, config, plan=plan)[0].token_ids == engine.generate(prompt, config)[0].token_ids
+
+
+def test_shallow_rows_are_absent_above_the_cut(family):
+    engine = Engine(tiny_loaded(family))
+    config = SpeedConfig(cut=2, first=1, rows=(7,), tail=3)
+    logits, cache = engine.prefill([_prompt(1)], plan=speed_plan(T, config, engine.num_layers))
+    full = [0, 7, T - 3, T - 2, T - 1]
+    for layer in range(engine.num_layers):
+        held = cache[layer].row_positions()[0].tolist()
+        assert held == (list(range(T)) if layer < 2 else full)
+    exact_bytes = engine.prefill([_prompt(1)])[1].nbytes
+    assert cache.nbytes == exact_bytes * (2 * T + 2 * len(full)) // (4 * T)
+    engine.decode_step(logits.argmax(-1), cache)
+    assert cache[3].row_positions()[0].tolist() == full + [T]  # decode rows are full depth
+
+
+def _hf_logits_with_layer_masks(loaded, ids: list[int], cut: int, full: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward over every row, with each decoder layer's attention mask
+    replaced: below the cut causal, at and above it causal over the full-depth rows only (each
+    row also sees itself, so a shallow row's own, unused output stays finite)."""
+    n = len(ids)
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    upper = causal & (full.unsqueeze(0) | torch.eye(n, dtype=torch.bool))
+    hooks = []
+    for i, layer in enumerate(loaded.hf.model.layers):
+        mask = (causal if i < cut else upper)[None, None]
+
+        def hook(module, args, kwargs, mask=mask):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            return loaded.hf(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
+def test_decode_sees_only_anchors_tail_and_decode_rows_above_the_cut(family_name):
+    """Prefill with SPEED, then decode: every full-depth row's logits equal transformers run with
+    per-layer masks that hide shallow rows above the cut."""
+    loaded = tiny_loaded(family_name)
+    engine = Engine(loaded)
+    prompt, cut = _prompt(2), 2
+    config = SpeedConfig(cut=cut, first=2, tail=2)
+    logits, cache = engine.prefill([prompt], plan=speed_plan(T, config, engine.num_layers))
+    steps, token = [logits[0]], logits.argmax(-1)
+    decoded = []
+    for i in range(5):
+        decoded.append(int(token))
+        out = engine.decode_step(token, cache)
+        steps.append(out[0])
+        token = out.argmax(-1)
+    ids = prompt + decoded
+    full = torch.zeros(len(ids), dtype=torch.bool)
+    full[:2] = True
+    full[T - 2 :] = True
+    reference = _hf_logits_with_layer_masks(loaded, ids, cut, full)
+    ours = torch.stack(steps)  # rows T-1 .. T+4
+    assert (ours - reference[T - 1 :]).abs().max() < 1e-4
+    # and the policy matters: plain causal attention gives different logits
+    with torch.no_grad():
+        plain = loaded.hf(torch.tensor([ids])).logits[0].float()
+    assert (plain[T - 1 :] - reference[T - 1 :]).abs().max() > 1e-3
+
+
+def test_teacher_forced_reply_scoring_equals_prefill_then_decode():
+    """reply_nll under a plan over prompt + reply equals SPEED prefill followed by decode steps:
+    training and evaluation see exactly what inference sees."""
+    engine = Engine(tiny_loaded("gemma3"))
+    ids = _prompt(3, T + 6)
+    sample = ReplySample(ids, T)
+    config = SpeedConfig(cut=2)
+    with torch.inference_mode():
+        nll = reply_nll(engine, sample, sample_plan(engine, sample, config))
+    logits, cache = engine.prefill([ids[:T]], plan=speed_plan(T, config, engine.num_layers))
+    expected = []
+    for i in range(6):
+        expected.append(torch.nn.functional.cross_entropy(logits, torch.tensor([ids[T + i]])))
+        logits = engine.decode_step(torch.tensor([ids[T + i]]), cache)
+    assert (nll - torch.stack(expected)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "value, layers",
+    [("0.75", 3), (0.5, 2), ("1.0", 4), ("3", 3), (4, 4)],
+)
+def test_resolve_cut(value, layers):
+    assert resolve_cut(value, 4) == layers
+
+
+@pytest.mark.parametrize("value", ["0", "5", "0.1", "1.5", "-1", "deep"])
+def test_resolve_cut_rejects_cuts_outside_the_model(value):
+    with pytest.raises(ValueError):
+        resolve_cut(value, 4)
+
+
+def test_anchors_parse_and_must_lie_in_the_prompt():
+    assert parse_anchors("bos") == (1, ())
+    assert parse_anchors("first:4,9,2") == (4, (2, 9))
+    assert parse_anchors("none") == (0, ())
+    with pytest.raises(ValueError):
+        parse_anchors("first:x")
+    with pytest.raises(KvforgeError, match="past the 10-token prompt"):
+        speed_plan(10, SpeedConfig(cut=2, rows=(12,)), 4)
+    with pytest.raises(KvforgeError, match="past the 3-token prompt"):
+        speed_plan(3, SpeedConfig(cut=2, first=4), 4)
+
+
+def _lora(engine, seed=0):
+    lora = LoraAdapter.new(engine.adapter, 4, 8.0, engine.model.name, engine.model.fingerprint, seed)
+    for value in lora.tensors.values():  # B starts at zero; give it weight so the delta is visible
+        value.add_(0.05 * torch.randn(value.shape, generator=torch.Generator().manual_seed(1)))
+    return lora
+
+
+def test_adapter_round_trip_and_merge_equals_applied(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    lora = _lora(engine)
+    lora.info = {"method": "speed", "cut": 2}
+    lora.save(tmp_path / "a.safetensors")
+    loaded = LoraAdapter.load(tmp_path / "a.safetensors")
+    assert loaded.info == lora.info and loaded.rank == 4 and loaded.fingerprint == engine.model.fingerprint
+    for key, value in lora.tensors.items():
+        assert torch.equal(loaded.tensors[key], value)
+    prompt = _prompt(4)
+    base = engine.prefill([prompt])[0]
+    with torch.inference_mode(), loaded.applied(engine.adapter):
+        applied = engine.prefill([prompt])[0]
+    assert torch.equal(engine.prefill([prompt])[0], base)  # restored after the block
+    assert (applied - base).abs().max() > 1e-3
+    loaded.merge_into(engine.adapter)
+    assert (engine.prefill([prompt])[0] - applied).abs().max() < 1e-4
+
+
+def test_adapter_refuses_another_model_and_damaged_files(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    lora = _lora(engine)
+    other = Engine(tiny_loaded("llama", seed=5))
+    with pytest.raises(ArtifactError, match="trained on"):
+        lora.check_model(other.model.name, other.model.fingerprint, other.num_layers)
+    path = tmp_path / "a.safetensors"
+    lora.save(path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ArtifactError, match="cannot read adapter"):
+        LoraAdapter.load(path)
+    with pytest.raises(ArtifactError, match="does not exist"):
+        LoraAdapter.load(tmp_path / "missing.safetensors")
+
+
+def test_training_under_the_plan_moves_only_the_adapter_and_lowers_the_loss():
+    engine = Engine(tiny_loaded("qwen3"))
+    sample = ReplySample(_prompt(5, T + 8), T)
+    plan = sample_plan(engine, sample, SpeedConfig(cut=2))
+    for p in engine.model.hf.parameters():
+        p.requires_grad_(False)
+    lora = LoraAdapter.new(engine.adapter, 4, 8.0, "tiny", engine.model.fingerprint)
+    params = lora.parameters()
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(8):
+        with lora.applied(engine.adapter):
+            loss = reply_nll(engine, sample, plan).mean()
+        loss.backward()
+        assert all(p.grad is None for p in engine.model.hf.parameters())
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.1
+
+
+def test_fit_speed_on_real_chat_text_produces_an_adapter(monkeypatch):
+    engine = Engine(tiny_loaded("llama"))
+    steps = []
+    lora = fit_speed(engine, SpeedConfig(cut=2), SpeedFitConfig(steps=3, max_tokens=200), "tiny-llama", lambda s, loss: steps.append(loss))
+    assert len(steps) == 3 and all(loss > 0 for loss in steps)
+    assert lora.info["cut"] == 2 and lora.info["training"]["steps"] == 3 and lora.info["training"]["tokens"] > 0
+    assert lora.tensors["layers.0.qkv.B"].abs().sum() > 0  # the adapter moved away from the base model
