@@ -201,6 +201,20 @@ class KVCache:
         for layer in self.layers:
             layer.trim(n)
 
+    def rollback(self, drop: list[int]) -> None:
+        """Drop the last drop[b] rows of sequence b in every layer (speculative rollback when
+        requests accepted different numbers of draft tokens). Rows every sequence drops are
+        trimmed; a sequence's further rows become padding slots (position -1, invisible to
+        attention), so the batch keeps one length per layer."""
+        common = min(drop)
+        for layer in self.layers:
+            layer.trim(common)
+            for b, n in enumerate(drop):
+                if n > common:
+                    layer.positions[b, layer.length - (n - common) : layer.length] = -1
+                    layer.kinds[b, layer.length - (n - common) : layer.length] = int(RowKind.PADDING)
+                    layer.contiguous = False
+
     def select_rows(self, index: torch.Tensor) -> "KVCache":
         """A new cache holding rows `index` of every layer."""
         return KVCache([layer.select_rows(index) for layer in self.layers])

@@ -39,6 +39,10 @@ TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: 
 CutOpt = typer.Option(None, "--cut", help="SPEED cut: layers (e.g. 22) or a fraction of the depth (default 0.75, or the adapter's).")
 AnchorsOpt = typer.Option("bos", "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated.")
 AdapterOpt = typer.Option(None, "--adapter", help="LoRA adapter from `kvforge fit speed`, merged into the model.")
+DraftOpt = typer.Option("none", "--draft", help="Speculative drafter: none, prompt-lookup or ngram (lossless).")
+PrefetchOpt = typer.Option(False, "--prefetch", help="n-gram: build the next drafts while the model verifies.")
+KOpt = typer.Option(4, "--k", help="Draft tokens per step.")
+BudgetOpt = typer.Option(16, "--budget", help="Prefetch candidates per request per step.")
 
 
 def user_errors(fn):
@@ -120,14 +124,20 @@ def generate(
     cut: Optional[str] = CutOpt,
     anchors: str = AnchorsOpt,
     adapter: Optional[Path] = AdapterOpt,
+    draft: str = DraftOpt,
+    prefetch: bool = PrefetchOpt,
+    k: int = KOpt,
+    budget: int = BudgetOpt,
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
     """Generate a completion: exact prefill, RidgeFill (late layers filled from ridge maps) or
-    SPEED (prompt rows cached only below the cut; decode runs full depth)."""
+    SPEED (prompt rows cached only below the cut; decode runs full depth); decoding plain or
+    speculative with a lossless drafter."""
     from kvforge.generation import GenerationConfig
     from kvforge.prompting import encode_prompt
+    from kvforge.speculative.rollout import DraftConfig, generate_group
 
     _setup(threads)
     if (prompt is None) == (prompt_file is None):
@@ -138,6 +148,7 @@ def generate(
     config = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop), chunk_size=chunk_size)
     if method not in ("exact", "ridgefill", "speed"):
         raise KvforgeError(f"unknown --method {method!r}: use exact, ridgefill or speed")
+    drafting = DraftConfig(draft, k, prefetch, budget)
     engine = _load(model, device)
     lora = _apply_adapter(engine, adapter)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
@@ -149,7 +160,8 @@ def generate(
 
         plan = speed_plan(len(ids), _speed_config(engine, cut, anchors, tail, lora), engine.num_layers)
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
-    out = engine.generate(ids, config, on_text=stream, plan=plan)[0]
+    outputs, stats = generate_group(engine, ids, 1, config, drafting, on_text=stream, plan=plan)
+    out = outputs[0]
     if json_out:
         _emit(
             {
@@ -164,13 +176,18 @@ def generate(
                 "ttft_s": out.ttft_s,
                 "decode_tokens_per_s": out.decode_tokens_per_s,
                 "adapter": str(adapter) if adapter else None,
+                "draft": draft,
+                "speculative": stats.as_dict() if stats else None,
             }
         )
     else:
         sys.stdout.write("\n")
         err.print(
             f"[dim]{out.prompt_tokens} prompt tokens, {len(out.token_ids)} generated, TTFT {out.ttft_s:.3f} s, "
-            f"{out.decode_tokens_per_s:.1f} tokens/s, finish: {out.finish_reason}[/dim]"
+            f"{out.decode_tokens_per_s:.1f} tokens/s, finish: {out.finish_reason}"
+            + (f", {draft} drafting: mean accept length {stats.mean_accept_len:.2f} of {k}" if stats else "")
+            + (f", prefetch coverage {stats.coverage:.2f}" if stats and prefetch else "")
+            + "[/dim]"
         )
 
 
@@ -242,6 +259,94 @@ def _read_prompt(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise KvforgeError(f"prompt file {str(path)!r} is not UTF-8 text") from exc
+
+
+@app.command()
+@user_errors
+def rollout(
+    model: str = ModelOpt,
+    prompts: Path = typer.Option(..., "--prompts", help="Prompts: .jsonl with a \"prompt\" field per line, or text with one prompt per line."),
+    samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", "-G", help="Samples per prompt (one batch, one shared n-gram cache)."),
+    temperature: float = typer.Option(1.0, "--temperature", "-t"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap each prompt in the model's chat template."),
+    draft: str = typer.Option("ngram", "--draft", help="none, prompt-lookup or ngram."),
+    prefetch: bool = PrefetchOpt,
+    k: int = KOpt,
+    budget: int = BudgetOpt,
+    out: Path = typer.Option(Path("rollouts.jsonl"), "--out", "-o", help="JSONL of rollouts, one line per sample."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """RL-style rollouts: G samples per prompt, decoded together, plain or with a lossless drafter."""
+    import time
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.prompting import encode_prompt
+    from kvforge.speculative.rollout import DraftConfig, generate_group
+
+    _setup(threads)
+    if samples_per_prompt < 1:
+        raise KvforgeError("--samples-per-prompt must be >= 1")
+    texts = _read_prompts(prompts)
+    drafting = DraftConfig(draft, k, prefetch, budget)
+    config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed)
+    engine = _load(model, device)
+    encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
+    tokens, accepted, steps, start = 0, 0, 0, time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for index, ids in enumerate(encoded):
+            err.print(f"[dim]prompt {index + 1}/{len(encoded)}: {len(ids)} tokens x{samples_per_prompt}[/dim]")
+            outputs, stats = generate_group(engine, ids, samples_per_prompt, config, drafting)
+            for sample, g in enumerate(outputs):
+                record = {"prompt_index": index, "sample": sample, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason}
+                f.write(json.dumps(record) + "\n")
+                tokens += len(g.token_ids)
+            if stats:
+                accepted, steps = accepted + stats.accepted, steps + stats.request_steps
+    elapsed = time.perf_counter() - start
+    summary = {
+        "command": "rollout",
+        "model": model,
+        "method": draft,
+        "tokens": tokens,
+        "prompts": len(encoded),
+        "samples_per_prompt": samples_per_prompt,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "mean_accept_len": accepted / steps if steps else None,
+        "out": str(out),
+    }
+    if json_out:
+        _emit(summary)
+        return
+    err.print(f"wrote {len(encoded) * samples_per_prompt} rollouts to {out}: {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)")
+
+
+def _read_prompts(path: Path) -> list[str]:
+    """Prompts from .jsonl ({"prompt": ...} per line) or plain text (one per non-empty line)."""
+    text = _read_prompt(path)
+    if path.suffix == ".jsonl":
+        prompts = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise KvforgeError(f"{path}:{number}: expected a JSON object with a \"prompt\" string") from exc
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise KvforgeError(f"{path}:{number}: empty prompt")
+            prompts.append(prompt)
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise KvforgeError(f"{path} holds no prompts")
+    return prompts
 
 
 @bench_app.command("exact")
@@ -528,6 +633,44 @@ def bench_speed_cmd(
         )
     Console().print(table)
     err.print(f"[dim]{report['threads']} thread(s), median of {runs}, {decode_tokens} decoded tokens; plot {report['plot']}[/dim]")
+
+
+@bench_app.command("ngram")
+@user_errors
+def bench_ngram_cmd(
+    model: str = ModelOpt,
+    workload: str = typer.Option("copy", "--workload", help="copy (batch 1, greedy) or rl (G samples per prompt, temperature 1)."),
+    k: int = KOpt,
+    budget: int = BudgetOpt,
+    samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", "-G", help="rl: samples per prompt."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts (default: 4 copy, 3 rl)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Plain vs prompt-lookup vs n-gram drafting (synchronous, prefetch): tokens/s, acceptance, losslessness."""
+    from kvforge.bench.ngram import bench_ngram, plot as plot_report
+
+    _setup(threads)
+    if runs < 1 or k < 1 or budget < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
+        raise KvforgeError("--runs, --k, --budget, --samples-per-prompt and --prompts must be >= 1")
+    engine = _load(model, device)
+    report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{_safe(model)}.png"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "coverage", "predicted × sync", "measured × sync")
+    for r in report["results"]:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
+        table.add_row(r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
+                      str(r.get("lossless", "—")), fmt("coverage", ".3f"), fmt("predicted_speedup", ".3f"), fmt("speedup_vs_sync", ".3f"))
+    Console().print(table)
+    err.print(f"[dim]{report['workload']}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, budget {budget}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")
 
 
 @eval_app.command("speed")

@@ -1,0 +1,197 @@
+"""`kvforge bench ngram`: plain decoding vs prompt-lookup vs n-gram drafting (synchronous and with
+the prefetcher), in one process on the same prompts, arms interleaved, after a short warm-up.
+
+Workloads:
+  - copy: batch 1, greedy. Rewrite prompts over real code (Python standard library functions,
+    read with `inspect`) and a repeat-this prompt over real held-out chat text.
+  - rl: G samples per prompt at temperature 1 from held-out chat prompts (first user turns).
+Losslessness is checked, not assumed: every drafting arm's greedy outputs are compared token for
+token with plain decoding's (the copy prompts themselves; for rl, one greedy group of G).
+
+Prefetch figures: coverage c (share of probes whose outcome was in the table), the device time
+per step T_dev (the verification forward plus the host work the prefetcher cannot take off the
+critical path) and the host time it can (T_host: the synchronous arm's draft lookups), the
+prediction (T_dev + T_host) / (T_dev + (1 - c) T_host) beside the measured speedup over the
+synchronous arm, and coverage at other budgets from the same run (the greedy allocation's pick
+order tells at which budget each outcome would have been covered).
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from pathlib import Path
+
+from kvforge.bench.harness import environment
+from kvforge.data.prompts import held_out_conversations
+from kvforge.generation import GenerationConfig
+from kvforge.prompting import encode_prompt
+from kvforge.speculative.rollout import DraftConfig, generate_group
+
+WORKLOADS = ("copy", "rl")
+COPY_FUNCTIONS = ("textwrap.dedent", "shutil.copyfileobj", "difflib.get_close_matches")
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def copy_prompts(tokenizer, count: int = 4, max_chars: int = 1500) -> list[list[int]]:
+    """Rewrite prompts over standard-library source, then one repeat prompt over held-out chat text."""
+    import importlib
+
+    texts = []
+    for dotted in COPY_FUNCTIONS[: max(0, count - 1)]:
+        module, name = dotted.rsplit(".", 1)
+        source = inspect.getsource(getattr(importlib.import_module(module), name))[:max_chars]
+        texts.append(f"Rewrite the following Python function exactly as it is, renaming it to `{name}_copy`:\n\n```python\n{source}\n```")
+    if count > len(texts):
+        turn = held_out_conversations(1, min_chars=600, max_chars=3000)[0].turns[0][1][:max_chars]
+        texts.append(f"Repeat the following text exactly, word for word:\n\n{turn}")
+    return [encode_prompt(tokenizer, t, chat=True) for t in texts]
+
+
+def rl_prompts(tokenizer, count: int = 3, max_chars: int = 1500) -> list[list[int]]:
+    """First user turns of held-out conversations."""
+    convs = held_out_conversations(count, min_chars=200, max_chars=20000, skip=3)
+    return [encode_prompt(tokenizer, c.turns[0][1][:max_chars], chat=True) for c in convs]
+
+
+def bench_ngram(
+    engine, workload: str, runs: int = 3, k: int = 4, budget: int = 16, max_new_tokens: int | None = None,
+    samples: int = 8, prompts: int | None = None, progress=None,
+) -> dict:
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
+    tok = engine.model.tokenizer
+    if workload == "copy":
+        prompt_ids, group, temperature = copy_prompts(tok, prompts or 4), 1, 0.0
+        max_new_tokens = max_new_tokens or 128
+    else:
+        prompt_ids, group, temperature = rl_prompts(tok, prompts or 3), samples, 1.0
+        max_new_tokens = max_new_tokens or 96
+    arms = {
+        "plain": DraftConfig("none"),
+        "prompt-lookup": DraftConfig("prompt-lookup", k),
+        "ngram": DraftConfig("ngram", k),
+        "ngram-prefetch": DraftConfig("ngram", k, prefetch=True, budget=budget),
+    }
+    # warm-up: a few tokens per arm, so no arm pays first-call costs
+    for draft in arms.values():
+        generate_group(engine, prompt_ids[0], group, GenerationConfig(max_new_tokens=4, temperature=temperature, seed=0), draft)
+    per_run: dict[str, list[dict]] = {name: [] for name in arms}
+    order = list(arms.items())
+    for run in range(runs):
+        for name, draft in order if run % 2 == 0 else order[::-1]:
+            if progress:
+                progress(f"{workload}: run {run + 1}/{runs}, {name}")
+            per_run[name].append(_run_arm(engine, prompt_ids, group, temperature, max_new_tokens, draft, seed=run))
+    lossless = _lossless(engine, prompt_ids if workload == "copy" else prompt_ids[:1], group, max_new_tokens if workload == "copy" else 32, arms, per_run if workload == "copy" else None)
+    results = _summarise(per_run, lossless)
+    return {
+        "command": "bench ngram",
+        "model": engine.model.name,
+        "method": "ngram",
+        "workload": workload,
+        "tokens": sum(len(p) for p in prompt_ids),
+        "prompts": len(prompt_ids),
+        "samples_per_prompt": group,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "k": k,
+        "budget": budget,
+        "runs": runs,
+        **environment(),
+        "results": results,
+        "coverage_vs_budget": _coverage_curve(per_run["ngram-prefetch"]),
+        "accept_hist": _accept_hist(per_run["ngram"]),
+    }
+
+
+def _run_arm(engine, prompt_ids, group, temperature, max_new_tokens, draft: DraftConfig, seed: int) -> dict:
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    tokens, outputs, stats_list = 0, [], []
+    start = time.perf_counter()
+    for ids in prompt_ids:
+        generations, stats = generate_group(engine, ids, group, config, draft)
+        tokens += sum(len(g.token_ids) for g in generations)
+        outputs.append([g.token_ids for g in generations])
+        if stats is not None:
+            stats_list.append(stats)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "outputs": outputs, "stats": stats_list}
+
+
+def _lossless(engine, prompt_ids, group, max_new_tokens, arms, per_run) -> dict[str, bool]:
+    """Per drafting arm: greedy outputs equal plain decoding's token for token."""
+    if per_run is not None:  # greedy workload: compare the timed runs themselves
+        return {name: all(r["outputs"] == per_run["plain"][0]["outputs"] for r in runs) for name, runs in per_run.items() if name != "plain"}
+    reference = _run_arm(engine, prompt_ids, group, 0.0, max_new_tokens, arms["plain"], 0)["outputs"]
+    return {name: _run_arm(engine, prompt_ids, group, 0.0, max_new_tokens, d, 0)["outputs"] == reference for name, d in arms.items() if name != "plain"}
+
+
+def _summarise(per_run: dict[str, list[dict]], lossless: dict[str, bool]) -> list[dict]:
+    rate = {name: statistics.median(r["tokens"] / r["seconds"] for r in runs) for name, runs in per_run.items()}
+    rows = []
+    for name, runs in per_run.items():
+        row = {"arm": name, "tokens_per_s": rate[name], "speedup_vs_plain": rate[name] / rate["plain"]}
+        stats = [s for r in runs for s in r["stats"]]
+        if stats:
+            steps = sum(s.steps for s in stats)
+            row.update(
+                mean_accept_len=sum(s.accepted for s in stats) / sum(s.request_steps for s in stats),
+                lossless=lossless[name],
+                device_ms_per_step=1000 * sum(s.device_s + s.host_s for s in stats) / steps,
+                host_ms_per_step=1000 * sum(s.lookup_s for s in stats) / steps,
+                forward_ms_per_step=1000 * sum(s.device_s for s in stats) / steps,
+            )
+        if name == "ngram-prefetch":
+            probes = sum(s.probes for s in stats)
+            c = sum(s.hits for s in stats) / probes if probes else 0.0
+            sync = next((r for r in rows if r["arm"] == "ngram"), None)
+            row["coverage"] = c
+            if sync is not None:
+                t_dev, t_host = sync["device_ms_per_step"], sync["host_ms_per_step"]
+                row["predicted_speedup"] = (t_dev + t_host) / (t_dev + (1 - c) * t_host)
+                row["speedup_vs_sync"] = rate[name] / rate["ngram"]
+                row["sync_host_ms_per_step"] = t_host
+        rows.append(row)
+    return rows
+
+
+def _coverage_curve(runs: list[dict]) -> dict[str, float]:
+    needed = [n for r in runs for s in r["stats"] if s.prefetcher is not None for n in s.prefetcher.needed]
+    return {str(b): (sum(1 for n in needed if n is not None and n <= b) / len(needed) if needed else 0.0) for b in BUDGETS}
+
+
+def _accept_hist(runs: list[dict]) -> list[int]:
+    hist: list[int] = []
+    for r in runs:
+        for s in r["stats"]:
+            hist = [a + b for a, b in zip(hist, s.accept_hist)] if hist else list(s.accept_hist)
+    return hist
+
+
+def plot(report: dict, path: Path) -> Path:
+    """PNG: prefetch coverage vs budget, and the n-gram arm's accept-length histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    curve = report["coverage_vs_budget"]
+    left.plot([int(b) for b in curve], list(curve.values()), "o-")
+    left.set_xscale("log", base=2)
+    left.set_ylim(0, 1.02)
+    left.set_xlabel("candidate budget per request")
+    left.set_ylabel("coverage")
+    left.axvline(report["budget"], color="grey", lw=0.5)
+    hist = report["accept_hist"]
+    right.bar(range(len(hist)), [h / max(1, sum(hist)) for h in hist])
+    right.set_xlabel(f"accepted draft tokens (k = {report['k']})")
+    right.set_ylabel("share of steps")
+    fig.suptitle(f"{report['model']}: n-gram drafting, workload {report['workload']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

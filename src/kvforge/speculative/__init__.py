@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, lossless verification, the (accept length, bonus token) prefetcher, rollouts."""

@@ -1,0 +1,118 @@
+"""Drafters: a per-prompt n-gram cache (NgramRL) and vLLM-style prompt lookup.
+
+A `Drafter` belongs to one request: `propose(context, k)` returns up to k draft tokens that
+continue `context` (the request's committed tokens), and `observe(tokens)` tells it the tokens
+the request just committed. Verification (`verify.py`) never looks inside a drafter.
+
+The n-gram cache (`NgramCache`) holds, for one prompt, every n-gram (n_min..n_max tokens) of the
+prompt and of every rollout of that prompt so far, each mapped to its successors with counts:
+the sibling samples of an RL group share one cache, so a rollout drafts from what its siblings
+already wrote. A draft follows the longest n-gram suffix of the context that the cache knows,
+takes its most frequent successor (ties: the most recent), appends it and repeats, for up to k
+tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], k: int) -> list[int]: ...
+
+    def observe(self, tokens: Sequence[int]) -> None: ...
+
+
+class NgramCache:
+    """n-gram -> {successor: [count, last seen]}, for one prompt and its rollouts."""
+
+    def __init__(self, prompt: Sequence[int] = (), n_min: int = 1, n_max: int = 4):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.table: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        self.clock = 0  # increases with every indexed token: "most recent" for ties
+        self.add(prompt)
+
+    def add(self, tokens: Sequence[int], before: Sequence[int] = ()) -> None:
+        """Index every n-gram followed by one of `tokens`; `before` is the context they continue
+        (its last n_max tokens form the n-grams that straddle the boundary)."""
+        seq = list(before[-self.n_max :]) + list(tokens)
+        for i in range(len(seq) - len(tokens), len(seq)):
+            if i == 0:
+                continue
+            self.clock += 1
+            successor = seq[i]
+            for n in range(self.n_min, min(self.n_max, i) + 1):
+                entry = self.table.setdefault(tuple(seq[i - n : i]), {}).setdefault(successor, [0, 0])
+                entry[0] += 1
+                entry[1] = self.clock
+
+    def successors(self, context: Sequence[int]) -> list[int]:
+        """Successors of the longest suffix of `context` in the cache, most frequent first
+        (ties: most recent first); [] when no suffix is known."""
+        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
+            entry = self.table.get(tuple(context[len(context) - n :]))
+            if entry:
+                return [t for t, _ in sorted(entry.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))]
+        return []
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens: the top successor of the longest known suffix, repeatedly."""
+        tail = list(context[-self.n_max :])
+        out: list[int] = []
+        while len(out) < k:
+            nxt = self.successors(tail)
+            if not nxt:
+                break
+            out.append(nxt[0])
+            tail = (tail + [nxt[0]])[-self.n_max :]
+        return out
+
+
+class NgramDrafter:
+    """One request's view of a (shared) per-prompt `NgramCache`."""
+
+    def __init__(self, cache: NgramCache, prompt: Sequence[int]):
+        self.cache = cache
+        self.tail = list(prompt[-cache.n_max :])  # what the next committed tokens continue
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        return self.cache.draft(context, k)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self.cache.add(tokens, self.tail)
+        self.tail = (self.tail + list(tokens))[-self.cache.n_max :]
+
+
+class PromptLookupDrafter:
+    """vLLM's `ngram` proposer: the longest suffix of the context (n_max down to n_min tokens)
+    that occurs earlier in the request's own tokens (prompt and output so far), at its earliest
+    occurrence; the draft is the k tokens that followed it. No state beyond the request."""
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        tokens = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            # windows starting before the suffix itself: 0 .. len - n - 1
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[0]) + n
+                return tokens[start : start + k].tolist()
+        return []
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        pass
+
+
+class NoDrafter:
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        return []
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        pass

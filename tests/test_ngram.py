@@ -1,0 +1,211 @@
+"""N-gram drafting: the cache and matchers, lossless verification (greedy token for token,
+sampling in distribution), the prefetcher's hit and miss paths and its budget allocator."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_loaded
+from kvforge.engine import Engine
+from kvforge.generation import GenerationConfig
+from kvforge.sampling import SamplingParams, probabilities
+from kvforge.speculative.decode import speculative_generate
+from kvforge.speculative.ngram import NgramCache, NgramDrafter, PromptLookupDrafter
+from kvforge.speculative.prefetch import CoverageProfile, Prefetcher, allocate, allocation_order
+from kvforge.speculative.verify import verify
+
+
+# --- the n-gram cache and the matchers -------------------------------------------------------
+def test_successors_follow_the_longest_known_suffix_most_frequent_first():
+    cache = NgramCache([1, 2, 3, 1, 2, 4, 1, 2, 4, 9, 2, 7], n_min=1, n_max=3)
+    assert cache.successors([5, 1, 2]) == [4, 3]  # "1 2" -> 4 twice, 3 once
+    assert cache.successors([9, 2]) == [7]  # the 2-gram "9 2" is known: its successor only
+    assert cache.successors([8, 2]) == [4, 7, 3]  # only "2" known: 4 (twice), then the tie 3 / 7, most recent first
+    assert cache.successors([42]) == []
+
+
+def test_ties_go_to_the_most_recent_successor():
+    cache = NgramCache([5, 1, 5, 2], n_min=1, n_max=2)
+    assert cache.successors([5]) == [2, 1]
+
+
+def test_draft_chains_top_successors_up_to_k():
+    cache = NgramCache([1, 2, 3, 4, 5, 6], n_min=1, n_max=2)
+    assert cache.draft([9, 2], 3) == [3, 4, 5]
+    assert cache.draft([5], 5) == [6]  # stops where nothing is known
+    assert cache.draft([7], 4) == []
+
+
+def test_observe_indexes_ngrams_across_the_boundary_and_siblings_share():
+    prompt = [1, 2, 3]
+    shared = NgramCache(prompt, n_min=2, n_max=2)
+    a, b = NgramDrafter(shared, prompt), NgramDrafter(shared, prompt)
+    a.observe([8])
+    a.observe([9, 10])
+    assert shared.successors([3, 8]) == [9]  # "3 8" straddles prompt and output
+    assert b.propose([0, 8, 9], 2) == [10]  # a sibling drafts from what `a` wrote
+
+
+def test_prompt_lookup_takes_the_earliest_occurrence_of_the_longest_suffix():
+    drafter = PromptLookupDrafter(n_min=1, n_max=3)
+    context = [7, 1, 2, 3, 9, 1, 2, 4, 1, 2]
+    assert drafter.propose(context, 2) == [3, 9]  # "1 2" first occurs at 1
+    assert drafter.propose([5, 6, 5], 3) == [6, 5]
+    assert drafter.propose([1, 2, 3], 2) == []
+
+
+# --- verification --------------------------------------------------------------------------
+def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
+    logits = torch.full((2, 4, 6), -5.0)
+    for row, best in enumerate([[1, 2, 3, 4], [1, 5, 3, 0]]):
+        for i, t in enumerate(best):
+            logits[row, i, t] = 5.0
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    accepted, bonus = verify(logits, drafts, torch.tensor([3, 3]), SamplingParams())
+    assert accepted.tolist() == [3, 1] and bonus.tolist() == [4, 5]
+    accepted, bonus = verify(logits, drafts, torch.tensor([1, 0]), SamplingParams())
+    assert accepted.tolist() == [1, 0] and bonus.tolist() == [2, 1]  # padding slots never accepted
+
+
+def _chi_square_ok(counts: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float, float]:
+    """Pearson's test at p = 0.001 (rare bins pooled; Wilson-Hilferty for the quantile)."""
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)]).double()
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < critical, stat, critical
+
+
+def test_sampling_verification_commits_tokens_distributed_as_the_model():
+    """Draft x at position 0 (and y at 1): the first committed token must follow p0 and, given
+    x accepted, the second must follow p1, whatever x and y are."""
+    g = torch.Generator().manual_seed(0)
+    v, n = 12, 40_000
+    logits = torch.randn(1, 3, v, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0, top_k=8)
+    p = probabilities(logits[0], params)
+    drafts = torch.tensor([[3, 5]]).expand(n, 2)
+    accepted, bonus = verify(logits.expand(n, 3, v), drafts, torch.full((n,), 2), params, g)
+    first = torch.where(accepted >= 1, drafts[:, 0], bonus)
+    ok, stat, crit = _chi_square_ok(torch.bincount(first, minlength=v).double(), p[0].double() * n)
+    assert ok, (stat, crit)
+    second = torch.where(accepted >= 2, drafts[:, 1], bonus)[accepted >= 1]
+    ok, stat, crit = _chi_square_ok(torch.bincount(second, minlength=v).double(), p[1].double() * second.numel())
+    assert ok, (stat, crit)
+    assert (first[(accepted == 0)] != 3).all()  # a rejected draft token is never the resample
+
+
+def test_speculative_sampling_on_a_tiny_model_matches_its_distribution():
+    """End to end on a tiny model: a batch of identical prompts, a fixed one-token draft; the
+    second generated token's empirical distribution equals the model's, mixed over the first."""
+    engine = Engine(tiny_loaded("llama"))
+    prompt = [5, 9, 14, 3, 22, 8]
+    n = 3000
+    config = GenerationConfig(max_new_tokens=3, temperature=2.0, seed=1, ignore_eos=True)
+
+    class FixedDraft:
+        def propose(self, context, k):
+            return [11]
+
+        def observe(self, tokens):
+            pass
+
+    outputs, stats = speculative_generate(engine, [prompt] * n, [FixedDraft() for _ in range(n)], config, k=1)
+    assert 0 < stats.accepted < n  # both the accept and the resample paths ran
+    pairs = torch.tensor([o.token_ids for o in outputs])
+    expected = torch.zeros(engine.model.config.vocab_size, dtype=torch.float64)
+    for first in pairs[:, 0].unique():
+        with torch.inference_mode():
+            logits = engine.prefill([prompt + [int(first)]])[0]
+        p = probabilities(logits, config.sampling)[0].double()
+        expected += p * int((pairs[:, 0] == first).sum())
+    counts = torch.bincount(pairs[:, 1], minlength=expected.numel()).double()
+    ok, stat, crit = _chi_square_ok(counts, expected)
+    assert ok, (stat, crit)
+
+
+# --- greedy speculative decoding == plain greedy ----------------------------------------
+_ENGINE = {}
+
+
+def _engine(family="qwen3"):
+    if family not in _ENGINE:
+        _ENGINE[family] = Engine(tiny_loaded(family))
+    return _ENGINE[family]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    length=st.integers(2, 60),
+    k=st.integers(1, 6),
+    n_max=st.integers(1, 4),
+    drafter=st.sampled_from(["ngram", "prompt-lookup"]),
+)
+def test_greedy_speculative_commits_exactly_the_plain_tokens(seed, length, k, n_max, drafter):
+    engine = _engine()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 12, (length,), generator=g).tolist()  # a small alphabet: drafts hit often
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    plain = engine.generate(prompt, config)[0].token_ids
+    cache = NgramCache(prompt, 1, n_max)
+    d = NgramDrafter(cache, prompt) if drafter == "ngram" else PromptLookupDrafter(1, n_max)
+    out, stats = speculative_generate(engine, [prompt], [d], config, k)
+    assert out[0].token_ids == plain
+    assert stats.steps <= len(plain)
+
+
+def test_batched_requests_with_different_accept_lengths_stay_exact(family):
+    engine = Engine(tiny_loaded(family))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 10, (n,), generator=g).tolist() for n in (30, 17, 44, 9)]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in engine.generate(prompts, config)]
+    caches = [NgramCache(p) for p in prompts]
+    out, stats = speculative_generate(engine, prompts, [NgramDrafter(c, p) for c, p in zip(caches, prompts)], config, k=5)
+    assert [o.token_ids for o in out] == plain
+    assert len(set(j for j, count in enumerate(stats.accept_hist) if count)) > 1  # accept lengths did differ
+
+
+# --- the prefetcher ----------------------------------------------------------------------
+def test_prefetch_hits_and_misses_commit_the_same_tokens():
+    engine = _engine("llama")
+    prompt = torch.randint(3, 9, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = engine.generate(prompt, config)[0].token_ids
+    for budget in (1, 16):
+        cache = NgramCache(prompt)
+        prefetcher = Prefetcher(k=4, budget=budget)
+        out, stats = speculative_generate(engine, [prompt], [NgramDrafter(cache, prompt)], config, 4, prefetcher, [cache])
+        prefetcher.close()
+        assert out[0].token_ids == plain
+        assert stats.probes > 0 and stats.hits == prefetcher.hits
+        if budget == 1:
+            assert 0 < stats.hits < stats.probes  # both paths ran
+        assert prefetcher.coverage_at(budget) == pytest.approx(prefetcher.coverage)
+
+
+def _profile(counts):
+    p = CoverageProfile(0.5)
+    p.counts = list(counts) + [0.0] * (65 - len(counts))
+    p.total = float(sum(counts))
+    return p
+
+
+def test_the_allocator_gives_each_candidate_to_the_largest_marginal_coverage():
+    full = _profile([9, 1])  # the top candidate covers 90 %
+    partial = _profile([4, 3, 2, 1])
+    # mostly full accepts: one candidate there, then the rejection branches
+    assert allocate(1, [0.1, 0.1, 0.8], [partial, partial, full]) == [0, 0, 1]
+    assert allocation_order(4, [0.1, 0.1, 0.8], [partial, partial, full]) == [2, 2, 0, 1]
+    # mostly rejections at j = 0: candidates pile up there, by the profile's decreasing gains
+    assert allocate(4, [0.7, 0.1, 0.2], [partial, partial, full]) == [3, 0, 1]
+    # a branch with fewer candidates than its share stops at its cap
+    assert allocate(6, [0.9, 0.1], [partial, full], caps=[2, 5]) == [2, 2]
