@@ -85,12 +85,7 @@ def generate(
     config = config or GenerationConfig()
     if prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    context = engine.model.context_length
-    for p in prompts:
-        if not p:
-            raise PromptError("empty prompt: give at least one token")
-        if len(p) >= context:
-            raise PromptError(f"prompt has {len(p)} tokens but the model's context is {context} tokens")
+    context = check_prompts(prompts, engine.model.context_length)
     tokenizer = engine.model.tokenizer
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
@@ -133,6 +128,16 @@ def generate(
         )
         for s in seqs
     ]
+
+
+def check_prompts(prompts: list[list[int]], context: int) -> int:
+    """Raise a PromptError for an empty prompt or one that fills the context; returns the context."""
+    for p in prompts:
+        if not p:
+            raise PromptError("empty prompt: give at least one token")
+        if len(p) >= context:
+            raise PromptError(f"prompt has {len(p)} tokens but the model's context is {context} tokens")
+    return context
 
 
 def eos_token_ids(model) -> set[int]:

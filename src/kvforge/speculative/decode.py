@@ -22,8 +22,7 @@ from typing import Callable
 
 import torch
 
-from kvforge.errors import PromptError
-from kvforge.generation import Generation, GenerationConfig, _commit, _flush, _Sequence, eos_token_ids
+from kvforge.generation import Generation, GenerationConfig, _commit, _flush, _Sequence, check_prompts, eos_token_ids
 from kvforge.sampling import sample
 from kvforge.speculative.ngram import Drafter
 from kvforge.speculative.prefetch import Prefetcher
@@ -90,12 +89,7 @@ def speculative_generate(
         raise ValueError(f"k must be >= 1, got {k}")
     if len(drafters) != len(prompts):
         raise ValueError("one drafter per prompt")
-    context_limit = engine.model.context_length
-    for p in prompts:
-        if not p:
-            raise PromptError("empty prompt: give at least one token")
-        if len(p) >= context_limit:
-            raise PromptError(f"prompt has {len(p)} tokens but the model's context is {context_limit} tokens")
+    context_limit = check_prompts(prompts, engine.model.context_length)
     tokenizer, eos, params = engine.model.tokenizer, (set() if config.ignore_eos else eos_token_ids(engine.model)), config.sampling
     generator = params.generator(engine.device)
     stats = SpecStats(k, accept_hist=[0] * (k + 1), prefetcher=prefetcher)
