@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvforge.cli import app
 
 runner = CliRunner()
-SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit"]
+SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout"]
 
 
 def _run(*args):
@@ -27,7 +27,7 @@ def test_help_lists_every_subcommand_and_each_has_help():
     for name in SUBCOMMANDS:
         assert name in result.stdout
     for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"],
-                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"]):
+                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"], ["bench", "ngram"], ["rollout"]):
         assert _run(*args, "--help").exit_code == 0, args
 
 
@@ -185,3 +185,42 @@ def test_bench_and_eval_speed_json(tiny_model_dir, tiny_adapter, tmp_path):
     assert set(obj["ppl_gap_pct"]) == set(obj["ppl_gap_ci"]) == {"speed", "adapted_exact", "adapted_speed"}
     assert set(obj["needle"]) == {"exact", "speed", "adapted_exact", "adapted_speed"} and obj["cut"] == 2
     assert set(obj["policy_gap_pct"]) == {"training_free", "adapted"}
+
+
+def test_generate_with_ngram_drafting_equals_plain_greedy(tiny_model_dir):
+    args = ("generate", "--model", tiny_model_dir, "--prompt", "abcabcabcabcabc abcabc", "-n", 20, "--json")
+    plain = _last_json(_run(*args))
+    for extra in (("--draft", "ngram"), ("--draft", "ngram", "--prefetch", "--budget", 4), ("--draft", "prompt-lookup", "--k", 3)):
+        obj = _last_json(_run(*args, *extra))
+        assert obj["token_ids"] == plain["token_ids"] and obj["draft"] == extra[1]
+        assert obj["speculative"]["steps"] <= len(obj["token_ids"])
+
+
+def test_rollout_writes_one_jsonl_line_per_sample(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello hello hello"}) + "\n\n" + json.dumps({"prompt": "abc abc abc"}) + "\n")
+    out = tmp_path / "rollouts.jsonl"
+    result = _run("rollout", "--model", tiny_model_dir, "--prompts", prompts, "-G", 3, "-n", 8, "--seed", 1, "--no-chat", "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    summary = _last_json(result)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and {(r["prompt_index"], r["sample"]) for r in rows} == {(p, s) for p in range(2) for s in range(3)}
+    assert summary["tokens"] == sum(len(r["token_ids"]) for r in rows) and summary["samples_per_prompt"] == 3
+
+
+def test_drafting_bad_input_is_one_line(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    cases = [
+        (("generate", "--model", tiny_model_dir, "--prompt", "hi", "--draft", "medusa"), "unknown draft"),
+        (("generate", "--model", tiny_model_dir, "--prompt", "hi", "--draft", "prompt-lookup", "--prefetch"), "--prefetch needs --draft ngram"),
+        (("generate", "--model", tiny_model_dir, "--prompt", "hi", "--draft", "ngram", "--k", 0), "must be >= 1"),
+        (("rollout", "--model", tiny_model_dir, "--prompts", bad), "bad.jsonl:1"),
+        (("rollout", "--model", tiny_model_dir, "--prompts", tmp_path / "none.txt"), "does not exist"),
+        (("bench", "ngram", "--model", tiny_model_dir, "--workload", "chat"), "unknown workload"),
+    ]
+    for args, message in cases:
+        result = _run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr

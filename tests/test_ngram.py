@@ -209,3 +209,36 @@ def test_the_allocator_gives_each_candidate_to_the_largest_marginal_coverage():
     assert allocate(4, [0.7, 0.1, 0.2], [partial, partial, full]) == [3, 0, 1]
     # a branch with fewer candidates than its share stops at its cap
     assert allocate(6, [0.9, 0.1], [partial, full], caps=[2, 5]) == [2, 2]
+
+
+@pytest.mark.parametrize("workload", ["copy", "rl"])
+def test_bench_ngram_reports_every_arm_and_checks_losslessness(workload, monkeypatch, tmp_path):
+    import kvforge.bench.ngram as bench
+
+    short = [torch.randint(3, 9, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    monkeypatch.setattr(bench, "copy_prompts", lambda tok, count: short)
+    monkeypatch.setattr(bench, "rl_prompts", lambda tok, count: short)
+    report = bench.bench_ngram(_engine("llama"), workload, runs=1, k=4, budget=8, max_new_tokens=16, samples=3)
+    arms = {r["arm"]: r for r in report["results"]}
+    assert list(arms) == ["plain", "prompt-lookup", "ngram", "ngram-prefetch"]
+    assert all(arms[a]["lossless"] is True for a in ("prompt-lookup", "ngram", "ngram-prefetch"))
+    prefetch = arms["ngram-prefetch"]
+    for key in ("coverage", "host_ms_per_step", "device_ms_per_step", "predicted_speedup", "speedup_vs_sync"):
+        assert prefetch[key] >= 0
+    curve = list(report["coverage_vs_budget"].values())
+    assert curve == sorted(curve) and curve[-1] <= 1.0  # coverage never falls with a larger budget
+    assert sum(report["accept_hist"]) > 0
+    assert bench.plot(report, tmp_path / "n.png").is_file()
+
+
+def test_the_gate_stops_drafting_while_drafts_are_rejected_and_retries():
+    from kvforge.speculative.decode import DraftGate
+
+    gate = DraftGate(min_accepted=1.0, decay=0.5, retry=3)
+    assert gate.allows(0)
+    gate.record(0, drafted=8, accepted=0)
+    gate.record(0, drafted=8, accepted=0)
+    assert [gate.allows(0) for _ in range(3)] == [False, False, True]  # a retry after 3 idle steps
+    gate.record(0, drafted=8, accepted=8)
+    gate.record(0, drafted=8, accepted=8)
+    assert gate.allows(0) and gate.allows(1)  # accepted again; other requests are independent

@@ -41,7 +41,7 @@ AnchorsOpt = typer.Option("bos", "--anchors", help="SPEED full-depth anchors: bo
 AdapterOpt = typer.Option(None, "--adapter", help="LoRA adapter from `kvforge fit speed`, merged into the model.")
 DraftOpt = typer.Option("none", "--draft", help="Speculative drafter: none, prompt-lookup or ngram (lossless).")
 PrefetchOpt = typer.Option(False, "--prefetch", help="n-gram: build the next drafts while the model verifies.")
-KOpt = typer.Option(4, "--k", help="Draft tokens per step.")
+KOpt = typer.Option(8, "--k", help="Draft tokens per step.")
 BudgetOpt = typer.Option(16, "--budget", help="Prefetch candidates per request per step.")
 
 
@@ -652,9 +652,11 @@ def bench_ngram_cmd(
     json_out: bool = JsonOpt,
 ):
     """Plain vs prompt-lookup vs n-gram drafting (synchronous, prefetch): tokens/s, acceptance, losslessness."""
-    from kvforge.bench.ngram import bench_ngram, plot as plot_report
+    from kvforge.bench.ngram import WORKLOADS, bench_ngram, plot as plot_report
 
     _setup(threads)
+    if workload not in WORKLOADS:
+        raise KvforgeError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
     if runs < 1 or k < 1 or budget < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
         raise KvforgeError("--runs, --k, --budget, --samples-per-prompt and --prompts must be >= 1")
     engine = _load(model, device)

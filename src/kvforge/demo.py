@@ -89,7 +89,17 @@ def run_speed(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> Dem
     return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
-DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed}
+def run_ngram(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    """Exact prefill, then lossless n-gram speculative decoding: the same greedy answer as exact."""
+    from kvforge.speculative.rollout import DraftConfig, generate_group
+
+    outputs, stats = generate_group(engine, prompt_ids, 1, GenerationConfig(max_new_tokens=max_new_tokens), DraftConfig("ngram"))
+    out = outputs[0]
+    name = f"ngram drafting (accept {stats.mean_accept_len:.1f}/{stats.k})"
+    return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+
+
+DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed, "ngram": run_ngram}
 
 
 def run_demo(engine: Engine, max_new_tokens: int = 64) -> tuple[list[DemoRow], str]:

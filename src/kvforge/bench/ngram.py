@@ -35,14 +35,14 @@ BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def copy_prompts(tokenizer, count: int = 4, max_chars: int = 1500) -> list[list[int]]:
-    """Rewrite prompts over standard-library source, then one repeat prompt over held-out chat text."""
+    """Edit-and-copy prompts over standard-library source, then one repeat prompt over held-out chat text."""
     import importlib
 
     texts = []
     for dotted in COPY_FUNCTIONS[: max(0, count - 1)]:
         module, name = dotted.rsplit(".", 1)
         source = inspect.getsource(getattr(importlib.import_module(module), name))[:max_chars]
-        texts.append(f"Rewrite the following Python function exactly as it is, renaming it to `{name}_copy`:\n\n```python\n{source}\n```")
+        texts.append(f"Add a comment line at the top of this function and otherwise copy it unchanged:\n\n```python\n{source}\n```")
     if count > len(texts):
         turn = held_out_conversations(1, min_chars=600, max_chars=3000)[0].turns[0][1][:max_chars]
         texts.append(f"Repeat the following text exactly, word for word:\n\n{turn}")
@@ -56,7 +56,7 @@ def rl_prompts(tokenizer, count: int = 3, max_chars: int = 1500) -> list[list[in
 
 
 def bench_ngram(
-    engine, workload: str, runs: int = 3, k: int = 4, budget: int = 16, max_new_tokens: int | None = None,
+    engine, workload: str, runs: int = 3, k: int = 8, budget: int = 16, max_new_tokens: int | None = None,
     samples: int = 8, prompts: int | None = None, progress=None,
 ) -> dict:
     if workload not in WORKLOADS:
