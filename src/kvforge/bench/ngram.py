@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from kvforge.bench.harness import environment
+from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_conversations
 from kvforge.generation import GenerationConfig
 from kvforge.prompting import encode_prompt
@@ -172,12 +173,7 @@ def _accept_hist(runs: list[dict]) -> list[int]:
 
 def plot(report: dict, path: Path) -> Path:
     """PNG: prefetch coverage vs budget, and the n-gram arm's accept-length histogram."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = new_figure(2, (10, 4))
     curve = report["coverage_vs_budget"]
     left.plot([int(b) for b in curve], list(curve.values()), "o-")
     left.set_xscale("log", base=2)
@@ -190,8 +186,4 @@ def plot(report: dict, path: Path) -> Path:
     right.set_xlabel(f"accepted draft tokens (k = {report['k']})")
     right.set_ylabel("share of steps")
     fig.suptitle(f"{report['model']}: n-gram drafting, workload {report['workload']}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

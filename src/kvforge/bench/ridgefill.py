@@ -11,6 +11,7 @@ import torch
 
 from kvforge.bench.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_medians
+from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps
@@ -81,14 +82,9 @@ def _planned(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: R
 
 def plot(report: dict, path: Path) -> Path:
     """PNG of measured speedup (resident, streamed, identity) and the MAC ceiling vs tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["results"]
     x = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_figure()
     ax.plot(x, [r["ceiling"] for r in rows], "k--", label="MAC ceiling")
     ax.plot(x, [r["speedup"] for r in rows], "o-", label="RidgeFill, maps resident")
     ax.plot(x, [r["speedup_streamed"] for r in rows], "s-", label="RidgeFill, maps streamed")
@@ -98,8 +94,4 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_ylabel("TTFT speedup over exact")
     ax.set_title(f"{report['model']}: split {report['split']}, tail {report['tail']}, {report['threads']} thread(s)")
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

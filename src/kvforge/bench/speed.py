@@ -17,6 +17,7 @@ import torch
 
 from kvforge.bench.flops import decode_macs, exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_metric_medians
+from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.speed import SpeedConfig, speed_plan
@@ -96,12 +97,7 @@ def _prefill_then_decode(engine: Engine, prompt: list[int], plan: PrefillPlan | 
 
 def plot(report: dict, path: Path) -> Path:
     """PNG: TTFT and TPOT speedup vs prompt tokens, one line per cut, ceilings dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = new_figure(2, (10, 4))
     for ax, key, title in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
         for cut in report["cuts"]:
             rows = [r for r in report["results"] if r["cut"] == cut]
@@ -113,8 +109,4 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_ylabel(f"{title} speedup over exact (dashed: ceiling)")
         ax.legend()
     fig.suptitle(f"{report['model']}: SPEED, {report['threads']} thread(s)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -42,9 +42,15 @@ class SpecStats:
     device_s: float = 0.0  # the verification forwards
     lookup_s: float = 0.0  # drafting on the critical path (synchronous lookups and prefetch misses)
     host_s: float = 0.0  # the rest of each step outside the forward: verify, commit, rollback
-    probes: int = 0
-    hits: int = 0
-    prefetcher: Prefetcher | None = None  # for its coverage-vs-budget record
+    prefetcher: Prefetcher | None = None  # its probes, hits and coverage-vs-budget record
+
+    @property
+    def probes(self) -> int:
+        return self.prefetcher.probes if self.prefetcher is not None else 0
+
+    @property
+    def hits(self) -> int:
+        return self.prefetcher.hits if self.prefetcher is not None else 0
 
     @property
     def mean_accept_len(self) -> float:
@@ -151,13 +157,11 @@ def speculative_generate(
         width = max(len(d) for d in drafts)
         ids = torch.zeros(len(active), width + 1, dtype=torch.long)
         positions = torch.full((len(active), width + 1), -1, dtype=torch.long)
-        draft_ids = torch.zeros(len(active), width, dtype=torch.long)
         for row, (i, d) in enumerate(zip(active, drafts)):
             n = len(contexts[i]) - 1  # position of the pending token
             ids[row, 0] = pending[i]
             ids[row, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.long)
             positions[row, : 1 + len(d)] = torch.arange(n, n + 1 + len(d))
-            draft_ids[row, : len(d)] = ids[row, 1 : 1 + len(d)]
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         future = None
         if prefetcher is not None:
@@ -167,7 +171,7 @@ def speculative_generate(
         logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all")
         stats.device_s += time.perf_counter() - t
         t = time.perf_counter()
-        accepted, bonus = verify(logits, draft_ids.to(logits.device), lengths.to(logits.device), params, generator)
+        accepted, bonus = verify(logits, ids[:, 1:].to(logits.device), lengths.to(logits.device), params, generator)
         accepted, bonus = accepted.tolist(), bonus.tolist()
         cache.rollback([width - j for j in accepted])  # keep the pending row and the accepted drafts
         branches = future.result() if future is not None else {}
@@ -191,10 +195,8 @@ def speculative_generate(
             drafters[i].observe(committed)
             pending[i] = committed[-1]
             if i in branches:
-                stats.probes += 1
                 hit = prefetcher.probe(i, branches[i], j, bonus[row])
                 if hit is not None:
-                    stats.hits += 1
                     ready[i] = hit
         active, cache = _drop_finished(seqs, active, cache, contexts, context_limit)
         stats.host_s += host_before + (time.perf_counter() - t)

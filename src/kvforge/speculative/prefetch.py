@@ -94,21 +94,12 @@ class Prefetcher:
         self.history = history
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-prefetch")
         self.probes = self.hits = 0
-        self.build_s = 0.0
         self.needed: list[int | None] = []  # per probe: the smallest budget that would have covered it
 
     def start(self, requests: dict[int, tuple[object, list[int], list[int]]]) -> Future:
         """Build tables for {request: (ngram cache, context, draft)} on the worker; returns a
         future of {request: Branch}. The caller must not modify the caches until it resolves."""
-        return self.pool.submit(self._build_all, requests)
-
-    def _build_all(self, requests) -> dict[int, Branch]:
-        import time
-
-        start = time.perf_counter()
-        out = {key: self._build(key, cache, context, draft) for key, (cache, context, draft) in requests.items()}
-        self.build_s += time.perf_counter() - start
-        return out
+        return self.pool.submit(lambda: {key: self._build(key, *request) for key, request in requests.items()})
 
     def _build(self, key: int, cache, context: list[int], draft: list[int]) -> Branch:
         branch = Branch(context, draft)
