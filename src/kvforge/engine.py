@@ -188,11 +188,11 @@ class Engine:
             positions[row, longest - n :] = torch.arange(n) + start[row]
         return ids.to(self.device), positions.to(self.device)
 
-    def generate(self, prompts, config=None, on_text=None, plan: PrefillPlan | None = None):
+    def generate(self, prompts, config=None, on_text=None, plan: PrefillPlan | None = None, cache: KVCache | None = None):
         """See `kvforge.generation.generate`."""
         from kvforge.generation import generate
 
-        return generate(self, prompts, config, on_text, plan)
+        return generate(self, prompts, config, on_text, plan, cache)
 
 
 def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:

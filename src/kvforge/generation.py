@@ -76,16 +76,19 @@ def generate(
     config: GenerationConfig | None = None,
     on_text: Callable[[int, str], None] | None = None,
     plan=None,
+    cache=None,
 ) -> list[Generation]:
     """Generate for one prompt (a list of ids) or a batch (a list of lists).
 
     `on_text(i, delta)` receives sequence i's new text as it is produced. `plan`: a
-    `PrefillPlan` for the prompt (one prompt); decode always runs every layer.
+    `PrefillPlan` for the prompt (one prompt); decode always runs every layer. `cache`: the
+    prompts continue the sequences it holds (a translated cache, for a hand-off).
     """
     config = config or GenerationConfig()
     if prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    context = check_prompts(prompts, engine.model.context_length)
+    cached = cache.next_positions().tolist() if cache is not None else [0] * len(prompts)
+    context = check_prompts(prompts, engine.model.context_length, cached)
     tokenizer = engine.model.tokenizer
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
@@ -93,8 +96,8 @@ def generate(
     seqs = [_Sequence(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()
-    logits, cache = engine.prefill(prompts, chunk_size=config.chunk_size, plan=plan)
-    positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=engine.device)
+    logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
+    positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
         tokens = sample(logits, params, generator)
@@ -130,13 +133,16 @@ def generate(
     ]
 
 
-def check_prompts(prompts: list[list[int]], context: int) -> int:
-    """Raise a PromptError for an empty prompt or one that fills the context; returns the context."""
-    for p in prompts:
+def check_prompts(prompts: list[list[int]], context: int, cached: list[int] | None = None) -> int:
+    """Raise a PromptError for an empty prompt or one that fills the context (with the `cached`
+    tokens before it); returns the context."""
+    for i, p in enumerate(prompts):
         if not p:
             raise PromptError("empty prompt: give at least one token")
-        if len(p) >= context:
-            raise PromptError(f"prompt has {len(p)} tokens but the model's context is {context} tokens")
+        before = cached[i] if cached else 0
+        if before + len(p) >= context:
+            held = f" after {before} cached" if before else ""
+            raise PromptError(f"prompt has {len(p)} tokens{held} but the model's context is {context} tokens")
     return context
 
 

@@ -53,6 +53,14 @@ class Moments:
             self.n + other.n, self.sx + other.sx, self.sy + other.sy, self.xx + other.xx, self.xy + other.xy, self.yy + other.yy
         )
 
+    def select(self, inputs: torch.Tensor, outputs: torch.Tensor) -> "Moments":
+        """The moments of a sub-problem: the chosen input and output features (index tensors).
+        A fit over many candidate inputs accumulates once and solves any subset (KV-Lingo's
+        layer assignments)."""
+        return Moments(
+            self.n, self.sx[inputs], self.sy[outputs], self.xx[inputs][:, inputs], self.xy[inputs][:, outputs], self.yy[outputs]
+        )
+
     def centred(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean x, mean y, cov x (I, I), cov xy (I, O)), population normalisation."""
         if self.n == 0:
@@ -134,3 +142,31 @@ def pick_lambda(
     e = eigen(fit)
     scores = {lam: float(r2(held_out, *solve(fit, lam, rel_tol, e)).mean()) for lam in candidates}
     return max(scores, key=scores.get), scores
+
+
+def explained(moments: Moments, lam: float = 0.0, rel_tol: float = 1e-8) -> float:
+    """Variance-weighted R² (1 - ΣSSE / ΣSST) of the ridge fit on its own data."""
+    w, b = solve(moments, lam, rel_tol)
+    return float(r2_pooled(moments, w, b))
+
+
+def greedy_select(
+    moments: Moments, groups: list[torch.Tensor], count: int, outputs: torch.Tensor, lam: float = 0.0, rel_tol: float = 1e-8
+) -> list[int]:
+    """Forward selection: `count` of the input groups (index tensors into the inputs), each step
+    adding the group whose joint ridge fit with those already chosen leaves the least residual
+    on `outputs`. Returns the chosen group numbers in the order picked."""
+    if count > len(groups):
+        raise ValueError(f"cannot select {count} of {len(groups)} groups")
+    chosen: list[int] = []
+    for _ in range(count):
+        best, best_r2 = -1, -float("inf")
+        for g in range(len(groups)):
+            if g in chosen:
+                continue
+            inputs = torch.cat([groups[i] for i in chosen + [g]])
+            score = explained(moments.select(inputs, outputs), lam, rel_tol)
+            if score > best_r2:
+                best, best_r2 = g, score
+        chosen.append(best)
+    return chosen

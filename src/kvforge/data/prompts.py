@@ -46,3 +46,27 @@ def token_sequences(tokenizer, length: int, split: str = "fit") -> Iterator[list
         while len(buffer) >= length:
             yield buffer[:length]
             buffer = list(prefix) + buffer[length:]
+
+
+def plain_text(conv, max_chars: int | None = None) -> str:
+    """A conversation as plain text ("User: …\\n\\nAssistant: …"), the same string for every
+    model: two models with different chat templates and tokenizers read identical text."""
+    text = "\n\n".join(f"{role.capitalize()}: {content.strip()}" for role, content in conv.turns)
+    return text if max_chars is None else text[:max_chars]
+
+
+def plain_texts(split: str, count: int, min_chars: int, max_chars: int, skip: int = 0) -> list[str]:
+    """`count` conversations of `split` with at least `min_chars` characters, as plain text cut
+    to `max_chars`."""
+    out = []
+    for conv in conversations(split):
+        text = plain_text(conv)
+        if len(text) < min_chars:
+            continue
+        if skip:
+            skip -= 1
+            continue
+        out.append(text[:max_chars])
+        if len(out) == count:
+            return out
+    raise ValueError(f"the {split} split holds fewer than {count} conversations of {min_chars}+ characters")

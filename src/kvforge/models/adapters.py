@@ -82,6 +82,33 @@ class LlamaAdapter:
         cos, sin = rope[self.rope_key(layer)]
         return apply_rope(self._k_norm(self.layers[layer].self_attn, k), cos, sin)
 
+    # --- key stages (KV-Lingo reads and writes keys before RoPE and before the k-norm) -------
+    def unrotate_keys(self, layer: int, k: torch.Tensor, rope: dict) -> torch.Tensor:
+        """Cached keys (B, H, T, D) rotated back to position 0: the key after k-norm, before RoPE."""
+        cos, sin = rope[self.rope_key(layer)]
+        return apply_rope(k, cos, -sin)
+
+    def key_norm_scale(self, layer: int) -> torch.Tensor | None:
+        """(D,) the k-norm's per-dimension multiplier, or None for a family without k-norm.
+        Read off the module by normalising a vector of ones (RMS 1), so no family's weight
+        convention (w or 1 + w) is written here."""
+        attn = self.layers[layer].self_attn
+        ones = torch.ones(1, 1, 1, self.head_dim, dtype=self.qkv[layer][0].dtype, device=self.qkv[layer][0].device)
+        scaled = self._k_norm(attn, ones)
+        return None if scaled is ones else scaled.view(-1)
+
+    def finish_keys(self, layer: int, k: torch.Tensor, rope: dict, point: str) -> torch.Tensor:
+        """Keys (B, H, T, D) given at capture `point` made ready for the cache: pre-norm keys are
+        normalised and rotated, post-norm keys rotated, post-rope keys kept."""
+        if point == "pre-norm":
+            return self._rotate_key(layer, k, rope)
+        if point == "post-norm":
+            cos, sin = rope[self.rope_key(layer)]
+            return apply_rope(k, cos, sin)
+        if point == "post-rope":
+            return k
+        raise ValueError(f"unknown capture point {point!r}: use pre-norm, post-norm or post-rope")
+
     def _q_norm(self, attn: torch.nn.Module, q: torch.Tensor) -> torch.Tensor:
         return q
 

@@ -1,0 +1,120 @@
+"""Cross-tokenizer alignment: which source rows each target row reads.
+
+Each model tokenizes the same text its own way, so the two caches have different rows. Every
+token carries its character span in the text (the fast tokenizer's offsets). Rules:
+
+- Head rows. The target's leading rows up to and including its first token with a span (BoS and
+  any other span-less prefix, then the first text token) are computed by the target itself: a
+  row at the start of the sequence sees only the rows before it, so a target forward over those
+  few tokens gives their exact K/V. They are also the attention sink, whose state no linear map
+  predicts (DESIGN: ~100× the median norm), so they are kept out of the fit as well.
+- Every other target row i with span [s, e) reads source rows by one rule:
+    cover  the source token holding the target token's last character e-1 (with byte-level
+           tokenizers several tokens can share that character; the last of them, the one that
+           completes it). It may read up to a few characters past e: the whole prefix is known
+           at a hand-off, so that is not a leak, only a different cut of the same text.
+    last   the last source token ending at or before e: never reads past the target token, but
+           may stop short of it when a source token straddles e.
+    mean   the mean of every source token overlapping [s, e) (a many-to-one average).
+  Source tokens without a span (BoS, template tokens the text does not contain) are never
+  read. A target row whose rule finds nothing (a span-less row after the head, or characters
+  the source tokenizer dropped) reads what the row before it read; no input makes it fail.
+- Same tokenizer: spans coincide, and every rule reads source row i for target row i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN_RULES = ("cover", "last", "mean")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    ids: list[int]
+    spans: np.ndarray  # (T, 2) character [start, end), end == start for a span-less token
+
+
+def tokenize(tokenizer, text: str, add_special_tokens: bool = True) -> Tokenized:
+    """Ids and character spans of `text` (needs a fast tokenizer)."""
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return Tokenized(list(enc["input_ids"]), spans)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Target rows [head, n) each read a weighted set of source rows."""
+
+    head: int  # leading target rows the target computes itself
+    index: torch.Tensor  # (n - head, F) source rows (int64), padded with repeats of a valid row
+    weight: torch.Tensor  # (n - head, F) float32, rows sum to 1, padding weight 0
+    rule: str
+
+    @property
+    def rows(self) -> int:
+        return self.head + self.index.shape[0]
+
+    def gather(self, features: torch.Tensor) -> torch.Tensor:
+        """Source features (T_src, F_in) -> aligned features (n - head, F_in)."""
+        if self.index.shape[1] == 1:
+            return features[self.index[:, 0]]
+        return (features[self.index] * self.weight.unsqueeze(-1).to(features.dtype)).sum(1)
+
+    def truncate(self, rows: int) -> "Alignment":
+        """The alignment of the first `rows` target rows (all of them native when rows <= head)."""
+        if rows <= self.head:
+            return Alignment(rows, self.index[:0], self.weight[:0], self.rule)
+        return Alignment(self.head, self.index[: rows - self.head], self.weight[: rows - self.head], self.rule)
+
+
+def head_rows(target: Tokenized) -> int:
+    """Leading span-less target rows plus the first row with a span."""
+    has_span = target.spans[:, 1] > target.spans[:, 0]
+    if not has_span.any():
+        return len(target.ids)
+    return int(np.argmax(has_span)) + 1
+
+
+def align(source: Tokenized, target: Tokenized, rule: str = "cover") -> Alignment:
+    """The alignment of every target row to the source rows (see the module docstring)."""
+    if rule not in ALIGN_RULES:
+        raise ValueError(f"unknown alignment rule {rule!r}: use {', '.join(ALIGN_RULES)}")
+    head = head_rows(target)
+    src_rows = np.flatnonzero(source.spans[:, 1] > source.spans[:, 0])
+    if src_rows.size == 0:
+        raise ValueError("the source tokens carry no character spans: nothing to align")
+    starts, ends = source.spans[src_rows, 0], source.spans[src_rows, 1]
+    # Byte-level tokenizers may give a multi-token character overlapping spans; ends stay sorted.
+    ends = np.maximum.accumulate(ends)
+    picks: list[list[int]] = []
+    previous = [int(src_rows[0])]
+    for s, e in target.spans[head:]:
+        chosen: list[int] = []
+        if e > s:
+            if rule == "cover":
+                j = int(np.searchsorted(ends, e, side="left"))
+                if j < len(ends):
+                    j = int(np.searchsorted(ends, ends[j], side="right")) - 1
+                    chosen = [int(src_rows[j])]
+            elif rule == "last":
+                j = int(np.searchsorted(ends, e, side="right")) - 1
+                if j >= 0:
+                    chosen = [int(src_rows[j])]
+            else:
+                overlap = np.flatnonzero((starts < e) & (ends > s))
+                chosen = [int(src_rows[j]) for j in overlap]
+        chosen = chosen or previous
+        picks.append(chosen)
+        previous = chosen
+    width = max((len(p) for p in picks), default=1)
+    index = torch.zeros(len(picks), width, dtype=torch.long)
+    weight = torch.zeros(len(picks), width, dtype=torch.float32)
+    for i, p in enumerate(picks):
+        index[i, : len(p)] = torch.tensor(p)
+        index[i, len(p) :] = p[0]
+        weight[i, : len(p)] = 1.0 / len(p)
+    return Alignment(head, index, weight, rule)

@@ -1,0 +1,56 @@
+"""Capture points: what a translator reads from, and writes into, a KV cache.
+
+Shapes: T rows, H KV heads, D head dim; features are (T, H·D), heads side by side.
+
+A cache stores keys after the k-norm and RoPE. Keys are read at one of three points:
+  post-rope  the stored keys;
+  post-norm  the stored keys rotated back to position 0 (RoPE is a rotation, so this is exact);
+  pre-norm   post-norm keys divided by the k-norm's per-dimension weight: the raw projected key
+             up to each row's RMS, which the norm removed and the cache does not keep. The
+             target's k-norm is invariant to that scale, so nothing the target reads is lost;
+             for a family without k-norm (Llama) pre-norm and post-norm are the same keys.
+Both models are read the same way, from exact caches, at fit time and at hand-off time, so a
+translator sees at hand-off exactly the features it was fitted on. Written keys go back through
+the target's own k-norm (pre-norm) and RoPE (pre- and post-norm) at the target's positions.
+Values have no stages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.cache import KVCache
+
+CAPTURE_POINTS = ("pre-norm", "post-norm", "post-rope")
+
+
+def check_point(point: str) -> str:
+    if point not in CAPTURE_POINTS:
+        raise ValueError(f"unknown capture point {point!r}: use {', '.join(CAPTURE_POINTS)}")
+    return point
+
+
+def cache_features(adapter, cache: KVCache, point: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys at `point` and values of sequence 0, per layer, as float32 (T, H·D) features."""
+    check_point(point)
+    lengths = set(cache.lengths())
+    if len(lengths) != 1:
+        raise ValueError("a translated cache must hold every row in every layer (an exact prefill)")
+    positions = cache[0].row_positions()[:1]
+    rope = adapter.rope(cache[0].keys()[:1, 0], positions) if point != "post-rope" else None
+    keys, values = [], []
+    for layer in range(len(cache)):
+        k = cache[layer].keys()[:1]
+        if rope is not None:
+            k = adapter.unrotate_keys(layer, k, rope)
+            scale = adapter.key_norm_scale(layer) if point == "pre-norm" else None
+            if scale is not None:
+                k = k / torch.where(scale.abs() < 1e-6, torch.full_like(scale, 1e-6), scale)
+        keys.append(_flat(k))
+        values.append(_flat(cache[layer].values()[:1]))
+    return keys, values
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(1, H, T, D) -> (T, H·D) float32."""
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1).float()

@@ -1,0 +1,129 @@
+"""Stage 1: closed-form translators from float64 second moments.
+
+Both models prefill the same plain texts (the fit split of the packaged chat data) exactly; each
+target row past the head is paired with its aligned source row(s) (`align`). For keys and for
+values the moments of x = every source layer's features side by side against y = every target
+layer's are accumulated once (`ridge.Moments`), so any layer assignment, head-wise or
+head-mixing, is a sub-block: r2 and greedy selection cost ridge solves only. Each map is then
+solved by symmetric eigendecomposition with eigenvalues below `rel_tol` × the largest treated
+as zero (λ = 0 by default, as the source; `lam` adds a ridge). Continuations are not used.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvforge import ridge
+from kvforge.data.prompts import plain_texts
+from kvforge.translate.align import ALIGN_RULES, align, tokenize
+from kvforge.translate.assign import ASSIGNMENTS, assign_layers, feature_block
+from kvforge.translate.capture import cache_features, check_point
+from kvforge.translate.translator import SIDES, ModelSide, Translator
+
+
+@dataclass(frozen=True)
+class LingoFitConfig:
+    capture: str = "pre-norm"
+    align: str = "cover"
+    assign: str = "depth"
+    nu: int = 3
+    head_wise: bool = False
+    conversations: int = 32
+    max_chars: int = 4000  # per conversation: ~1K tokens on both models here
+    lam: float = 0.0
+    rel_tol: float = 1e-8
+
+    def __post_init__(self):
+        check_point(self.capture)
+        if self.align not in ALIGN_RULES:
+            raise ValueError(f"unknown alignment rule {self.align!r}: use {', '.join(ALIGN_RULES)}")
+        if self.assign not in ASSIGNMENTS:
+            raise ValueError(f"unknown layer assignment {self.assign!r}: use {', '.join(ASSIGNMENTS)}")
+        if self.conversations < 1 or self.max_chars < 16:
+            raise ValueError("need at least one conversation of at least 16 characters")
+
+
+def aligned_features(source, target, text: str, capture: str, rule: str):
+    """(x per side: source layers side by side (N, L_s·W_s), y: target layers (N, L_t·W_t)) for
+    the target rows of `text` past the head."""
+    src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
+    alignment = align(src, tgt, rule)
+    _, src_cache = source.prefill([src.ids], logits="none")
+    _, tgt_cache = target.prefill([tgt.ids], logits="none")
+    src_k, src_v = cache_features(source.adapter, src_cache, capture)
+    tgt_k, tgt_v = cache_features(target.adapter, tgt_cache, capture)
+    x = {"k": torch.cat([alignment.gather(f) for f in src_k], 1), "v": torch.cat([alignment.gather(f) for f in src_v], 1)}
+    y = {"k": torch.cat([f[alignment.head :] for f in tgt_k], 1), "v": torch.cat([f[alignment.head :] for f in tgt_v], 1)}
+    return x, y
+
+
+def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None) -> dict[str, ridge.Moments]:
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    moments = {side: ridge.Moments.zeros(s.num_layers * s.width, t.num_layers * t.width) for side in SIDES}
+    for text in texts:
+        x, y = aligned_features(source, target, text, capture, rule)
+        for side in SIDES:
+            moments[side].update(x[side], y[side])
+        if progress:
+            progress(x["k"].shape[0])
+    return moments
+
+
+def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSide, config: LingoFitConfig, progress=None) -> Translator:
+    """Assign layers and solve every map from accumulated moments."""
+    check_head_wise(config, s, t)
+    sources, weights, biases, r2_fit = {}, {}, {}, {}
+    for side in SIDES:
+        m = moments[side]
+        sources[side] = assign_layers(config.assign, s.num_layers, t.num_layers, config.nu, m, s.width, t.width, config.lam)
+        weights[side], biases[side], r2_fit[side] = [], [], []
+        for layer, chosen in enumerate(sources[side]):
+            groups = t.kv_heads if config.head_wise else 1
+            ws, bs, sse, sst = [], [], 0.0, 0.0
+            for g in range(groups):
+                inputs, outputs = _group_features(chosen, layer, g, s, t, config.head_wise)
+                sub = m.select(inputs, outputs)
+                w, b = ridge.solve(sub, config.lam, config.rel_tol)
+                e, total = ridge.residuals(sub, w, b)
+                sse, sst = sse + float(e.sum()), sst + float(total.sum())
+                ws.append(w.float())
+                bs.append(b.float())
+            weights[side].append(torch.stack(ws))
+            biases[side].append(torch.cat(bs))
+            r2_fit[side].append(1.0 - sse / max(sst, 1e-300))
+            if progress:
+                progress(side, layer)
+    info = {
+        "stage": 1,
+        "fit": {**asdict(config), "tokens": moments["k"].n, "data": f"sharegpt fit split, {config.conversations} conversations as plain text, ≤ {config.max_chars} characters"},
+        "r2_fit": r2_fit,
+    }
+    return Translator(s, t, config.capture, config.align, config.assign, config.nu, config.head_wise, sources, weights, biases, info)
+
+
+def check_head_wise(config: LingoFitConfig, s: ModelSide, t: ModelSide) -> None:
+    if config.head_wise and s.kv_heads != t.kv_heads:
+        raise ValueError(f"head-wise maps need equal KV head counts ({s.name}: {s.kv_heads}, {t.name}: {t.kv_heads}); drop --head-wise")
+
+
+def _group_features(chosen: list[int], layer: int, group: int, s: ModelSide, t: ModelSide, head_wise: bool):
+    """Input and output feature indices of one map: all heads (head-mixing) or one head."""
+    if not head_wise:
+        return torch.cat([feature_block(c, s.width) for c in chosen]), feature_block(layer, t.width)
+    inputs = torch.cat([c * s.width + group * s.head_dim + torch.arange(s.head_dim) for c in chosen])
+    return inputs, layer * t.width + group * t.head_dim + torch.arange(t.head_dim)
+
+
+def fit_lingo(source, target, config: LingoFitConfig, progress=None) -> Translator:
+    """Stage 1 end to end: capture, accumulate, assign, solve. `progress(tokens)` per text."""
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    check_head_wise(config, s, t)
+    start = time.perf_counter()
+    texts = plain_texts("fit", config.conversations, min_chars=200, max_chars=config.max_chars)
+    moments = accumulate(source, target, texts, config.capture, config.align, progress)
+    translator = solve_translator(moments, s, t, config)
+    translator.info["seconds"] = time.perf_counter() - start
+    return translator

@@ -1,0 +1,99 @@
+"""Hand-off: a source model's cache becomes a target model's cache, and the target goes on.
+
+The source has prefilled the text (it holds the conversation so far). The target's cache gets
+its head rows computed natively (a forward over a few leading tokens, see `align`) and every
+later row but the last translated from the aligned source rows; the target's last token then
+runs as an ordinary step on that cache, producing the first token, and the target decodes on at
+its native speed: the translated cache has the target's own shape.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.cache import KVCache, RowKind
+from kvforge.errors import PromptError
+from kvforge.translate.align import Alignment, align, tokenize
+from kvforge.translate.capture import cache_features
+from kvforge.translate.translator import ModelSide, Translator
+
+
+def check_source_cache(translator: Translator, cache: KVCache, rows: int) -> None:
+    """One-line error unless `cache` has the source model's layout and `rows` rows."""
+    s = translator.source
+    layout = (len(cache), cache[0].k.shape[1], cache[0].k.shape[3])
+    if layout != (s.num_layers, s.kv_heads, s.head_dim):
+        raise ValueError(
+            f"source cache has {layout[0]} layers × {layout[1]} KV heads × {layout[2]}, "
+            f"but {s.name} has {s.num_layers} × {s.kv_heads} × {s.head_dim}"
+        )
+    if cache.batch_size != 1:
+        raise ValueError(f"a hand-off translates one sequence, the source cache holds {cache.batch_size}")
+    if cache.lengths()[0] != rows:
+        raise ValueError(f"source cache holds {cache.lengths()[0]} rows but the text is {rows} source tokens")
+
+
+def translate_cache(
+    translator: Translator, source, target, source_cache: KVCache, alignment: Alignment, target_ids: list[int]
+) -> KVCache:
+    """The target's cache for target rows [0, alignment.rows): head rows native, the rest
+    translated from `source_cache` (the source engine's exact cache of the same text)."""
+    head = min(alignment.head, alignment.rows)
+    cache = target.new_cache(1, capacity=alignment.rows + 1)
+    if head:
+        target.prefill([target_ids[:head]], cache=cache, logits="none")
+    n = alignment.rows - head
+    if n <= 0:
+        return cache
+    keys, values = cache_features(source.adapter, source_cache, translator.capture)
+    used = {s for side in translator.sources.values() for layer in side for s in layer}
+    aligned = {
+        "k": {s: alignment.gather(keys[s]) for s in used},
+        "v": {s: alignment.gather(values[s]) for s in used},
+    }
+    t = translator.target
+    positions = torch.arange(head, alignment.rows, device=target.device).view(1, -1)
+    rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
+    dtype = target.dtype
+    with torch.inference_mode():
+        for layer in range(t.num_layers):
+            k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
+            v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
+            k = target.adapter.finish_keys(layer, k.to(dtype), rope, translator.capture)
+            cache[layer].append(k, v.to(dtype), positions, RowKind.TRANSLATED)
+    return cache
+
+
+@dataclass
+class Handoff:
+    """A translated cache ready for the target: `pending` is the target's last token, to run next."""
+
+    cache: KVCache
+    pending: int
+    target_ids: list[int]
+    source_ids: list[int]
+    translate_s: float  # alignment + translation + the target's head rows
+
+
+def hand_off(translator: Translator, source, target, text: str, source_cache: KVCache | None = None) -> Handoff:
+    """Translate the source's cache of `text` into a target cache (the source prefills it first
+    when no cache is given). Raises a one-line error for a translator of another pair."""
+    translator.check_pair(ModelSide.of(source), ModelSide.of(target))
+    if not text or not text.strip():
+        raise PromptError("empty prompt: give some text")
+    src = tokenize(source.model.tokenizer, text)
+    tgt = tokenize(target.model.tokenizer, text)
+    for engine, tok in ((source, src), (target, tgt)):
+        if len(tok.ids) >= engine.model.context_length:
+            raise PromptError(f"prompt has {len(tok.ids)} tokens but {engine.model.name}'s context is {engine.model.context_length} tokens")
+    if source_cache is None:
+        _, source_cache = source.prefill([src.ids], logits="none")
+    check_source_cache(translator, source_cache, len(src.ids))
+    start = time.perf_counter()
+    alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
+    cache = translate_cache(translator, source, target, source_cache, alignment, tgt.ids)
+    return Handoff(cache, tgt.ids[-1], tgt.ids, src.ids, time.perf_counter() - start)
+

@@ -1,0 +1,163 @@
+"""The translator: per target layer ℓ and side (keys k, values v), a linear map from the
+features of the source layers E_ℓ to the target layer's features.
+
+Shapes: N rows; a source layer's features are (N, H_s·D_s), a target layer's (N, H_t·D_t).
+
+  head-mixing  one dense (ν·H_s·D_s) × (H_t·D_t) matrix over the ν source layers side by side;
+  head-wise    target head h reads only source head h of each source layer: H blocks of
+               (ν·D_s) × D_t (needs H_s = H_t; H times fewer weights and FLOPs).
+Both are stored as (G, in, out) with G = 1 or H, plus a bias (G·out,) (the closed-form fit is
+centred, so the map is affine; stage 2 may train it). The artifact is one .safetensors file
+whose metadata names both models (fingerprints), the capture point, the alignment rule, the
+layer assignment and ν, and what it was fitted on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvforge.cache import atomic_save_safetensors
+from kvforge.errors import ArtifactError
+
+FORMAT = "kvforge.lingo"
+FORMAT_VERSION = "1"
+SIDES = ("k", "v")
+
+
+@dataclass(frozen=True)
+class ModelSide:
+    """What a translator needs to know of one model."""
+
+    name: str
+    fingerprint: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def of(cls, engine) -> "ModelSide":
+        a = engine.adapter
+        return cls(engine.model.name, engine.model.fingerprint, a.num_layers, a.kv_heads, a.head_dim)
+
+    def label(self) -> str:
+        return f"{self.name} (fingerprint {self.fingerprint})"
+
+
+@dataclass
+class Translator:
+    source: ModelSide
+    target: ModelSide
+    capture: str
+    align: str
+    assign: str
+    nu: int
+    head_wise: bool
+    sources: dict[str, list[list[int]]]  # side -> E_ℓ per target layer
+    weights: dict[str, list[torch.Tensor]]  # side -> (G, in, out) per target layer
+    biases: dict[str, list[torch.Tensor]]  # side -> (G·out,) per target layer
+    info: dict = field(default_factory=dict)
+
+    @property
+    def groups(self) -> int:
+        return self.target.kv_heads if self.head_wise else 1
+
+    def inputs(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:
+        """(N, G, in): the features of E_ℓ, per head group when head-wise."""
+        x = torch.stack([source_features[s] for s in self.sources[side][layer]], dim=1)  # (N, ν, H·D)
+        n = x.shape[0]
+        if not self.head_wise:
+            return x.reshape(n, 1, -1)
+        x = x.view(n, x.shape[1], self.source.kv_heads, self.source.head_dim).transpose(1, 2)  # (N, H, ν, D)
+        return x.reshape(n, self.source.kv_heads, -1)
+
+    def apply(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:
+        """Source features per layer (N, H_s·D_s) -> target layer features (N, H_t·D_t)."""
+        x = self.inputs(side, layer, source_features)
+        w = self.weights[side][layer]
+        y = torch.einsum("ngi,gio->ngo", x.to(w.dtype), w)
+        return y.reshape(x.shape[0], -1) + self.biases[side][layer]
+
+    def macs_per_token(self) -> int:
+        """Multiply-accumulates of translating one token (both sides, every target layer)."""
+        return sum(int(w.numel()) for side in SIDES for w in self.weights[side])
+
+    def zeroed(self) -> "Translator":
+        """The untrained baseline: every map and bias zero (same shapes and assignment)."""
+        zero = lambda ts: [torch.zeros_like(t) for t in ts]  # noqa: E731
+        return Translator(
+            self.source, self.target, self.capture, self.align, self.assign, self.nu, self.head_wise, self.sources,
+            {s: zero(self.weights[s]) for s in SIDES}, {s: zero(self.biases[s]) for s in SIDES}, {"baseline": "zero"},
+        )
+
+    # --- checks ------------------------------------------------------------------------------
+    def check_pair(self, source: ModelSide, target: ModelSide, capture: str | None = None) -> None:
+        """One-line error unless this translator maps `source` into `target` (at `capture`)."""
+        if (source.fingerprint, target.fingerprint) == (self.target.fingerprint, self.source.fingerprint) and source != target:
+            raise ArtifactError(
+                f"translator maps {self.source.name} → {self.target.name}, the other direction from {source.name} → {target.name}"
+            )
+        if source.fingerprint != self.source.fingerprint or target.fingerprint != self.target.fingerprint:
+            raise ArtifactError(
+                f"translator was fitted for {self.source.label()} → {self.target.label()}, "
+                f"not {source.label()} → {target.label()}"
+            )
+        if capture is not None and capture != self.capture:
+            raise ArtifactError(f"translator reads keys at {self.capture}, not {capture}")
+
+    # --- artifact ----------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        tensors: dict[str, torch.Tensor] = {}
+        for side in SIDES:
+            for layer, (w, b) in enumerate(zip(self.weights[side], self.biases[side])):
+                tensors[f"{side}.{layer}.weight"] = w.detach().float().contiguous()
+                tensors[f"{side}.{layer}.bias"] = b.detach().float().contiguous()
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kind": "translator",
+            "source": json.dumps(asdict(self.source)),
+            "target": json.dumps(asdict(self.target)),
+            "capture": self.capture,
+            "align": self.align,
+            "assign": self.assign,
+            "nu": str(self.nu),
+            "head_wise": json.dumps(self.head_wise),
+            "sources": json.dumps(self.sources),
+            "info": json.dumps(self.info),
+        }
+        path = Path(path)
+        atomic_save_safetensors(tensors, path, meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Translator":
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"no translator at {path}: fit one with `kvforge fit lingo`")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise ArtifactError(f"{path} is not a kvforge translator (format={meta.get('format')!r})")
+                if meta.get("format_version") != FORMAT_VERSION:
+                    raise ArtifactError(f"{path} has translator format {meta.get('format_version')}, this kvforge reads {FORMAT_VERSION}")
+                source, target = ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"]))
+                weights = {s: [f.get_tensor(f"{s}.{l}.weight") for l in range(target.num_layers)] for s in SIDES}
+                biases = {s: [f.get_tensor(f"{s}.{l}.bias") for l in range(target.num_layers)] for s in SIDES}
+                return cls(
+                    source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
+                    json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]),
+                )
+        except ArtifactError:
+            raise
+        except Exception as exc:  # safetensors and json raise several types for a damaged file
+            raise ArtifactError(f"cannot read translator {path}: {type(exc).__name__}: {exc}") from exc
