@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvforge.cli import app
 
 runner = CliRunner()
-SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout"]
+SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout", "handoff"]
 
 
 def _run(*args):
@@ -27,7 +27,7 @@ def test_help_lists_every_subcommand_and_each_has_help():
     for name in SUBCOMMANDS:
         assert name in result.stdout
     for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"],
-                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"], ["bench", "ngram"], ["rollout"]):
+                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"], ["bench", "ngram"], ["rollout"], ["handoff"], ["fit", "lingo"], ["eval", "lingo"], ["bench", "lingo"]):
         assert _run(*args, "--help").exit_code == 0, args
 
 
@@ -224,3 +224,67 @@ def test_drafting_bad_input_is_one_line(tiny_model_dir, tmp_path):
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory):
+    """A tiny Gemma 3 (k-norm, sliding layers) sharing the llama fixture's tokenizer."""
+    from conftest import char_tokenizer, tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma")
+    tiny_hf_model("gemma3", seed=3).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_translator(tiny_gemma_dir, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lingo") / "t.safetensors"
+    result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "r2", "--nu", 2,
+                  "--conversations", 2, "--max-chars", 300, "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    obj = _last_json(result)
+    assert obj["command"] == "fit lingo" and obj["tokens"] > 0 and len(obj["sources"]["k"]) == 4
+    assert all(len(chosen) == 2 for chosen in obj["sources"]["v"])
+    return out
+
+
+def test_handoff_generates_from_the_translated_cache(tiny_gemma_dir, tiny_model_dir, tiny_translator):
+    obj = _last_json(_run("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
+                          "--prompt", "the cat sat on the mat. the cat", "-n", 5, "--json"))
+    assert obj["command"] == "handoff" and obj["tokens"] == obj["source_tokens"] == 31
+    assert len(obj["token_ids"]) == 5 and obj["ttft_s"] >= obj["translate_s"] > 0
+
+
+def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+    base = ("--translator", tiny_translator, "--prompt", "hello there")
+    cases = [
+        (("handoff", "--source", tiny_model_dir, "--target", tiny_gemma_dir, *base), "other direction"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, *base, "--capture", "post-rope"), "reads keys at pre-norm, not post-rope"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--prompt", " "), "empty prompt"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tmp_path / "no.safetensors", "--prompt", "x"), "no translator"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
+    ]
+    for args, message in cases:
+        result = _run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+    ev = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 2, "--prefix-chars", 200, "--continuation-chars", 60,
+              "--plot", tmp_path / "cka.png", "--json")
+    assert ev.exit_code == 0, ev.output
+    obj = _last_json(ev)
+    for key in ("bpb_target_native", "bpb_target_translated", "bpb_source_native", "bpb_target_zero", "kl", "r2_keys_mean", "r2_values_mean"):
+        assert obj[key] == obj[key], key  # a number, not NaN
+    assert obj["kl"] >= 0 and len(obj["cka_keys"]) == 4 and len(obj["cka_keys"][0]) == 4
+    assert all(0 <= c <= 1 + 1e-9 for row in obj["cka_values"] for c in row)
+    assert (tmp_path / "cka.png").is_file()
+    bench = _run("bench", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
+                 "--tokens", 40, "--runs", 1, "--json")
+    assert bench.exit_code == 0, bench.output
+    row = _last_json(bench)["results"][0]
+    assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * 64 * 32

@@ -56,6 +56,7 @@ def test_demo_answers_a_long_real_prompt(engine):
 
     rows, prompt = run_demo(engine, max_new_tokens=8)
     assert rows[0].method == "exact" and rows[0].prompt_tokens > 1000
-    assert [r.method.split()[0] for r in rows] == ["exact", "ridgefill", "speed", "ngram"]
+    assert [r.method.split()[0] for r in rows] == ["exact", "ridgefill", "speed", "ngram", "handoff"]
     assert rows[3].answer == rows[0].answer  # lossless drafting: exact's greedy answer
     assert rows[0].answer and prompt.endswith("two sentences.")
+    assert rows[4].method == "handoff from gemma3-270m (stage 1)" and rows[4].ttft_s < rows[0].ttft_s

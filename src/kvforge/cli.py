@@ -765,6 +765,12 @@ def demo(
 
     if not default_maps_path(engine.model.name).is_file():
         err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {default_maps_path(engine.model.name)}[/dim]")
+    from kvforge.demo import PARTNERS
+    from kvforge.translate.translator import default_translator_path
+
+    partner = PARTNERS.get(engine.model.name)
+    if partner and not default_translator_path(partner, engine.model.name).is_file():
+        err.print(f"[dim]first run: fitting a KV-Lingo translator {partner} → {model} once (a few minutes), cached in {default_translator_path(partner, engine.model.name)}[/dim]")
     with err.status("answering"):
         rows, prompt = run_demo(engine, max_new_tokens)
     if json_out:
@@ -787,6 +793,10 @@ def demo(
     for r in rows:
         answer = " ".join(r.answer.split())
         out.print(f"[bold]{r.method}[/bold]: {answer[:400]}{'…' if len(answer) > 400 else ''}", highlight=False)
+
+
+# KV-Lingo commands live in their own module; importing it registers them on the apps above.
+from kvforge import cli_lingo  # noqa: E402,F401
 
 
 def main() -> None:

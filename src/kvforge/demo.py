@@ -99,7 +99,34 @@ def run_ngram(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> Dem
     return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
-DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed, "ngram": run_ngram}
+PARTNERS = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}  # the packaged KV-Lingo pair
+DEMO_LINGO_CONVERSATIONS = 16  # a first-run fit of a few minutes; `kvforge fit lingo` defaults to 32
+
+
+def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    """The other packaged model prefills the same text; its cache is translated into this
+    model's (the cached stage-1 translator, fitted once when missing) and this model answers
+    without re-prefilling. TTFT is the hand-off's: translation + the first step (the source
+    already held the conversation)."""
+    from kvforge.models.loading import load_model
+    from kvforge.translate.fit import LingoFitConfig, fit_lingo
+    from kvforge.translate.handoff import hand_off
+    from kvforge.translate.translator import Translator, default_translator_path
+
+    partner = PARTNERS.get(engine.model.name)
+    if partner is None:
+        return DemoRow("handoff (no packaged partner for this model)", len(prompt_ids), 0.0, 0.0, "")
+    source = Engine(load_model(partner, device=str(engine.device)))
+    path = default_translator_path(partner, engine.model.name)
+    if not path.is_file():
+        fit_lingo(source, engine, LingoFitConfig(conversations=DEMO_LINGO_CONVERSATIONS)).save(path)
+    text = engine.model.tokenizer.decode(prompt_ids)
+    h = hand_off(Translator.load(path), source, engine, text)
+    out = engine.generate([h.pending], GenerationConfig(max_new_tokens=max_new_tokens), cache=h.cache)[0]
+    return DemoRow(f"handoff from {partner} (stage 1)", len(h.target_ids), h.translate_s + out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+
+
+DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed, "ngram": run_ngram, "handoff": run_handoff}
 
 
 def run_demo(engine: Engine, max_new_tokens: int = 64) -> tuple[list[DemoRow], str]:

@@ -94,7 +94,8 @@ class LlamaAdapter:
         convention (w or 1 + w) is written here."""
         attn = self.layers[layer].self_attn
         ones = torch.ones(1, 1, 1, self.head_dim, dtype=self.qkv[layer][0].dtype, device=self.qkv[layer][0].device)
-        scaled = self._k_norm(attn, ones)
+        with torch.no_grad():
+            scaled = self._k_norm(attn, ones)
         return None if scaled is ones else scaled.view(-1)
 
     def finish_keys(self, layer: int, k: torch.Tensor, rope: dict, point: str) -> torch.Tensor:

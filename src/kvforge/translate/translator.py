@@ -161,3 +161,11 @@ class Translator:
             raise
         except Exception as exc:  # safetensors and json raise several types for a damaged file
             raise ArtifactError(f"cannot read translator {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def default_translator_path(source: str, target: str) -> Path:
+    """Where `kvforge fit lingo` writes by default and the demo looks: $KVFORGE_HOME/translators."""
+    from kvforge.models.loading import kvforge_home
+
+    safe = lambda name: "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)  # noqa: E731
+    return kvforge_home() / "translators" / f"{safe(source)}-to-{safe(target)}.safetensors"

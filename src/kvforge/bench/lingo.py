@@ -1,0 +1,88 @@
+"""Hand-off time to first token: the target re-prefilling the text vs translating the source's
+cache and running one decoding step, in one process, interleaved, median of `runs`.
+
+The source already holds its cache (it has just served the conversation), so its prefill is not
+timed; text is tokenized once outside both arms. The hand-off arm times alignment, translation
+(head rows native) and the target's step on its last token. FLOPs: the translator's multiply-
+accumulates per token next to the target's own per-token prefill MACs, and the MAC ceiling
+(re-prefill MACs / (translation + head rows + one step)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.bench.flops import decode_macs, exact_macs
+from kvforge.bench.harness import environment, interleaved_metric_medians, timed
+from kvforge.data.prompts import plain_texts
+from kvforge.translate.align import align, tokenize
+from kvforge.translate.handoff import translate_cache
+from kvforge.translate.translator import Translator
+
+
+def text_of_tokens(tokenizer, tokens: int) -> str:
+    """Held-out plain text that `tokenizer` makes into exactly `tokens` tokens (BoS included)."""
+    pieces, text = plain_texts("held_out", 400, min_chars=200, max_chars=20000), ""
+    for piece in pieces:
+        text = f"{text}\n\n{piece}" if text else piece
+        t = tokenize(tokenizer, text)
+        if len(t.ids) >= tokens:
+            end = int(t.spans[tokens - 1, 1])
+            return text[:end]
+    raise ValueError(f"held-out data holds fewer than {tokens} tokens")
+
+
+def bench_lingo(translator: Translator, source, target, lengths: list[int], runs: int = 3, progress=None) -> dict:
+    results = []
+    for n in lengths:
+        text = text_of_tokens(target.model.tokenizer, n)
+        src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
+        _, src_cache = source.prefill([src.ids], logits="none")
+        if progress:
+            progress(f"{n} target tokens ({len(src.ids)} source tokens)")
+
+        def reprefill():
+            seconds, _ = timed(lambda: target.prefill([tgt.ids]))
+            return {"s": seconds}
+
+        def handoff():
+            def run():
+                alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
+                cache = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
+                return cache
+
+            translate_s, cache = timed(run)
+            step_s, _ = timed(lambda: target.decode_step(torch.tensor([tgt.ids[-1]]), cache))
+            return {"s": translate_s + step_s, "translate_s": translate_s, "step_s": step_s}
+
+        medians = interleaved_metric_medians({"reprefill": reprefill, "handoff": handoff}, runs)
+        head = align(src, tgt, translator.align).head
+        translated_rows = max(len(tgt.ids) - 1 - head, 0)
+        a = target.adapter
+        handoff_macs = translator.macs_per_token() * translated_rows + exact_macs(a, head) + decode_macs(a, [len(tgt.ids) - 1] * a.num_layers)
+        results.append(
+            {
+                "tokens": len(tgt.ids),
+                "source_tokens": len(src.ids),
+                "method": "handoff",
+                "reprefill_s": medians["reprefill"]["s"],
+                "handoff_s": medians["handoff"]["s"],
+                "translate_s": medians["handoff"]["translate_s"],
+                "step_s": medians["handoff"]["step_s"],
+                "speedup": medians["reprefill"]["s"] / medians["handoff"]["s"],
+                "ceiling": exact_macs(a, len(tgt.ids)) / handoff_macs,
+                "translator_macs_per_token": translator.macs_per_token(),
+                "target_macs_per_token": exact_macs(a, len(tgt.ids)) / len(tgt.ids),
+            }
+        )
+    return {
+        "command": "bench lingo",
+        "model": target.model.name,
+        "source": source.model.name,
+        "target": target.model.name,
+        "method": "handoff",
+        "tokens": [r["tokens"] for r in results],
+        "runs": runs,
+        **environment(),
+        "results": results,
+    }

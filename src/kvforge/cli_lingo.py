@@ -1,0 +1,206 @@
+"""`kvforge fit lingo`, `handoff`, `eval lingo`, `bench lingo`: KV-Lingo on the command line.
+Registered on the main app by `kvforge.cli`; no algorithm lives here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.cli import (
+    DeviceOpt, JsonOpt, ThreadsOpt, _emit, _load, _parse_lengths, _read_prompt, _safe, _setup, app, bench_app, err, eval_app,
+    fit_app, user_errors,
+)
+from kvforge.errors import KvforgeError
+
+SourceOpt = typer.Option("gemma3-270m", "--source", help="Model whose cache is translated.")
+TargetOpt = typer.Option("smollm2-135m", "--target", help="Model that decodes from the translated cache.")
+TranslatorOpt = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the cached one for the pair).")
+
+
+def _translator(path: Optional[Path], source: str, target: str):
+    from kvforge.translate.translator import Translator, default_translator_path
+
+    return Translator.load(path or default_translator_path(source, target))
+
+
+@fit_app.command("lingo")
+@user_errors
+def fit_lingo_cmd(
+    source: str = SourceOpt,
+    target: str = TargetOpt,
+    assign: str = typer.Option("depth", "--assign", help="Layer assignment: identity, depth, greedy or r2."),
+    nu: int = typer.Option(3, "--nu", help="Source layers per target layer."),
+    capture: str = typer.Option("pre-norm", "--capture", help="Key capture point: pre-norm, post-norm or post-rope."),
+    align_rule: str = typer.Option("cover", "--align", help="Cross-tokenizer rule: cover, last or mean."),
+    head_wise: bool = typer.Option(False, "--head-wise", help="Block-diagonal maps, head h from head h (equal KV heads only)."),
+    conversations: int = typer.Option(32, "--conversations", help="Fit conversations (plain text)."),
+    max_chars: int = typer.Option(4000, "--max-chars", help="Characters per conversation."),
+    lam: float = typer.Option(0.0, "--lam", help="Ridge λ relative to the mean input variance (0: eigen-truncation only)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Stage 1: closed-form KV-cache translator from SOURCE to TARGET (float64 moments, eigen-solve)."""
+    from tqdm import tqdm
+
+    from kvforge.translate.fit import LingoFitConfig, fit_lingo
+    from kvforge.translate.translator import default_translator_path
+
+    _setup(threads)
+    config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
+    src, tgt = _load(source, device), _load(target, device)
+    with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+
+        def progress(rows: int) -> None:
+            bar.set_postfix(rows=rows)
+            bar.update(1)
+
+        translator = fit_lingo(src, tgt, config, progress)
+    path = translator.save(out or default_translator_path(source, target))
+    r2 = translator.info["r2_fit"]
+    summary = {
+        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo",
+        "tokens": translator.info["fit"]["tokens"], "out": str(path), "seconds": translator.info["seconds"],
+        "r2_fit_keys_mean": sum(r2["k"]) / len(r2["k"]), "r2_fit_values_mean": sum(r2["v"]) / len(r2["v"]),
+        "sources": translator.sources, "macs_per_token": translator.macs_per_token(), **translator.info["fit"],
+    }
+    if json_out:
+        _emit(summary)
+        return
+    err.print(
+        f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, {summary['tokens']} rows in "
+        f"{summary['seconds']:.0f} s; fit R² keys {summary['r2_fit_keys_mean']:.3f}, values {summary['r2_fit_values_mean']:.3f}"
+    )
+
+
+@app.command()
+@user_errors
+def handoff(
+    source: str = SourceOpt,
+    target: str = TargetOpt,
+    translator: Optional[Path] = TranslatorOpt,
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text the source has prefilled."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="Read the text from a file."),
+    capture: Optional[str] = typer.Option(None, "--capture", help="Expected capture point (checked against the translator)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """SOURCE prefills the text, its cache is translated, TARGET answers from it without re-prefilling."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.translate.handoff import hand_off
+    from kvforge.translate.translator import ModelSide
+
+    _setup(threads)
+    if (prompt is None) == (prompt_file is None):
+        raise KvforgeError("give exactly one of --prompt or --prompt-file")
+    text = prompt if prompt is not None else _read_prompt(prompt_file)
+    tr = _translator(translator, source, target)
+    src, tgt = _load(source, device), _load(target, device)
+    tr.check_pair(ModelSide.of(src), ModelSide.of(tgt), capture)
+    with err.status(f"{source} prefills"):
+        h = hand_off(tr, src, tgt, text)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    out = tgt.generate([h.pending], config, cache=h.cache)[0]
+    result = {
+        "command": "handoff", "model": target, "source": source, "target": target, "method": "handoff",
+        "tokens": len(h.target_ids), "source_tokens": len(h.source_ids), "translate_s": h.translate_s,
+        "ttft_s": h.translate_s + out.ttft_s, "decode_tokens_per_s": out.decode_tokens_per_s,
+        "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+    }
+    if json_out:
+        _emit(result)
+        return
+    sys.stdout.write(out.text + "\n")
+    err.print(
+        f"[dim]{source} → {target}: {len(h.source_ids)} → {len(h.target_ids)} tokens, translated in {h.translate_s:.3f} s, "
+        f"TTFT {result['ttft_s']:.3f} s, {out.decode_tokens_per_s:.1f} tok/s[/dim]"
+    )
+
+
+@eval_app.command("lingo")
+@user_errors
+def eval_lingo_cmd(
+    translator: Path = typer.Option(..., "--translator", help="Translator from `kvforge fit lingo`."),
+    samples: int = typer.Option(24, "--samples", help="Held-out conversations."),
+    prefix_chars: int = typer.Option(2000, "--prefix-chars"),
+    continuation_chars: int = typer.Option(400, "--continuation-chars"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="CKA PNG (default: benchmarks/results/lingo-cka-<source>-to-<target>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Target loss from the translated cache vs native caches (bits per byte), KL, R², CKA, effective rank."""
+    from kvforge.evaluate.lingo import LingoEvalSettings, eval_lingo, plot_cka
+    from kvforge.translate.translator import ModelSide, Translator
+
+    _setup(threads)
+    tr = Translator.load(translator)
+    src, tgt = _load(tr.source.name, device), _load(tr.target.name, device)
+    tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
+    settings = LingoEvalSettings(samples=samples, prefix_chars=prefix_chars, continuation_chars=continuation_chars)
+    report = eval_lingo(tr, src, tgt, settings, progress=lambda i, n: err.print(f"[dim]sample {i}/{n}[/dim]"))
+    name = f"{_safe(tr.source.name)}-to-{_safe(tr.target.name)}"
+    report = {
+        "command": "eval lingo", "model": tr.target.name, "source": tr.source.name, "target": tr.target.name, "method": "lingo",
+        "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
+        "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), **report,
+    }
+    report["plot"] = plot_cka(report, tr, plot or Path("benchmarks/results") / f"lingo-cka-{name}.png")
+    if json_out:
+        _emit(report)
+        return
+    table = Table("arm", "bits/byte", "95 % CI")
+    for arm in ("target_native", "target_translated", "target_zero", "source_native"):
+        low, high = report["bpb_ci"][arm]
+        table.add_row(arm, f"{report[f'bpb_{arm}']:.4f}", f"[{low:.4f}, {high:.4f}]")
+    Console().print(table)
+    err.print(
+        f"KL(native ‖ translated) {report['kl']:.4f} nats/token (zero maps {report['kl_zero']:.4f}); held-out R² keys "
+        f"{report['r2_keys_mean']:.3f}, values {report['r2_values_mean']:.3f}; {report['samples']} samples, {report['tokens']} tokens; plot {report['plot']}"
+    )
+
+
+@bench_app.command("lingo")
+@user_errors
+def bench_lingo_cmd(
+    source: str = SourceOpt,
+    target: str = TargetOpt,
+    translator: Optional[Path] = TranslatorOpt,
+    tokens: str = typer.Option("512,2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Hand-off TTFT: the target's re-prefill vs translation + one decoding step."""
+    from kvforge.bench.lingo import bench_lingo
+    from kvforge.translate.translator import ModelSide
+
+    _setup(threads)
+    lengths = _parse_lengths(tokens)
+    tr = _translator(translator, source, target)
+    src, tgt = _load(source, device), _load(target, device)
+    tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
+    report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("tokens", "re-prefill s", "translate s", "step s", "hand-off s", "speedup", "MAC ceiling")
+    for r in report["results"]:
+        table.add_row(
+            str(r["tokens"]), f"{r['reprefill_s']:.3f}", f"{r['translate_s']:.3f}", f"{r['step_s']:.3f}", f"{r['handoff_s']:.3f}",
+            f"{r['speedup']:.1f}", f"{r['ceiling']:.1f}",
+        )
+    Console().print(table)
+    r = report["results"][0]
+    err.print(f"[dim]{report['threads']} thread(s), median of {runs}; translator {r['translator_macs_per_token']:,} MACs/token vs target {r['target_macs_per_token']:,.0f}[/dim]")

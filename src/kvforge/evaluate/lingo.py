@@ -1,0 +1,242 @@
+"""KV-Lingo evaluation on held-out text: the target decoding from a translated cache against its
+own native cache and against the source's own loss, plus the geometry of the two caches.
+
+Each sample is a held-out conversation as plain text, cut at a character c where both tokenizers
+start a token (the last such point within `prefix_chars`), so both models score exactly the same
+continuation text[c:]. Loss is in bits per byte of that text (the tokenizers differ). Arms:
+  target native      the target's exact cache of its prefix;
+  target translated  the hand-off: the source's exact prefix cache translated (head rows native);
+  target zero        the same with every map zero (the untrained baseline);
+  source native      the source's own exact cache.
+In every arm the cache holds the prefix but its last token, and one teacher-forced forward over
+that token and the continuation scores the continuation. KL(target native ‖ translated) is per
+continuation token, in nats. Diagnostics, on the prefix rows past the head: held-out R² per
+target layer and side (variance-weighted, at the translator's capture point), the linear-CKA grid
+between every source and target layer, and each layer's effective rank (exp of the entropy of
+its covariance spectrum).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvforge.cache import KVCache
+from kvforge.data.prompts import plain_texts
+from kvforge.translate.align import Tokenized, align, tokenize
+from kvforge.translate.capture import cache_features
+from kvforge.translate.handoff import translate_cache
+from kvforge.translate.translator import SIDES, Translator
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class LingoEvalSettings:
+    samples: int = 24
+    prefix_chars: int = 2000
+    continuation_chars: int = 400
+    skip: int = 0  # held-out conversations to skip (part 2 uses later ones for validation)
+
+
+def common_boundary(a: Tokenized, b: Tokenized, limit: int) -> int:
+    """The largest character position in (0, limit] where both tokenizations start a token."""
+    starts = lambda t: {int(s) for s, e in t.spans if e > s}  # noqa: E731
+    common = [c for c in starts(a) & starts(b) if 0 < c <= limit]
+    if not common:
+        raise ValueError("the two tokenizations share no token boundary in the prefix")
+    return max(common)
+
+
+def _cut(t: Tokenized, c: int) -> int:
+    """Number of tokens before the one starting at character c."""
+    return int(np.flatnonzero((t.spans[:, 0] == c) & (t.spans[:, 1] > t.spans[:, 0]))[0])
+
+
+def continuation_logits(engine, ids: list[int], prefix: int, cache: KVCache) -> torch.Tensor:
+    """Logits (T, V) predicting ids[prefix:], given `cache` holding ids[:prefix - 1]."""
+    seq = torch.tensor([ids[prefix - 1 : -1]], device=engine.device)
+    positions = torch.arange(prefix - 1, len(ids) - 1, device=engine.device).view(1, -1)
+    return engine.forward(seq, positions, cache, "all")[0]
+
+
+def nll(logits: torch.Tensor, ids: list[int], prefix: int) -> torch.Tensor:
+    return F.cross_entropy(logits, torch.tensor(ids[prefix:], device=logits.device), reduction="none").double().cpu()
+
+
+class CacheGeometry:
+    """Streamed per-layer and cross-layer second moments of aligned source/target features."""
+
+    def __init__(self, source_layers: int, source_width: int, target_layers: int, target_width: int):
+        self.ls, self.ws, self.lt, self.wt = source_layers, source_width, target_layers, target_width
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        self.n = 0
+        self.sx, self.sy = z(source_layers * source_width), z(target_layers * target_width)
+        self.xx = z(source_layers, source_width, source_width)
+        self.yy = z(target_layers, target_width, target_width)
+        self.xy = z(source_layers * source_width, target_layers * target_width)
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.double(), y.double()
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        xs = x.view(-1, self.ls, self.ws).transpose(0, 1)
+        ys = y.view(-1, self.lt, self.wt).transpose(0, 1)
+        self.xx += xs.transpose(1, 2) @ xs
+        self.yy += ys.transpose(1, 2) @ ys
+        self.xy += x.T @ y
+
+    def _cov(self):
+        mx, my = self.sx / self.n, self.sy / self.n
+        mxs, mys = mx.view(self.ls, self.ws), my.view(self.lt, self.wt)
+        cxx = self.xx / self.n - mxs.unsqueeze(2) * mxs.unsqueeze(1)
+        cyy = self.yy / self.n - mys.unsqueeze(2) * mys.unsqueeze(1)
+        cxy = self.xy / self.n - torch.outer(mx, my)
+        return cxx, cyy, cxy
+
+    def cka(self) -> list[list[float]]:
+        """[source layer][target layer] linear CKA on token-centred features."""
+        cxx, cyy, cxy = self._cov()
+        blocks = cxy.view(self.ls, self.ws, self.lt, self.wt).permute(0, 2, 1, 3)
+        num = (blocks**2).sum((2, 3))
+        den = torch.linalg.matrix_norm(cxx).unsqueeze(1) * torch.linalg.matrix_norm(cyy).unsqueeze(0)
+        return (num / den.clamp(min=1e-300)).tolist()
+
+    def effective_ranks(self) -> tuple[list[float], list[float]]:
+        cxx, cyy, _ = self._cov()
+        return _effective_rank(cxx), _effective_rank(cyy)
+
+
+def _effective_rank(cov: torch.Tensor) -> list[float]:
+    values = torch.linalg.eigvalsh(cov).clamp(min=0)
+    p = values / values.sum(-1, keepdim=True).clamp(min=1e-300)
+    entropy = -(p * torch.log(p.clamp(min=1e-300))).sum(-1)
+    return torch.exp(entropy).tolist()
+
+
+def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettings, progress=None) -> dict:
+    s, t = translator.source, translator.target
+    zero = translator.zeroed()
+    texts = plain_texts(
+        "held_out", settings.samples, min_chars=settings.prefix_chars + settings.continuation_chars,
+        max_chars=settings.prefix_chars + settings.continuation_chars, skip=settings.skip,
+    )
+    arms = {"target_native": [], "target_translated": [], "target_zero": [], "source_native": []}
+    kl, kl_zero, byte_counts, tokens = [], [], [], 0
+    r2_acc = {side: torch.zeros(t.num_layers, 2, dtype=torch.float64) for side in SIDES}  # SSE, Σ y²
+    r2_sums = {side: torch.zeros(t.num_layers * t.width, dtype=torch.float64) for side in SIDES}
+    geometry = {side: CacheGeometry(s.num_layers, s.width, t.num_layers, t.width) for side in SIDES}
+    rows = 0
+    for i, text in enumerate(texts):
+        src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
+        c = common_boundary(src, tgt, settings.prefix_chars)
+        ps, pt = _cut(src, c), _cut(tgt, c)
+        _, src_cache = source.prefill([src.ids[:ps]], logits="none")
+        _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
+        alignment = align(_head(src, ps), _head(tgt, pt), translator.align).truncate(pt - 1)
+        translated = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
+        zeroed = translate_cache(zero, source, target, src_cache, alignment, tgt.ids)
+        # Geometry and R² on the rows the translator wrote, at its capture point.
+        if alignment.index.shape[0]:
+            sk, sv = cache_features(source.adapter, src_cache, translator.capture)
+            nk, nv = cache_features(target.adapter, native, translator.capture)
+            for side, sf, nf in (("k", sk, nk), ("v", sv, nv)):
+                aligned = [alignment.gather(f) for f in sf]
+                y = torch.cat([f[alignment.head :] for f in nf], 1)
+                geometry[side].update(torch.cat(aligned, 1), y)
+                for layer in range(t.num_layers):
+                    truth = nf[layer][alignment.head :].double()
+                    pred = translator.apply(side, layer, aligned).double()
+                    r2_acc[side][layer, 0] += ((truth - pred) ** 2).sum()
+                    r2_acc[side][layer, 1] += (truth**2).sum()
+                r2_sums[side] += y.double().sum(0)
+            rows += alignment.index.shape[0]
+        logits_native = continuation_logits(target, tgt.ids, pt, native)
+        logits_translated = continuation_logits(target, tgt.ids, pt, translated)
+        logits_zero = continuation_logits(target, tgt.ids, pt, zeroed)
+        src_cache.trim(1)
+        logits_source = continuation_logits(source, src.ids, ps, src_cache)
+        arms["target_native"].append(float(nll(logits_native, tgt.ids, pt).sum()))
+        arms["target_translated"].append(float(nll(logits_translated, tgt.ids, pt).sum()))
+        arms["target_zero"].append(float(nll(logits_zero, tgt.ids, pt).sum()))
+        arms["source_native"].append(float(nll(logits_source, src.ids, ps).sum()))
+        log_native = F.log_softmax(logits_native.double(), -1)
+        kl.append(_kl(log_native, logits_translated))
+        kl_zero.append(_kl(log_native, logits_zero))
+        byte_counts.append(len(text[c:].encode("utf-8")))
+        tokens += len(tgt.ids) - pt
+        if progress:
+            progress(i + 1, len(texts))
+    total_bytes = sum(byte_counts)
+    bpb = {arm: sum(v) / (LN2 * total_bytes) for arm, v in arms.items()}
+    r2 = {}
+    for side in SIDES:
+        means = (r2_sums[side] / max(rows, 1)).view(t.num_layers, t.width)
+        sst = r2_acc[side][:, 1] - rows * (means**2).sum(1)
+        r2[side] = (1.0 - r2_acc[side][:, 0] / sst.clamp(min=1e-300)).tolist()
+    ranks = {side: geometry[side].effective_ranks() for side in SIDES}
+    return {
+        "samples": len(texts),
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "translated_rows": rows,
+        "bpb_target_native": bpb["target_native"],
+        "bpb_target_translated": bpb["target_translated"],
+        "bpb_target_zero": bpb["target_zero"],
+        "bpb_source_native": bpb["source_native"],
+        "bpb_ci": {arm: _bootstrap_bpb(v, byte_counts) for arm, v in arms.items()},
+        "kl": sum(sum(k) for k in kl) / tokens,
+        "kl_zero": sum(sum(k) for k in kl_zero) / tokens,
+        "r2_keys": r2["k"],
+        "r2_values": r2["v"],
+        "r2_keys_mean": float(np.mean(r2["k"])),
+        "r2_values_mean": float(np.mean(r2["v"])),
+        "cka_keys": geometry["k"].cka(),
+        "cka_values": geometry["v"].cka(),
+        "effective_rank": {
+            "source_keys": ranks["k"][0], "target_keys": ranks["k"][1], "source_values": ranks["v"][0], "target_values": ranks["v"][1],
+        },
+    }
+
+
+def _head(t: Tokenized, n: int) -> Tokenized:
+    return Tokenized(t.ids[:n], t.spans[:n])
+
+
+def _kl(log_p: torch.Tensor, logits_q: torch.Tensor) -> list[float]:
+    log_q = F.log_softmax(logits_q.double(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).tolist()
+
+
+def _bootstrap_bpb(nats: list[float], byte_counts: list[int], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95 % interval of an arm's bits per byte, resampling whole samples."""
+    if len(nats) < 2:
+        return [float("nan"), float("nan")]
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, len(nats), (resamples, len(nats)), generator=g)
+    v = torch.tensor(nats, dtype=torch.float64)[draws].sum(1) / (LN2 * torch.tensor(byte_counts, dtype=torch.float64)[draws].sum(1))
+    return torch.quantile(v, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def plot_cka(report: dict, translator: Translator, path) -> str:
+    """Two panels (keys, values): CKA of every source layer against every target layer, with the
+    translator's assignment marked."""
+    from kvforge.bench.plotting import new_figure, save_figure
+
+    fig, axes = new_figure(2, (11, 4.5))
+    for ax, side, name in zip(axes, SIDES, ("keys", "values")):
+        grid = np.array(report[f"cka_{name}"]).T  # target rows, source columns
+        im = ax.imshow(grid, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis")
+        for layer, chosen in enumerate(translator.sources[side]):
+            ax.scatter(chosen, [layer] * len(chosen), s=8, c="red", marker="s")
+        ax.set_xlabel(f"{translator.source.name} layer")
+        ax.set_ylabel(f"{translator.target.name} layer")
+        ax.set_title(f"linear CKA, {name} ({translator.capture}); red: {translator.assign} ν={translator.nu}")
+        fig.colorbar(im, ax=ax)
+    return str(save_figure(fig, Path(path)))

@@ -1,0 +1,232 @@
+"""KV-Lingo stage 1: capture points, alignment, layer assignment, the closed-form fit, the
+translator artifact and the hand-off, on tiny models that share a character tokenizer."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_loaded
+from kvforge import ridge
+from kvforge.cache import KVCache
+from kvforge.engine import Engine
+from kvforge.errors import ArtifactError
+from kvforge.translate.align import Tokenized, align
+from kvforge.translate.assign import assign_layers, depth_band, feature_block
+from kvforge.translate.capture import CAPTURE_POINTS, cache_features
+from kvforge.translate.fit import LingoFitConfig, accumulate, fit_lingo, solve_translator
+from kvforge.translate.handoff import hand_off
+from kvforge.translate.translator import ModelSide, Translator
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 3
+
+
+def identity_translator(engine: Engine, capture: str) -> Translator:
+    s = ModelSide.of(engine)
+    layers = range(s.num_layers)
+    return Translator(
+        s, s, capture, "cover", "identity", 1, False,
+        {"k": [[l] for l in layers], "v": [[l] for l in layers]},
+        {side: [torch.eye(s.width).unsqueeze(0) for _ in layers] for side in "kv"},
+        {side: [torch.zeros(s.width) for _ in layers] for side in "kv"},
+    )
+
+
+@pytest.mark.parametrize("capture", CAPTURE_POINTS)
+def test_identity_maps_reproduce_a_models_own_cache_and_logits(family, capture):
+    engine = Engine(tiny_loaded(family))
+    h = hand_off(identity_translator(engine, capture), engine, engine, TEXT)
+    ids = h.target_ids
+    _, exact = engine.prefill([ids[:-1]])
+    assert h.cache.lengths() == exact.lengths() == [len(ids) - 1] * engine.num_layers
+    for layer in range(engine.num_layers):
+        torch.testing.assert_close(h.cache[layer].keys(), exact[layer].keys(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h.cache[layer].values(), exact[layer].values(), atol=1e-5, rtol=1e-5)
+    assert int(h.cache[0].row_kinds()[0, 0]) == 0 and int(h.cache[0].row_kinds()[0, -1]) == 2  # head native, rest translated
+    last = torch.tensor([ids[-1]])
+    torch.testing.assert_close(engine.decode_step(last, h.cache), engine.decode_step(last, exact), atol=1e-4, rtol=1e-4)
+
+
+def test_pre_norm_and_post_norm_keys_differ_only_where_the_family_has_a_k_norm():
+    for family, differ in (("llama", False), ("qwen3", True)):
+        engine = Engine(tiny_loaded(family))
+        if differ:  # a freshly initialised k-norm weight is all ones: make it do something
+            with torch.no_grad():
+                for layer in engine.adapter.layers:
+                    layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+        _, cache = engine.prefill([[5, 6, 7, 8, 9]])
+        pre, _ = cache_features(engine.adapter, cache, "pre-norm")
+        post, _ = cache_features(engine.adapter, cache, "post-norm")
+        rope, _ = cache_features(engine.adapter, cache, "post-rope")
+        assert (not torch.allclose(pre[1], post[1])) == differ
+        assert not torch.allclose(post[1], rope[1])  # RoPE was undone (rows past position 0 rotate)
+        torch.testing.assert_close(post[1][0], rope[1][0])  # position 0 is not rotated
+
+
+# --- alignment ------------------------------------------------------------------------------------
+def _tok(spans):
+    return Tokenized(list(range(len(spans))), np.array(spans, dtype=np.int64).reshape(-1, 2))
+
+
+def test_alignment_rules_on_hand_made_spans():
+    # text "hello world": source "<bos>" "hel" "lo" " wor" "ld"; target "hello" " w" "orld"
+    source = _tok([(0, 0), (0, 3), (3, 5), (5, 9), (9, 11)])
+    target = _tok([(0, 5), (5, 7), (7, 11)])
+    cover = align(source, target, "cover")
+    assert cover.head == 1  # the first text token is native
+    assert cover.index[:, 0].tolist() == [3, 4]  # " w" ends inside " wor"; "orld" ends with "ld"
+    last = align(source, target, "last")
+    assert last.index[:, 0].tolist() == [2, 4]  # " w" -> "lo" (the last source token ending by 7)
+    mean = align(source, target, "mean")
+    assert mean.index[0].tolist()[:1] == [3] and mean.index[1].tolist() == [3, 4]
+    torch.testing.assert_close(mean.weight.sum(1), torch.ones(2))
+    feats = torch.arange(5.0).view(5, 1)
+    assert mean.gather(feats).view(-1).tolist() == [3.0, 3.5]
+
+
+def test_alignment_head_covers_span_less_leading_tokens_and_never_reads_them():
+    source = _tok([(0, 0), (0, 2), (2, 4)])
+    target = _tok([(0, 0), (0, 0), (0, 1), (1, 2), (2, 4)])  # two specials, then text
+    a = align(source, target)
+    assert a.head == 3 and a.index[:, 0].tolist() == [1, 2]
+    assert 0 not in a.index.view(-1).tolist()
+
+
+def test_rows_no_rule_can_place_read_what_the_row_before_read():
+    source = _tok([(0, 2), (2, 4)])  # the source dropped characters 4..8
+    target = _tok([(0, 2), (2, 4), (4, 6), (6, 6), (6, 8)])
+    a = align(source, target, "last")
+    assert a.index[:, 0].tolist() == [1, 1, 1, 1]  # (4,6) ends past every source token: the last one
+    b = align(source, target, "cover")
+    assert b.index[:, 0].tolist() == [1, 1, 1, 1]  # nothing ends at/after 6: falls back to the row before
+
+
+def test_same_tokenizer_alignment_is_the_identity():
+    spans = [(i, i + 1) for i in range(10)]
+    for rule in ("cover", "last", "mean"):
+        a = align(_tok(spans), _tok(spans), rule)
+        assert a.index[:, 0].tolist() == list(range(1, 10))
+
+
+# --- layer assignment --------------------------------------------------------------------------
+def test_relative_depth_bands_follow_the_formula_and_shift_at_the_boundaries():
+    assert depth_band(0, 30, 18, 3) == [0, 1, 2]
+    assert depth_band(17, 30, 18, 3) == [27, 28, 29]
+    # target layer 9 (1-based 10): c = 1 + 9·29/17 = 16.35 (1-based) -> centre 15 (0-based)
+    assert depth_band(9, 30, 18, 1) == [15] and depth_band(9, 30, 18, 3) == [14, 15, 16]
+    assert depth_band(0, 18, 30, 1) == [0] and depth_band(29, 18, 30, 2) == [16, 17]
+    assert [depth_band(l, 4, 4, 1)[0] for l in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="nu must be"):
+        depth_band(0, 4, 4, 5)
+
+
+def _planted_moments(planted: dict[int, list[int]], source_layers=6, width=4, target_layers=2, rows=3000, seed=0):
+    """Source layers of independent noise; target layer t is a linear function of `planted[t]`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, source_layers * width, generator=g, dtype=torch.float64)
+    ys = []
+    for t in range(target_layers):
+        y = torch.zeros(rows, width, dtype=torch.float64)
+        for s in planted[t]:
+            y += x[:, feature_block(s, width)] @ torch.randn(width, width, generator=g, dtype=torch.float64)
+        ys.append(y + 0.01 * torch.randn(rows, width, generator=g, dtype=torch.float64))
+    return ridge.Moments.zeros(x.shape[1], target_layers * width).update(x, torch.cat(ys, 1))
+
+
+def test_greedy_and_r2_assignments_find_the_planted_source_layers():
+    m = _planted_moments({0: [4], 1: [1, 3]})
+    for method in ("greedy", "r2"):
+        assert assign_layers(method, 6, 2, 1, m, 4, 4)[0] == [4]
+        assert assign_layers(method, 6, 2, 2, m, 4, 4)[1] == [1, 3]
+    assert ridge.greedy_select(m, [feature_block(s, 4) for s in range(6)], 2, feature_block(1, 4)) in ([1, 3], [3, 1])
+    with pytest.raises(ValueError, match="identity assignment needs equal depths"):
+        assign_layers("identity", 6, 2, 1)
+
+
+def test_select_solves_a_sub_problem_like_a_fresh_accumulation():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(500, 8, generator=g, dtype=torch.float64), torch.randn(500, 6, generator=g, dtype=torch.float64)
+    full = ridge.Moments.zeros(8, 6).update(x, y)
+    cols, outs = torch.tensor([1, 5, 6]), torch.tensor([0, 4])
+    sub = ridge.Moments.zeros(3, 2).update(x[:, cols], y[:, outs])
+    for a, b in zip(ridge.solve(full.select(cols, outs)), ridge.solve(sub)):
+        torch.testing.assert_close(a, b)
+
+
+# --- fit, artifact, hand-off -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    return Engine(tiny_loaded("gemma3", seed=1)), Engine(tiny_loaded("llama", seed=2))
+
+
+def test_a_model_fitted_into_itself_recovers_its_own_cache(pair):
+    engine = pair[1]
+    config = LingoFitConfig(assign="identity", nu=1, conversations=3, max_chars=300)
+    tr = fit_lingo(engine, engine, config)
+    assert min(tr.info["r2_fit"]["k"] + tr.info["r2_fit"]["v"]) > 0.999
+    h = hand_off(tr, engine, engine, TEXT)
+    _, exact = engine.prefill([h.target_ids[:-1]])
+    last = torch.tensor([h.target_ids[-1]])
+    torch.testing.assert_close(engine.decode_step(last, h.cache), engine.decode_step(last, exact), atol=2e-3, rtol=2e-3)
+
+
+def test_cross_model_fit_head_wise_and_mixing_beat_the_zero_translator(pair):
+    source, target = pair
+    texts = ["a plain sentence about the weather and the sea, told twice. " * 4, "numbers 12, 34 and 56 in a row; then words. " * 5]
+    moments = accumulate(source, target, texts, "pre-norm", "cover")
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    for head_wise in (False, True):
+        config = LingoFitConfig(assign="depth", nu=2, head_wise=head_wise)
+        tr = solve_translator(moments, s, t, config)
+        assert tr.groups == (2 if head_wise else 1)
+        assert tr.weights["k"][0].shape == ((2, 2 * 16, 16) if head_wise else (1, 2 * 32, 32))
+        assert min(tr.info["r2_fit"]["k"]) > 0.2  # in-sample; the zero map's R² is <= 0
+        h = hand_off(tr, source, target, TEXT)
+        assert h.cache.lengths()[0] == len(h.target_ids) - 1
+        out = target.generate([h.pending], cache=h.cache)[0]
+        assert out.token_ids
+    mixing = solve_translator(moments, s, t, LingoFitConfig(assign="depth", nu=2))
+    assert mixing.macs_per_token() == 2 * t.num_layers * (2 * s.width) * t.width
+
+
+def test_head_wise_needs_equal_head_counts(pair):
+    source, target = pair
+    narrow = ModelSide(target.model.name, "x", 4, 1, 32)
+    with pytest.raises(ValueError, match="equal KV head counts"):
+        solve_translator({}, ModelSide.of(source), narrow, LingoFitConfig(head_wise=True))
+
+
+def test_artifact_round_trip_and_refusals(pair, tmp_path):
+    source, target = pair
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))
+    path = tr.save(tmp_path / "t.safetensors")
+    back = Translator.load(path)
+    assert back.sources == tr.sources and back.info["fit"]["tokens"] == tr.info["fit"]["tokens"]
+    for a, b in zip(back.weights["k"], tr.weights["k"]):
+        torch.testing.assert_close(a, b)
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    with pytest.raises(ArtifactError, match="other direction"):
+        back.check_pair(t, s)
+    other = ModelSide.of(Engine(tiny_loaded("llama", seed=7)))
+    with pytest.raises(ArtifactError, match="fitted for .* not "):
+        back.check_pair(s, other)
+    with pytest.raises(ArtifactError, match="reads keys at pre-norm, not post-rope"):
+        back.check_pair(s, t, "post-rope")
+    (tmp_path / "bad.safetensors").write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ArtifactError, match="cannot read translator"):
+        Translator.load(tmp_path / "bad.safetensors")
+    with pytest.raises(ArtifactError, match="no translator"):
+        Translator.load(tmp_path / "missing.safetensors")
+
+
+def test_hand_off_refuses_a_cache_of_another_shape_and_survives_unmappable_text(pair):
+    source, target = pair
+    tr = identity_translator(source, "pre-norm")
+    tr.target = tr.source  # a source-into-source translator
+    _, cache = target.prefill([[5, 6, 7]])
+    with pytest.raises(ValueError, match="source cache has 3 layers × 2 KV heads × 16, but .* has 4 × 2 × 16"):
+        hand_off(tr, source, source, "abc", source_cache=KVCache(cache.layers[:3]))
+    _, short = source.prefill([[5, 6]])
+    with pytest.raises(ValueError, match="holds 2 rows but the text is 3 source tokens"):
+        hand_off(tr, source, source, "abc", source_cache=short)
+    h = hand_off(tr, source, source, "naïve 日本語 text ✓ end")  # characters the tiny vocabulary lacks
+    assert h.cache.lengths()[0] == len(h.target_ids) - 1
