@@ -223,6 +223,36 @@ class KVCache:
         """A new cache holding the chosen sequences."""
         return KVCache([layer.select_batch(index) for layer in self.layers])
 
+    @classmethod
+    def concat_batch(cls, caches: list["KVCache"]) -> "KVCache":
+        """One cache holding every sequence of `caches`, in order (continuous batching: a newly
+        prefilled request joins the running batch). Each layer takes the longest length; a
+        shorter sequence's extra slots are padding (position -1), so no row moves position."""
+        layers = []
+        for parts in zip(*(c.layers for c in caches)):
+            length = max(p.length for p in parts)
+            first = parts[0]
+            batch = sum(p.k.shape[0] for p in parts)
+            heads, dim = first.k.shape[1], first.k.shape[3]
+            out = LayerCache(
+                k=first.k.new_zeros(batch, heads, length, dim),
+                v=first.v.new_zeros(batch, heads, length, dim),
+                positions=torch.full((batch, length), -1, dtype=torch.long, device=first.k.device),
+                kinds=torch.full((batch, length), int(RowKind.PADDING), dtype=torch.uint8, device=first.k.device),
+                length=length,
+            )
+            row = 0
+            for p in parts:
+                n = p.k.shape[0]
+                out.k[row : row + n, :, : p.length] = p.keys()
+                out.v[row : row + n, :, : p.length] = p.values()
+                out.positions[row : row + n, : p.length] = p.row_positions()
+                out.kinds[row : row + n, : p.length] = p.row_kinds()
+                row += n
+            out.contiguous = _is_contiguous(out.positions)
+            layers.append(out)
+        return cls(layers)
+
     @property
     def nbytes(self) -> int:
         """Bytes of K and V rows in use across all layers."""

@@ -795,8 +795,8 @@ def demo(
         out.print(f"[bold]{r.method}[/bold]: {answer[:400]}{'…' if len(answer) > 400 else ''}", highlight=False)
 
 
-# KV-Lingo commands live in their own module; importing it registers them on the apps above.
-from kvforge import cli_lingo  # noqa: E402,F401
+# KV-Lingo and server commands live in their own modules; importing them registers them above.
+from kvforge import cli_lingo, cli_serve  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,74 @@
+"""`kvforge serve` and `kvforge bench serve`. Registered on the main app by `kvforge.cli`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.cli import DeviceOpt, JsonOpt, MapsOpt, ModelOpt, ThreadsOpt, AdapterOpt, _emit, _setup, app, bench_app, err, user_errors
+
+
+@app.command()
+@user_errors
+def serve(
+    model: str = ModelOpt,
+    maps: Optional[Path] = MapsOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    translator: Optional[Path] = typer.Option(None, "--translator", help="KV-Lingo translator from --model into --target (enables prefill 'handoff')."),
+    target: Optional[str] = typer.Option(None, "--target", help="Second served model, the translator's target."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching)."),
+    queue_size: int = typer.Option(64, "--queue-size", help="Waiting requests before 429."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+):
+    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    import uvicorn
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    _setup(threads)
+    if max_batch < 1 or queue_size < 1:
+        raise ValueError("--max-batch and --queue-size must be >= 1")
+    with err.status(f"loading {model}"):
+        served = build_served(ServeConfig(model, maps, adapter, translator, target, max_batch, queue_size, device))
+    err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1", highlight=False)
+    uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
+
+
+@bench_app.command("serve")
+@user_errors
+def bench_serve_cmd(
+    model: str = ModelOpt,
+    maps: Optional[Path] = MapsOpt,
+    methods: str = typer.Option("exact,ngram,speed", "--methods", help="Comma-separated: exact, ridgefill, speed, ngram."),
+    concurrency: str = typer.Option("1,4,16", "--concurrency", help="Comma-separated client counts."),
+    requests: int = typer.Option(2, "--requests", help="Requests per client."),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Throughput and TTFT percentiles of a live server at several concurrencies, exact vs each method."""
+    from kvforge.bench.serve import bench_serve
+
+    _setup(threads)
+    levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
+        raise ValueError("--concurrency, --requests and --max-tokens must be >= 1")
+    report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
+                         device, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if json_out:
+        _emit(report)
+        return
+    table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s", "failed")
+    for r in report["results"]:
+        table.add_row(r["method"], str(r["concurrency"]), str(r["requests"]), f"{r['tokens_per_s']:.1f}", f"{r['scaling']:.2f}",
+                      f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", str(r["failed"]))
+    Console().print(table)

@@ -1,0 +1,1 @@
+"""`kvforge serve`: an OpenAI-compatible HTTP server with continuous batching."""
