@@ -46,10 +46,10 @@ def serve(
 def bench_serve_cmd(
     model: str = ModelOpt,
     maps: Optional[Path] = MapsOpt,
-    methods: str = typer.Option("exact,ngram,speed", "--methods", help="Comma-separated: exact, ridgefill, speed, ngram."),
+    methods: str = typer.Option("exact,ridgefill,speed,ngram", "--methods", help="Comma-separated: exact, ridgefill (the cached maps), speed, ngram."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="Comma-separated client counts."),
     requests: int = typer.Option(2, "--requests", help="Requests per client."),
-    max_tokens: int = typer.Option(32, "--max-tokens"),
+    max_tokens: int = typer.Option(64, "--max-tokens"),
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,

@@ -26,6 +26,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)  # one choice per request
     kvforge: KvforgeOptions = Field(default_factory=KvforgeOptions)
 
     def stops(self) -> tuple[str, ...]:
