@@ -97,7 +97,7 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
         "concurrency": clients,
         "requests": len(results),
         "failed": sum(1 for r in results if not r["complete"]),
-        "tokens": sum(r["tokens"] for r in results),
+        "completion_tokens": sum(r["tokens"] for r in results),
         "wall_s": wall,
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
