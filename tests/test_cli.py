@@ -288,3 +288,17 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     assert bench.exit_code == 0, bench.output
     row = _last_json(bench)["results"][0]
     assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * 64 * 32
+
+
+def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+    out, ckpt = tmp_path / "t2.safetensors", tmp_path / "ckpt.pt"
+    result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                  "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    obj = _last_json(result)
+    assert obj["stage"] == 2 and obj["steps"] == 2 and obj["validation_kl"][-1][0] == 2 and ckpt.is_file()
+    from kvforge.translate.translator import Translator
+
+    assert Translator.load(out).info["stage"] == 2
+    bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
+    assert bad.exit_code == 2 and "needs --init" in bad.stderr

@@ -41,6 +41,13 @@ def fit_lingo_cmd(
     conversations: int = typer.Option(32, "--conversations", help="Fit conversations (plain text)."),
     max_chars: int = typer.Option(4000, "--max-chars", help="Characters per conversation."),
     lam: float = typer.Option(0.0, "--lam", help="Ridge λ relative to the mean input variance (0: eigen-truncation only)."),
+    stage: int = typer.Option(1, "--stage", help="1: closed form; 2: self-distillation from --init."),
+    init: Optional[Path] = typer.Option(None, "--init", help="Stage 2: the stage-1 translator to start from."),
+    steps: int = typer.Option(200, "--steps", help="Stage 2 optimizer steps."),
+    lr: float = typer.Option(1e-4, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
+    accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
+    samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -53,6 +60,10 @@ def fit_lingo_cmd(
     from kvforge.translate.translator import default_translator_path
 
     _setup(threads)
+    if stage == 2:
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, out, device, json_out)
+    if stage != 1:
+        raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
     src, tgt = _load(source, device), _load(target, device)
     with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
@@ -77,6 +88,43 @@ def fit_lingo_cmd(
         f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, {summary['tokens']} rows in "
         f"{summary['seconds']:.0f} s; fit R² keys {summary['r2_fit_keys_mean']:.3f}, values {summary['r2_fit_values_mean']:.3f}"
     )
+
+
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, out, device, json_out):
+    from tqdm import tqdm
+
+    from kvforge.translate.distill import DistillConfig, distill, prepare, split_texts
+    from kvforge.translate.translator import ModelSide, Translator, default_translator_path
+
+    if init is None:
+        raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
+    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples)
+    translator = Translator.load(init)
+    src, tgt = _load(source, device), _load(target, device)
+    translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
+    texts = split_texts("fit", config.samples, config.max_prefix_chars, config.max_continuation_chars)
+    held = split_texts("held_out", config.validation_samples, config.max_prefix_chars, config.max_continuation_chars)
+    with err.status("teacher: the target's native distributions, once"):
+        train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
+        validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
+    with tqdm(total=steps, unit="step", desc=f"distill {source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+
+        def progress(state, _seconds):
+            bar.n = state.step
+            bar.set_postfix(loss=f"{state.losses[-1]:.4f}", val_kl=f"{state.validation[-1][1]:.4f}" if state.validation else "-")
+            bar.refresh()
+
+        translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
+    path = translator.save(out or default_translator_path(source, target).with_name(f"{source}-to-{target}-stage2.safetensors"))
+    summary = {
+        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2,
+        "tokens": sum(len(s.target_ids) for s in train), "out": str(path), "steps": state.step,
+        "loss_first": state.losses[0], "loss_last": state.losses[-1], "validation_kl": state.validation,
+    }
+    if json_out:
+        _emit(summary)
+        return
+    err.print(f"wrote {path}: {state.step} steps, loss {state.losses[0]:.4f} → {state.losses[-1]:.4f}, validation KL {state.validation}")
 
 
 @app.command()

@@ -59,10 +59,12 @@ def _cut(t: Tokenized, c: int) -> int:
 
 
 def continuation_logits(engine, ids: list[int], prefix: int, cache: KVCache) -> torch.Tensor:
-    """Logits (T, V) predicting ids[prefix:], given `cache` holding ids[:prefix - 1]."""
+    """Logits (T, V) predicting ids[prefix:], given `cache` holding ids[:prefix - 1].
+    Differentiable outside inference mode (stage 2 trains through it)."""
     seq = torch.tensor([ids[prefix - 1 : -1]], device=engine.device)
     positions = torch.arange(prefix - 1, len(ids) - 1, device=engine.device).view(1, -1)
-    return engine.forward(seq, positions, cache, "all")[0]
+    h = engine.run_layers(engine.adapter.embed(seq), positions, cache)
+    return engine.adapter.head(h)[0].float()
 
 
 def nll(logits: torch.Tensor, ids: list[int], prefix: int) -> torch.Tensor:
@@ -120,6 +122,7 @@ def _effective_rank(cov: torch.Tensor) -> list[float]:
     return torch.exp(entropy).tolist()
 
 
+@torch.inference_mode()
 def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettings, progress=None) -> dict:
     s, t = translator.source, translator.target
     zero = translator.zeroed()

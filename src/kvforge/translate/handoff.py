@@ -45,26 +45,33 @@ def translate_cache(
     cache = target.new_cache(1, capacity=alignment.rows + 1)
     if head:
         target.prefill([target_ids[:head]], cache=cache, logits="none")
-    n = alignment.rows - head
-    if n <= 0:
+    if alignment.rows - head <= 0:
         return cache
+    with torch.inference_mode():
+        append_translated(translator, target, aligned_features(translator, source, source_cache, alignment), head, cache)
+    return cache
+
+
+def aligned_features(translator: Translator, source, source_cache: KVCache, alignment: Alignment) -> dict[str, dict[int, torch.Tensor]]:
+    """Per side, the aligned features (rows, H_s·D_s) of every source layer the translator reads."""
     keys, values = cache_features(source.adapter, source_cache, translator.capture)
     used = {s for side in translator.sources.values() for layer in side for s in layer}
-    aligned = {
-        "k": {s: alignment.gather(keys[s]) for s in used},
-        "v": {s: alignment.gather(values[s]) for s in used},
-    }
+    return {"k": {s: alignment.gather(keys[s]) for s in used}, "v": {s: alignment.gather(values[s]) for s in used}}
+
+
+def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache) -> None:
+    """Translate aligned source features into target rows at positions start, start+1, ... and
+    append them to every layer of `cache`. Differentiable in the translator's weights when called
+    with gradients on (stage 2 trains through it)."""
     t = translator.target
-    positions = torch.arange(head, alignment.rows, device=target.device).view(1, -1)
+    n = next(iter(aligned["k"].values())).shape[0]
+    positions = torch.arange(start, start + n, device=target.device).view(1, -1)
     rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
-    dtype = target.dtype
-    with torch.inference_mode():
-        for layer in range(t.num_layers):
-            k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
-            v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
-            k = target.adapter.finish_keys(layer, k.to(dtype), rope, translator.capture)
-            cache[layer].append(k, v.to(dtype), positions, RowKind.TRANSLATED)
-    return cache
+    for layer in range(t.num_layers):
+        k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
+        v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
+        k = target.adapter.finish_keys(layer, k.to(target.dtype), rope, translator.capture)
+        cache[layer].append(k, v.to(target.dtype), positions, RowKind.TRANSLATED)
 
 
 @dataclass

@@ -1,0 +1,208 @@
+"""Stage 2: self-distillation of a translator through the frozen target.
+
+Each sample is a plain-text conversation cut at the start of an assistant reply (at a character
+where both tokenizers start a token): the prefix is handed off, the reply is the continuation.
+Teacher: the target's next-token distribution over the continuation given its *native* cache of
+the prefix, computed once per sample and kept as its top-k log-probabilities (renormalised over
+those k). Student: the same forward given the *translated* cache; the loss is KL(teacher ‖
+student) per continuation token, and gradients flow through the frozen target into the maps only
+(the source is frozen too: its aligned features are computed once per sample). AdamW without
+weight decay, cosine schedule with warmup, gradient clipping, gradient accumulation; a checkpoint
+(maps, optimizer, schedule, step, validation history) is written atomically every
+`checkpoint_every` steps and a run resumes from it exactly (samples are visited in a fixed
+seeded order by step number).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.data.prompts import plain_text
+from kvforge.data.sharegpt import conversations
+from kvforge.evaluate.lingo import common_boundary, continuation_logits
+from kvforge.translate.align import Tokenized, align, tokenize
+from kvforge.translate.handoff import aligned_features, append_translated
+from kvforge.translate.translator import SIDES, Translator
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    steps: int = 200
+    lr: float = 1e-4
+    warmup_fraction: float = 0.05
+    accumulate: int = 8  # conversations per optimizer step (the source's effective batch)
+    samples: int = 64
+    validation_samples: int = 8
+    max_prefix_chars: int = 2000  # ~500 tokens: one student forward + backward in a few seconds here
+    max_continuation_chars: int = 400
+    top_k: int = 32
+    validate_every: int = 25
+    checkpoint_every: int = 25
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.accumulate < 1 or self.samples < 1 or self.top_k < 1:
+            raise ValueError("steps, accumulate, samples and top_k must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"the learning rate must be > 0, got {self.lr}")
+
+
+@dataclass
+class DistillSample:
+    target_ids: list[int]
+    prefix: int  # target tokens of the prefix
+    head: int  # target rows computed natively
+    aligned: dict[str, dict[int, torch.Tensor]]  # frozen source features of the translated rows
+    teacher_logp: torch.Tensor  # (T, k) renormalised top-k log-probs
+    teacher_index: torch.Tensor  # (T, k)
+
+
+def split_texts(split: str, count: int, max_prefix_chars: int, max_continuation_chars: int, skip: int = 0) -> list[tuple[str, int]]:
+    """(text, cut) pairs: a conversation as plain text up to and including the header of its last
+    assistant turn that fits in `max_prefix_chars`, followed by that reply (capped)."""
+    out = []
+    for conv in conversations(split):
+        best = None
+        for i, (role, content) in enumerate(conv.turns):
+            if role != "assistant" or i == 0:
+                continue
+            before = plain_text(type(conv)(conv.id, conv.turns[:i])) + "\n\nAssistant:"
+            if len(before) > max_prefix_chars:
+                break
+            if len(content.strip()) >= 20:
+                best = (before + " " + content.strip()[:max_continuation_chars], len(before))
+        if best is None:
+            continue
+        if skip:
+            skip -= 1
+            continue
+        out.append(best)
+        if len(out) == count:
+            return out
+    raise ValueError(f"the {split} split holds fewer than {count} usable conversations")
+
+
+def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int) -> DistillSample:
+    """Everything frozen about one sample: aligned source features and the teacher's top-k."""
+    src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
+    c = common_boundary(src, tgt, cut + 1)
+    ps, pt = _tokens_before(src, c), _tokens_before(tgt, c)
+    alignment = align(Tokenized(src.ids[:ps], src.spans[:ps]), Tokenized(tgt.ids[:pt], tgt.spans[:pt]), translator.align).truncate(pt - 1)
+    with torch.inference_mode():
+        _, src_cache = source.prefill([src.ids[:ps]], logits="none")
+        aligned = aligned_features(translator, source, src_cache, alignment) if alignment.index.shape[0] else {"k": {}, "v": {}}
+        _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
+        logits = continuation_logits(target, tgt.ids, pt, native)
+        values, index = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.shape[-1]), dim=-1)
+        teacher = torch.log_softmax(values, -1)
+    # Clones made outside inference mode: the student's backward saves them.
+    frozen = {side: {layer: f.clone() for layer, f in d.items()} for side, d in aligned.items()}
+    return DistillSample(tgt.ids, pt, min(alignment.head, pt - 1), frozen, teacher.clone(), index.clone())
+
+
+def _tokens_before(t: Tokenized, c: int) -> int:
+    starts = [i for i, (s, e) in enumerate(t.spans) if s >= c and e > s]
+    return starts[0] if starts else len(t.ids)
+
+
+def student_kl(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
+    """Mean KL(teacher ‖ student) per continuation token, differentiable in the translator."""
+    cache = target.new_cache(1, capacity=len(sample.target_ids))
+    with torch.no_grad():
+        target.prefill([sample.target_ids[: sample.head]], cache=cache, logits="none")
+    if sample.aligned["k"]:
+        append_translated(translator, target, sample.aligned, sample.head, cache)
+    logp = torch.log_softmax(continuation_logits(target, sample.target_ids, sample.prefix, cache).float(), -1)
+    student = logp.gather(-1, sample.teacher_index)
+    return (sample.teacher_logp.exp() * (sample.teacher_logp - student)).sum(-1).mean()
+
+
+def trainable(translator: Translator) -> list[torch.nn.Parameter]:
+    """Turn the maps into parameters (in place) and return them."""
+    params = []
+    for side in SIDES:
+        for store in (translator.weights, translator.biases):
+            store[side] = [torch.nn.Parameter(t.detach().float().clone()) for t in store[side]]
+            params.extend(store[side])
+    return params
+
+
+@dataclass
+class DistillState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, mean KL)
+
+
+def validation_kl(translator: Translator, target, samples: list[DistillSample]) -> float:
+    with torch.no_grad():
+        return float(sum(float(student_kl(translator, target, s)) for s in samples) / len(samples))
+
+
+def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
+            checkpoint: Path | None = None, progress=None) -> tuple[Translator, DistillState]:
+    """Train the translator's maps in place; resumes from `checkpoint` when the file exists."""
+    target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
+    params = trainable(translator)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    warmup = max(1, round(config.warmup_fraction * config.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, config.steps))
+    state = DistillState()
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["config"] != asdict(config):
+            raise ValueError(f"checkpoint {checkpoint} was written with other settings; delete it or pass the same ones")
+        with torch.no_grad():
+            for p, value in zip(params, saved["params"]):
+                p.copy_(value)
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        state = saved["state"]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    while state.step < config.steps:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for j in range(config.accumulate):
+            sample = train[order[(state.step * config.accumulate + j) % len(train)]]
+            loss = student_kl(translator, target, sample) / config.accumulate
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        state.step += 1
+        state.losses.append(total)
+        if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
+            state.validation.append((state.step, validation_kl(translator, target, validation)))
+        if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
+            _save_checkpoint(checkpoint, params, optimizer, schedule, state, config)
+        if progress:
+            progress(state, time.perf_counter() - start)
+    for side in SIDES:
+        for store in (translator.weights, translator.biases):
+            store[side] = [p.detach().clone() for p in store[side]]
+    translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "losses_first_last": [state.losses[0], state.losses[-1]],
+                                                               "validation_kl": state.validation}}
+    return translator, state
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def _save_checkpoint(path: Path, params, optimizer, schedule, state: DistillState, config: DistillConfig) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                "state": state, "config": asdict(config)}, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,84 @@
+"""KV-Lingo stage 2 (self-distillation) on a tiny cross-family pair sharing a tokenizer."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from kvforge.engine import Engine
+from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, trainable
+from kvforge.translate.fit import LingoFitConfig, fit_lingo
+
+TEXTS = [
+    ("User: name three colours.\n\nAssistant: red, green and blue are three colours.", len("User: name three colours.\n\nAssistant:")),
+    ("User: count to five please.\n\nAssistant: one, two, three, four, five.", len("User: count to five please.\n\nAssistant:")),
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    source, target = Engine(tiny_loaded("gemma3", seed=1)), Engine(tiny_loaded("llama", seed=2))
+    translator = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))
+    samples = [prepare(translator, source, target, text, cut, top_k=8) for text, cut in TEXTS]
+    return source, target, translator, samples
+
+
+def test_samples_hold_the_teacher_once_and_split_at_the_reply(setup):
+    _, target, _, samples = setup
+    for (text, cut), s in zip(TEXTS, samples):
+        assert s.prefix == cut + 1  # one token per character here: the prefix ends with the space after "Assistant:"
+        assert s.teacher_logp.shape == s.teacher_index.shape == (len(s.target_ids) - s.prefix, 8)
+        torch.testing.assert_close(s.teacher_logp.exp().sum(-1), torch.ones(s.teacher_logp.shape[0]))
+
+
+def test_a_few_steps_lower_the_kl_and_touch_only_the_maps(setup):
+    source, target, translator, samples = setup
+    tr = copy.deepcopy(translator)
+    with torch.no_grad():
+        before = [float(student_kl(tr, target, s)) for s in samples]
+    calls = []
+    original = target.prefill
+    target.prefill = lambda prompts, *a, **k: calls.append(len(prompts[0])) or original(prompts, *a, **k)
+    try:
+        tr, state = distill(tr, target, samples, samples, DistillConfig(steps=6, lr=3e-3, accumulate=2, warmup_fraction=0.2, validate_every=3))
+    finally:
+        target.prefill = original
+    with torch.no_grad():
+        after = [float(student_kl(tr, target, s)) for s in samples]
+    assert sum(after) < sum(before)
+    assert calls and all(n <= max(s.head for s in samples) for n in calls)  # head rows only: no teacher prefill again
+    assert [step for step, _ in state.validation] == [3, 6] and tr.info["stage"] == 2
+    assert all(p.grad is None for p in target.model.hf.parameters())
+
+
+def test_gradients_reach_the_maps(setup):
+    _, target, translator, samples = setup
+    tr = copy.deepcopy(translator)
+    params = trainable(tr)
+    student_kl(tr, target, samples[0]).backward()
+    assert all(p.grad is not None for p in params) and any(float(p.grad.abs().sum()) > 0 for p in params)
+
+
+def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
+    _, target, translator, samples = setup
+    config = DistillConfig(steps=4, lr=1e-3, accumulate=1, checkpoint_every=2, validate_every=100)
+    straight, _ = distill(copy.deepcopy(translator), target, samples, [], config)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_two(state, _seconds):
+        if state.step == 2:
+            raise Interrupt
+
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(Interrupt):
+        distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, stop_at_two)
+    resumed, state = distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)
+    assert state.step == 4 and len(state.losses) == 4
+    for side in "kv":
+        for a, b in zip(straight.weights[side], resumed.weights[side]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="other settings"):
+        distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=5, lr=1e-3), checkpoint)
