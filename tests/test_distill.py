@@ -48,7 +48,8 @@ def test_a_few_steps_lower_the_kl_and_touch_only_the_maps(setup):
         after = [float(student_kl(tr, target, s)) for s in samples]
     assert sum(after) < sum(before)
     assert calls and all(n <= max(s.head for s in samples) for n in calls)  # head rows only: no teacher prefill again
-    assert [step for step, _ in state.validation] == [3, 6] and tr.info["stage"] == 2
+    assert [step for step, _ in state.validation] == [0, 3, 6] and tr.info["stage"] == 2
+    assert state.validation[-1][1] < state.validation[0][1]
     assert all(p.grad is None for p in target.model.hf.parameters())
 
 

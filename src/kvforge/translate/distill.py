@@ -166,6 +166,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         schedule.load_state_dict(saved["schedule"])
         state = saved["state"]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    if validation and state.step == 0 and not state.validation:
+        state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
     while state.step < config.steps:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
