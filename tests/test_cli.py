@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvforge.cli import app
 
 runner = CliRunner()
-SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout", "handoff"]
+SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout", "handoff", "serve"]
 
 
 def _run(*args):
@@ -27,7 +27,7 @@ def test_help_lists_every_subcommand_and_each_has_help():
     for name in SUBCOMMANDS:
         assert name in result.stdout
     for args in (["models"], ["generate"], ["demo"], ["bench", "exact"], ["bench", "ridgefill"], ["eval", "exact"], ["eval", "ridgefill"], ["fit", "ridgefill"],
-                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"], ["bench", "ngram"], ["rollout"], ["handoff"], ["fit", "lingo"], ["eval", "lingo"], ["bench", "lingo"]):
+                 ["bench", "speed"], ["eval", "speed"], ["fit", "speed"], ["bench", "ngram"], ["rollout"], ["handoff"], ["fit", "lingo"], ["eval", "lingo"], ["bench", "lingo"], ["serve"], ["bench", "serve"]):
         assert _run(*args, "--help").exit_code == 0, args
 
 
