@@ -21,6 +21,15 @@ def _last_json(result):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _assert_one_line_errors(cases):
+    """Each (args, message): exit code 2 and one line on stderr that contains the message."""
+    for args, message in cases:
+        result = _run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+
+
 def test_help_lists_every_subcommand_and_each_has_help():
     result = subprocess.run([sys.executable, "-m", "kvforge", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
@@ -119,11 +128,7 @@ def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
         (("generate", "--model", other, "--prompt", "hi", "--method", "ridgefill", "--maps", tiny_maps, "--split", 2), "fitted for"),
         (("fit", "ridgefill", "--model", tiny_model_dir, "--split", "4"), "outside 1..3"),
     ]
-    for args, message in cases:
-        result = _run(*args)
-        assert result.exit_code == 2, (args, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+    _assert_one_line_errors(cases)
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +167,7 @@ def test_speed_bad_input_is_one_line(tiny_model_dir, tiny_adapter, tmp_path):
         ((*base, "--adapter", tmp_path / "none.safetensors"), "does not exist"),
         (("fit", "speed", "--model", tiny_model_dir, "--cut", "9"), "outside 1..4"),
     ]
-    for args, message in cases:
-        result = _run(*args)
-        assert result.exit_code == 2, (args, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+    _assert_one_line_errors(cases)
 
 
 def test_bench_and_eval_speed_json(tiny_model_dir, tiny_adapter, tmp_path):
@@ -219,11 +220,7 @@ def test_drafting_bad_input_is_one_line(tiny_model_dir, tmp_path):
         (("rollout", "--model", tiny_model_dir, "--prompts", tmp_path / "none.txt"), "does not exist"),
         (("bench", "ngram", "--model", tiny_model_dir, "--workload", "chat"), "unknown workload"),
     ]
-    for args, message in cases:
-        result = _run(*args)
-        assert result.exit_code == 2, (args, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+    _assert_one_line_errors(cases)
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +263,7 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
     ]
-    for args, message in cases:
-        result = _run(*args)
-        assert result.exit_code == 2, (args, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+    _assert_one_line_errors(cases)
 
 
 def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):

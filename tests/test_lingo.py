@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, tiny_loaded
+from conftest import tiny_loaded
 from kvforge import ridge
 from kvforge.cache import KVCache
 from kvforge.engine import Engine

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -309,6 +310,25 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def read_artifact(path: Path, fmt: str, version: str, what: str):
+    """Open a kvforge .safetensors artifact of format `fmt` and yield (file, metadata). A wrong
+    format or version, and anything a damaged file raises inside the block (safetensors and json
+    raise several types), become one `ArtifactError` naming `what`."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != fmt:
+                raise ArtifactError(f"{path} is not a kvforge {what} (format={meta.get('format')!r})")
+            if meta.get("format_version") != version:
+                raise ArtifactError(f"{path} has {what} format {meta.get('format_version')}, this kvforge reads {version}")
+            yield f, meta
+    except ArtifactError:
+        raise
+    except Exception as exc:
+        raise ArtifactError(f"cannot read {what} {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def _grow(t: torch.Tensor, capacity: int, dim: int, fill: int) -> torch.Tensor:

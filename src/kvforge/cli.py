@@ -230,12 +230,9 @@ def _apply_adapter(engine, path: Optional[Path]):
     """Load a LoRA adapter, refuse it for another model, merge it into the engine's weights."""
     if path is None:
         return None
-    from kvforge.fill.lora import LoraAdapter
+    from kvforge.fill.lora import load_merged
 
-    lora = LoraAdapter.load(path)
-    lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
-    lora.merge_into(engine.adapter)
-    return lora
+    return load_merged(engine, path)
 
 
 def _speed_config(engine, cut: Optional[str], anchors: str, tail: Optional[int], lora=None):

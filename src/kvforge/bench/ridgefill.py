@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 
 from kvforge.bench.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_medians

@@ -48,11 +48,10 @@ def token_sequences(tokenizer, length: int, split: str = "fit") -> Iterator[list
             buffer = list(prefix) + buffer[length:]
 
 
-def plain_text(conv, max_chars: int | None = None) -> str:
-    """A conversation as plain text ("User: …\\n\\nAssistant: …"), the same string for every
-    model: two models with different chat templates and tokenizers read identical text."""
-    text = "\n\n".join(f"{role.capitalize()}: {content.strip()}" for role, content in conv.turns)
-    return text if max_chars is None else text[:max_chars]
+def plain_text(turns) -> str:
+    """Conversation turns ((role, text), ...) as plain text ("User: ...\\n\\nAssistant: ..."), the same
+    string for every model: two models with different chat templates and tokenizers read identical text."""
+    return "\n\n".join(f"{role.capitalize()}: {content.strip()}" for role, content in turns)
 
 
 def plain_texts(split: str, count: int, min_chars: int, max_chars: int, skip: int = 0) -> list[str]:
@@ -60,7 +59,7 @@ def plain_texts(split: str, count: int, min_chars: int, max_chars: int, skip: in
     to `max_chars`."""
     out = []
     for conv in conversations(split):
-        text = plain_text(conv)
+        text = plain_text(conv.turns)
         if len(text) < min_chars:
             continue
         if skip:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kvforge.cache import KVCache
 from kvforge.data.prompts import plain_texts
-from kvforge.translate.align import Tokenized, align, tokenize
+from kvforge.translate.align import Alignment, Tokenized, align, tokenize
 from kvforge.translate.capture import cache_features
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.translator import SIDES, Translator
@@ -53,9 +53,31 @@ def common_boundary(a: Tokenized, b: Tokenized, limit: int) -> int:
     return max(common)
 
 
-def _cut(t: Tokenized, c: int) -> int:
-    """Number of tokens before the one starting at character c."""
-    return int(np.flatnonzero((t.spans[:, 0] == c) & (t.spans[:, 1] > t.spans[:, 0]))[0])
+@dataclass
+class SplitText:
+    """A text cut for a hand-off at character `cut`, where both tokenizers start a token: the
+    source's exact cache of its prefix, the target's native cache of its prefix but the last
+    token, and the alignment of the target's prefix rows but the last."""
+
+    src: Tokenized
+    tgt: Tokenized
+    cut: int
+    source_prefix: int  # source tokens before the cut
+    target_prefix: int  # target tokens before the cut
+    alignment: Alignment
+    source_cache: KVCache
+    native_cache: KVCache
+
+
+def split_text(source, target, text: str, limit: int, rule: str) -> SplitText:
+    """Cut `text` at the last character <= `limit` where both tokenizations start a token."""
+    src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
+    c = common_boundary(src, tgt, limit)
+    ps, pt = src.tokens_before(c), tgt.tokens_before(c)
+    alignment = align(src.prefix(ps), tgt.prefix(pt), rule).truncate(pt - 1)
+    _, source_cache = source.prefill([src.ids[:ps]], logits="none")
+    _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
+    return SplitText(src, tgt, c, ps, pt, alignment, source_cache, native)
 
 
 def continuation_logits(engine, ids: list[int], prefix: int, cache: KVCache) -> torch.Tensor:
@@ -137,12 +159,9 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     geometry = {side: CacheGeometry(s.num_layers, s.width, t.num_layers, t.width) for side in SIDES}
     rows = 0
     for i, text in enumerate(texts):
-        src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
-        c = common_boundary(src, tgt, settings.prefix_chars)
-        ps, pt = _cut(src, c), _cut(tgt, c)
-        _, src_cache = source.prefill([src.ids[:ps]], logits="none")
-        _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
-        alignment = align(_head(src, ps), _head(tgt, pt), translator.align).truncate(pt - 1)
+        cut = split_text(source, target, text, settings.prefix_chars, translator.align)
+        src, tgt, c, ps, pt = cut.src, cut.tgt, cut.cut, cut.source_prefix, cut.target_prefix
+        alignment, src_cache, native = cut.alignment, cut.source_cache, cut.native_cache
         translated = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
         zeroed = translate_cache(zero, source, target, src_cache, alignment, tgt.ids)
         # Geometry and R² on the rows the translator wrote, at its capture point.
@@ -206,10 +225,6 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
             "source_keys": ranks["k"][0], "target_keys": ranks["k"][1], "source_values": ranks["v"][0], "target_values": ranks["v"][1],
         },
     }
-
-
-def _head(t: Tokenized, n: int) -> Tokenized:
-    return Tokenized(t.ids[:n], t.spans[:n])
 
 
 def _kl(log_p: torch.Tensor, logits_q: torch.Tensor) -> list[float]:

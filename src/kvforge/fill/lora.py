@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kvforge.cache import atomic_save_safetensors
+from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError
 
 FORMAT = "kvforge.lora"
@@ -114,26 +113,24 @@ class LoraAdapter:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"adapter file {path} does not exist")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise ArtifactError(f"{path} is not a kvforge LoRA adapter (format={meta.get('format')!r})")
-                if meta.get("format_version") != VERSION:
-                    raise ArtifactError(f"{path} has adapter format version {meta.get('format_version')}, this kvforge reads {VERSION}")
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-                adapter = cls(
-                    int(meta["rank"]), float(meta["alpha"]), int(meta["num_layers"]), meta["model"], meta["fingerprint"],
-                    tensors, json.loads(meta.get("info", "{}")), path,
-                )
-        except ArtifactError:
-            raise
-        except Exception as exc:  # safetensors and json raise several types for a damaged file
-            raise ArtifactError(f"cannot read adapter {path}: {exc}") from exc
+        with read_artifact(path, FORMAT, VERSION, "adapter") as (f, meta):
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            adapter = cls(
+                int(meta["rank"]), float(meta["alpha"]), int(meta["num_layers"]), meta["model"], meta["fingerprint"],
+                tensors, json.loads(meta.get("info", "{}")), path,
+            )
         expected = {_key(l, t, p) for l in range(adapter.num_layers) for t in TARGETS for p in "AB"}
         if set(tensors) != expected:
             raise ArtifactError(f"adapter {path} is incomplete: {len(expected - set(tensors))} LoRA tensors missing")
         return adapter
+
+
+def load_merged(engine, path: str | Path) -> LoraAdapter:
+    """Load an adapter, refuse it for another model, merge it into the engine's weights."""
+    lora = LoraAdapter.load(path)
+    lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+    lora.merge_into(engine.adapter)
+    return lora
 
 
 def _key(layer: int, target: str, part: str) -> str:

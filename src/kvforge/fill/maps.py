@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvforge.cache import atomic_save_safetensors
+from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError
 
 FORMAT = "kvforge.ridgefill"
@@ -108,33 +108,23 @@ class RidgeMaps:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"maps file {str(path)!r} does not exist")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise ArtifactError(f"{path} is not a kvforge RidgeFill maps file (format={meta.get('format')!r})")
-                if meta.get("format_version") != FORMAT_VERSION:
-                    raise ArtifactError(f"{path} has maps format {meta.get('format_version')}, this kvforge reads {FORMAT_VERSION}")
-                maps = cls(
-                    num_layers=int(meta["num_layers"]),
-                    hidden_size=int(meta["hidden_size"]),
-                    fingerprint=meta["model_fingerprint"],
-                    model=meta["model"],
-                    splits=[int(s) for s in json.loads(meta["splits"])],
-                    int8=bool(json.loads(meta["int8"])),
-                    info=json.loads(meta["info"]),
-                    path=path,
-                )
-                names = set(f.keys())
-                expected = {map_key(s, l, p) for s in maps.splits for l in range(s + 1, maps.num_layers) for p in maps._parts()}
-                if names != expected:
-                    raise ArtifactError(f"{path} is incomplete: {len(expected - names)} of {len(expected)} map tensors missing")
-                if not streamed:
-                    maps.tensors = {name: f.get_tensor(name) for name in names}
-        except ArtifactError:
-            raise
-        except Exception as exc:  # safetensors raises several types for a damaged file
-            raise ArtifactError(f"cannot read RidgeFill maps {path}: {exc}") from exc
+        with read_artifact(path, FORMAT, FORMAT_VERSION, "RidgeFill maps") as (f, meta):
+            maps = cls(
+                num_layers=int(meta["num_layers"]),
+                hidden_size=int(meta["hidden_size"]),
+                fingerprint=meta["model_fingerprint"],
+                model=meta["model"],
+                splits=[int(s) for s in json.loads(meta["splits"])],
+                int8=bool(json.loads(meta["int8"])),
+                info=json.loads(meta["info"]),
+                path=path,
+            )
+            names = set(f.keys())
+            expected = {map_key(s, l, p) for s in maps.splits for l in range(s + 1, maps.num_layers) for p in maps._parts()}
+            if names != expected:
+                raise ArtifactError(f"{path} is incomplete: {len(expected - names)} of {len(expected)} map tensors missing")
+            if not streamed:
+                maps.tensors = {name: f.get_tensor(name) for name in names}
         return maps
 
     def _parts(self) -> tuple[str, ...]:

@@ -51,19 +51,19 @@ class Served:
         s.metrics = self.metrics = ServerMetrics(lambda: s.kv_bytes, lambda: s.queue.qsize(), lambda: len(s.active))
 
 
-def build_served(config: ServeConfig, load=None) -> dict[str, Served]:
+def build_served(config: ServeConfig) -> dict[str, Served]:
     """Load the model(s) and artifacts named by `config`; artifacts are checked against their models."""
     from kvforge.engine import Engine
     from kvforge.models import load_model
 
-    load = load or (lambda spec: Engine(load_model(spec, device=config.device)))
+    if (config.translator is None) != (config.target is None):
+        raise ValueError("--translator and --target go together")
+    load = lambda spec: Engine(load_model(spec, device=config.device))  # noqa: E731
     engine = load(config.model)
     prefillers = {"exact": exact_prefiller(engine), "speed": speed_prefiller(engine, config.adapter)}
     if config.maps is not None:
         prefillers["ridgefill"] = ridgefill_prefiller(engine, config.maps)
     served = {config.model: Served(config.model, engine, prefillers, config.max_batch, config.queue_size)}
-    if (config.translator is None) != (config.target is None):
-        raise ValueError("--translator and --target go together")
     if config.translator is not None:
         from kvforge.translate.translator import ModelSide, Translator
 
@@ -82,15 +82,12 @@ def exact_prefiller(engine):
 def speed_prefiller(engine, adapter_path: Path | None):
     """SPEED at the adapter's cut (merged into the weights at start: every method then serves the
     adapted model), or training-free at the default cut."""
-    from kvforge.fill.lora import LoraAdapter
+    from kvforge.fill.lora import load_merged
     from kvforge.fill.speed import DEFAULT_CUT, SpeedConfig, resolve_cut, speed_plan
 
     cut = resolve_cut(DEFAULT_CUT, engine.num_layers)
     if adapter_path is not None:
-        lora = LoraAdapter.load(adapter_path)
-        lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
-        lora.merge_into(engine.adapter)
-        cut = int((lora.info or {}).get("cut") or cut)
+        cut = int((load_merged(engine, adapter_path).info or {}).get("cut") or cut)
     return lambda r: engine.prefill([r.prompt_ids], plan=speed_plan(len(r.prompt_ids), SpeedConfig(cut), engine.num_layers))
 
 

@@ -33,12 +33,13 @@ class ServerMetrics:
         self.prompt.inc(len(request.prompt_ids))
         self._tokens(1)
 
-    def observe_step(self, request, committed: int, step_s: float, drafted: bool) -> None:
+    def observe_step(self, committed: int, step_s: float, accepted: int | None) -> None:
+        """One request's share of a decode step; `accepted` draft tokens, None when it drafted none."""
         self.per_token.observe(step_s / max(committed, 1))
         self._tokens(committed)
-        if drafted:
+        if accepted is not None:
             self.drafted_steps.inc()
-            self.accepted.inc(max(committed - 1, 0))
+            self.accepted.inc(accepted)
 
     def observe_probe(self, hit: bool) -> None:
         self.probes.inc()

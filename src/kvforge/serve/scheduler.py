@@ -27,7 +27,7 @@ import torch
 from kvforge.cache import KVCache
 from kvforge.generation import GenerationConfig, _commit, _flush, _Sequence, eos_token_ids
 from kvforge.sampling import sample
-from kvforge.speculative.decode import DraftGate
+from kvforge.speculative.decode import DraftGate, verification_batch
 from kvforge.speculative.ngram import NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.verify import verify
@@ -59,7 +59,6 @@ class ServeRequest:
     generator: torch.Generator | None = None
     submitted_at: float = 0.0
     ttft_s: float = 0.0
-    drafted: int = 0
     accepted: int = 0
     steps: int = 0
     error: str | None = None
@@ -186,14 +185,8 @@ class Scheduler:
             room = min(self.k, r.config.max_new_tokens - len(r.seq.token_ids) - 1, self.context - len(r.context) - 1)
             use = r.draft != "none" and room > 0 and self.gate.allows(r.id)
             drafts.append(r.drafter.propose(r.context, room)[:room] if use else [])
-        width = max(len(d) for d in drafts)
-        ids = torch.zeros(len(self.active), width + 1, dtype=torch.long)
-        positions = torch.full((len(self.active), width + 1), -1, dtype=torch.long)
-        for row, (r, d) in enumerate(zip(self.active, drafts)):
-            n = len(r.context) - 1
-            ids[row, 0] = r.pending
-            ids[row, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.long)
-            positions[row, : 1 + len(d)] = torch.arange(n, n + 1 + len(d))
+        ids, positions, lengths = verification_batch([r.pending for r in self.active], drafts, [len(r.context) - 1 for r in self.active])
+        width = ids.shape[1] - 1
         future = None
         prefetching = {r.id: (r.ngram, r.context[:], d) for r, d in zip(self.active, drafts) if r.prefetch and r.ngram is not None}
         if prefetching:
@@ -202,7 +195,7 @@ class Scheduler:
         logits = self.engine.forward(ids.to(self.engine.device), positions.to(self.engine.device), self.cache, "all")
         accepted, bonus = [], []
         for row, (r, d) in enumerate(zip(self.active, drafts)):
-            a, b = verify(logits[row : row + 1], ids[row : row + 1, 1:].to(logits.device), torch.tensor([len(d)], device=logits.device),
+            a, b = verify(logits[row : row + 1], ids[row : row + 1, 1:].to(logits.device), lengths[row : row + 1].to(logits.device),
                           r.config.sampling, r.generator)
             accepted.append(int(a[0]))
             bonus.append(int(b[0]))
@@ -212,10 +205,10 @@ class Scheduler:
         for row, (r, d) in enumerate(zip(self.active, drafts)):
             j = accepted[row]
             self.gate.record(r.id, len(d), j)
-            r.steps, r.drafted, r.accepted = r.steps + 1, r.drafted + len(d), r.accepted + j
+            r.steps, r.accepted = r.steps + 1, r.accepted + j
             committed = self._commit(r, d[:j] + [bonus[row]])
             if self.metrics is not None:
-                self.metrics.observe_step(r, len(committed), step_s, len(d) > 0)
+                self.metrics.observe_step(len(committed), step_s, j if d else None)
             if r.id in branches:
                 hit = self.prefetcher.probe(r.id, branches[r.id], j, bonus[row])
                 if self.metrics is not None:
@@ -234,9 +227,8 @@ class Scheduler:
         r.error = error
         if r.seq is not None:
             _flush(r.seq, lambda _i, delta: r.emit("text", delta))
-        self.prefetcher.accepts.pop(r.id, None)
-        self.gate.average.pop(r.id, None)
-        self.gate.idle.pop(r.id, None)
+        self.prefetcher.forget(r.id)
+        self.gate.forget(r.id)
         if self.metrics is not None:
             self.metrics.observe_done(r)
         r.emit("done", r)

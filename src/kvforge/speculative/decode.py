@@ -92,6 +92,11 @@ class DraftGate:
         self.idle[request] = self.idle.get(request, 0) + 1
         return self.idle[request] >= self.retry
 
+    def forget(self, request: int) -> None:
+        """Drop a finished request's history (a server sees unboundedly many)."""
+        self.average.pop(request, None)
+        self.idle.pop(request, None)
+
     def record(self, request: int, drafted: int, accepted: int) -> None:
         if drafted:
             previous = self.average.get(request, float(accepted))
@@ -154,15 +159,8 @@ def speculative_generate(
                 drafts.append(drafters[i].propose(contexts[i], room)[:room])
                 stats.lookup_s += time.perf_counter() - t
         ready.clear()
-        width = max(len(d) for d in drafts)
-        ids = torch.zeros(len(active), width + 1, dtype=torch.long)
-        positions = torch.full((len(active), width + 1), -1, dtype=torch.long)
-        for row, (i, d) in enumerate(zip(active, drafts)):
-            n = len(contexts[i]) - 1  # position of the pending token
-            ids[row, 0] = pending[i]
-            ids[row, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.long)
-            positions[row, : 1 + len(d)] = torch.arange(n, n + 1 + len(d))
-        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        ids, positions, lengths = verification_batch([pending[i] for i in active], drafts, [len(contexts[i]) - 1 for i in active])
+        width = ids.shape[1] - 1
         future = None
         if prefetcher is not None:
             future = prefetcher.start({i: (caches[i], contexts[i][:], d) for i, d in zip(active, drafts)})
@@ -207,6 +205,20 @@ def speculative_generate(
         for s in seqs
     ]
     return outputs, stats
+
+
+def verification_batch(pending: list[int], drafts: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One verification forward's inputs: per request its pending token at position starts[i]
+    then its draft, padded to the longest draft with invisible slots (position -1).
+    Returns ids (B, K+1), positions (B, K+1) and the draft lengths (B,)."""
+    width = max(len(d) for d in drafts)
+    ids = torch.zeros(len(drafts), width + 1, dtype=torch.long)
+    positions = torch.full((len(drafts), width + 1), -1, dtype=torch.long)
+    for row, (token, d, n) in enumerate(zip(pending, drafts, starts)):
+        ids[row, 0] = token
+        ids[row, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        positions[row, : 1 + len(d)] = torch.arange(n, n + 1 + len(d))
+    return ids, positions, torch.tensor([len(d) for d in drafts], dtype=torch.long)
 
 
 def _drop_finished(seqs, active: list[int], cache, contexts, context_limit: int):

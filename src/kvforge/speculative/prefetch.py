@@ -128,6 +128,10 @@ class Prefetcher:
         total = sum(counts)
         return [c / total for c in counts]
 
+    def forget(self, key: int) -> None:
+        """Drop a finished request's accept-length history (a server sees unboundedly many)."""
+        self.accepts.pop(key, None)
+
     def probe(self, key: int, branch: Branch, accepted: int, bonus: int) -> list[int] | None:
         """The prefetched next draft for outcome (accepted, bonus), or None (a miss); learns from it."""
         self.probes += 1

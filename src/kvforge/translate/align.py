@@ -38,6 +38,15 @@ class Tokenized:
     spans: np.ndarray  # (T, 2) character [start, end), end == start for a span-less token
 
 
+    def prefix(self, n: int) -> "Tokenized":
+        return Tokenized(self.ids[:n], self.spans[:n])
+
+    def tokens_before(self, c: int) -> int:
+        """How many tokens come before the first token (with a span) starting at or after character c."""
+        starts = np.flatnonzero((self.spans[:, 0] >= c) & (self.spans[:, 1] > self.spans[:, 0]))
+        return int(starts[0]) if starts.size else len(self.ids)
+
+
 def tokenize(tokenizer, text: str, add_special_tokens: bool = True) -> Tokenized:
     """Ids and character spans of `text` (needs a fast tokenizer)."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)

@@ -22,12 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvforge.data.prompts import plain_text
 from kvforge.data.sharegpt import conversations
-from kvforge.evaluate.lingo import common_boundary, continuation_logits
-from kvforge.translate.align import Tokenized, align, tokenize
+from kvforge.evaluate.lingo import continuation_logits, split_text
 from kvforge.translate.handoff import aligned_features, append_translated
 from kvforge.translate.translator import SIDES, Translator
 
@@ -73,7 +71,7 @@ def split_texts(split: str, count: int, max_prefix_chars: int, max_continuation_
         for i, (role, content) in enumerate(conv.turns):
             if role != "assistant" or i == 0:
                 continue
-            before = plain_text(type(conv)(conv.id, conv.turns[:i])) + "\n\nAssistant:"
+            before = plain_text(conv.turns[:i]) + "\n\nAssistant:"
             if len(before) > max_prefix_chars:
                 break
             if len(content.strip()) >= 20:
@@ -91,25 +89,17 @@ def split_texts(split: str, count: int, max_prefix_chars: int, max_continuation_
 
 def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int) -> DistillSample:
     """Everything frozen about one sample: aligned source features and the teacher's top-k."""
-    src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
-    c = common_boundary(src, tgt, cut + 1)
-    ps, pt = _tokens_before(src, c), _tokens_before(tgt, c)
-    alignment = align(Tokenized(src.ids[:ps], src.spans[:ps]), Tokenized(tgt.ids[:pt], tgt.spans[:pt]), translator.align).truncate(pt - 1)
     with torch.inference_mode():
-        _, src_cache = source.prefill([src.ids[:ps]], logits="none")
-        aligned = aligned_features(translator, source, src_cache, alignment) if alignment.index.shape[0] else {"k": {}, "v": {}}
-        _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
-        logits = continuation_logits(target, tgt.ids, pt, native)
+        # cut + 1: a prefix ending "Assistant:" keeps the space when the tokenizer splits it off
+        split = split_text(source, target, text, cut + 1, translator.align)
+        alignment, pt = split.alignment, split.target_prefix
+        aligned = aligned_features(translator, source, split.source_cache, alignment) if alignment.index.shape[0] else {"k": {}, "v": {}}
+        logits = continuation_logits(target, split.tgt.ids, pt, split.native_cache)
         values, index = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.shape[-1]), dim=-1)
         teacher = torch.log_softmax(values, -1)
     # Clones made outside inference mode: the student's backward saves them.
     frozen = {side: {layer: f.clone() for layer, f in d.items()} for side, d in aligned.items()}
-    return DistillSample(tgt.ids, pt, min(alignment.head, pt - 1), frozen, teacher.clone(), index.clone())
-
-
-def _tokens_before(t: Tokenized, c: int) -> int:
-    starts = [i for i, (s, e) in enumerate(t.spans) if s >= c and e > s]
-    return starts[0] if starts else len(t.ids)
+    return DistillSample(split.tgt.ids, pt, min(alignment.head, pt - 1), frozen, teacher.clone(), index.clone())
 
 
 def student_kl(translator: Translator, target, sample: DistillSample) -> torch.Tensor:

@@ -46,7 +46,7 @@ class LingoFitConfig:
             raise ValueError("need at least one conversation of at least 16 characters")
 
 
-def aligned_features(source, target, text: str, capture: str, rule: str):
+def paired_features(source, target, text: str, capture: str, rule: str):
     """(x per side: source layers side by side (N, L_s·W_s), y: target layers (N, L_t·W_t)) for
     the target rows of `text` past the head."""
     src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
@@ -64,7 +64,7 @@ def accumulate(source, target, texts: list[str], capture: str, rule: str, progre
     s, t = ModelSide.of(source), ModelSide.of(target)
     moments = {side: ridge.Moments.zeros(s.num_layers * s.width, t.num_layers * t.width) for side in SIDES}
     for text in texts:
-        x, y = aligned_features(source, target, text, capture, rule)
+        x, y = paired_features(source, target, text, capture, rule)
         for side in SIDES:
             moments[side].update(x[side], y[side])
         if progress:

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kvforge.cache import atomic_save_safetensors
+from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError
 
 FORMAT = "kvforge.lingo"
@@ -143,25 +142,14 @@ class Translator:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"no translator at {path}: fit one with `kvforge fit lingo`")
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise ArtifactError(f"{path} is not a kvforge translator (format={meta.get('format')!r})")
-                if meta.get("format_version") != FORMAT_VERSION:
-                    raise ArtifactError(f"{path} has translator format {meta.get('format_version')}, this kvforge reads {FORMAT_VERSION}")
-                source, target = ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"]))
-                weights = {s: [f.get_tensor(f"{s}.{l}.weight") for l in range(target.num_layers)] for s in SIDES}
-                biases = {s: [f.get_tensor(f"{s}.{l}.bias") for l in range(target.num_layers)] for s in SIDES}
-                return cls(
-                    source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
-                    json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]),
-                )
-        except ArtifactError:
-            raise
-        except Exception as exc:  # safetensors and json raise several types for a damaged file
-            raise ArtifactError(f"cannot read translator {path}: {type(exc).__name__}: {exc}") from exc
-
+        with read_artifact(path, FORMAT, FORMAT_VERSION, "translator") as (f, meta):
+            source, target = ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"]))
+            weights = {s: [f.get_tensor(f"{s}.{l}.weight") for l in range(target.num_layers)] for s in SIDES}
+            biases = {s: [f.get_tensor(f"{s}.{l}.bias") for l in range(target.num_layers)] for s in SIDES}
+            return cls(
+                source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
+                json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]),
+            )
 
 def default_translator_path(source: str, target: str) -> Path:
     """Where `kvforge fit lingo` writes by default and the demo looks: $KVFORGE_HOME/translators."""
