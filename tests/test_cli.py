@@ -295,3 +295,12 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     assert Translator.load(out).info["stage"] == 2
     bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
     assert bad.exit_code == 2 and "needs --init" in bad.stderr
+
+
+def test_fit_lingo_lr_sweep_reports_every_rate_and_picks_an_interior_one(tiny_gemma_dir, tiny_model_dir, tiny_translator):
+    result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                  "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--lr-sweep", "--json")
+    assert result.exit_code == 0, result.output
+    obj = _last_json(result)
+    rates = [r["lr"] for r in obj["lr_sweep"]]
+    assert len(rates) >= 5 and rates == sorted(rates) and rates[0] < obj["lr_selected"] < rates[-1]

@@ -1,6 +1,7 @@
 """KV-Lingo stage 2 (self-distillation) on a tiny cross-family pair sharing a tokenizer."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -83,3 +84,45 @@ def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="other settings"):
         distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=5, lr=1e-3), checkpoint)
+
+
+def test_the_sweep_extends_past_an_edge_until_the_best_rate_is_interior(setup, monkeypatch):
+    _, target, translator, samples = setup
+    import kvforge.translate.distill as distill_module
+
+    tried = []
+
+    def fake_distill(tr, tgt, train, validation, config, *a, **k):  # validation KL a bowl with its floor at 1e-5
+        tried.append(config.lr)
+        return tr, distill_module.DistillState(step=config.steps, validation=[(config.steps, (math.log10(config.lr) + 5) ** 2)])
+
+    monkeypatch.setattr(distill_module, "distill", fake_distill)
+    rates = distill_module.half_decade_rates(1e-3)
+    assert [round(math.log10(r), 6) for r in rates] == [-4.0, -3.5, -3.0, -2.5, -2.0]
+    results = distill_module.sweep_learning_rates(translator, target, samples, samples, DistillConfig(steps=1), rates)
+    lrs = [r for r, _ in results]
+    best = min(results, key=lambda r: r[1])[0]
+    assert math.isclose(best, 1e-5) and lrs[0] < best < lrs[-1] and len(lrs) == 8  # three added below the window: 3e-5, 1e-5, then 3e-6 shows 1e-5 is a floor
+
+
+def test_training_texts_mix_packed_and_natural_samples_disjointly():
+    from kvforge.translate.distill import training_texts
+
+    train, read = training_texts("fit", 6, 2000, 3000, 200)
+    later, _ = training_texts("fit", 2, 2000, 3000, 200, skip=read)
+    assert len(train) == 6 and not {t for t, _ in train} & {t for t, _ in later}
+    for text, cut in train + later:
+        assert text[:cut].endswith("\n\nAssistant:") and cut <= 3000 and len(text) - cut <= 201
+
+
+def test_a_packed_sample_lifts_one_question_to_the_end_and_drops_its_answer():
+    import random
+
+    from kvforge.translate.distill import packed_sample
+
+    group = [[("what is a?", "a is the first letter of it all")], [("what is b?", "b is the second letter, after a"), ("and c?", "c is the third one, after b")]]
+    text, cut = packed_sample(group, random.Random(1), 100)
+    prefix, reply = text[:cut], text[cut:].strip()
+    question = next(q for ex in group for q, a in ex if a == reply)
+    assert prefix.endswith(f"User: {question}\n\nAssistant:") and prefix.count(question) == 1 and reply not in prefix
+    assert all(a in prefix for ex in group for _, a in ex if a != reply)

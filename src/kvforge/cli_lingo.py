@@ -48,6 +48,7 @@ def fit_lingo_cmd(
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
+    lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -61,7 +62,7 @@ def fit_lingo_cmd(
 
     _setup(threads)
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, out, device, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, device, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
@@ -90,10 +91,10 @@ def fit_lingo_cmd(
     )
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, out, device, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, device, json_out):
     from tqdm import tqdm
 
-    from kvforge.translate.distill import DistillConfig, distill, prepare, split_texts
+    from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates, training_texts
     from kvforge.translate.translator import ModelSide, Translator, default_translator_path
 
     if init is None:
@@ -102,11 +103,25 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
     translator = Translator.load(init)
     src, tgt = _load(source, device), _load(target, device)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
-    texts = split_texts("fit", config.samples, config.max_prefix_chars, config.max_continuation_chars)
-    held = split_texts("held_out", config.validation_samples, config.max_prefix_chars, config.max_continuation_chars)
+    lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
+    texts, read = training_texts("fit", config.samples, *lengths)
+    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=read)  # disjoint from training and from eval's held-out split
     with err.status("teacher: the target's native distributions, once"):
         train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
+    common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2,
+              "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
+              "validation_samples": len(validation)}
+    if lr_sweep:
+        report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
+        results = sweep_learning_rates(translator, tgt, train, validation, config, half_decade_rates(lr), progress=report)
+        best = min(results, key=lambda r: r[1])
+        summary = {**common, "lr_sweep": [{"lr": r, "validation_kl": kl} for r, kl in results], "lr_selected": best[0]}
+        if json_out:
+            _emit(summary)
+        else:
+            err.print(f"selected lr {best[0]:.2e} (validation KL {best[1]:.4f}) of {[f'{r:.1e}' for r, _ in results]}")
+        return
     with tqdm(total=steps, unit="step", desc=f"distill {source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(state, _seconds):
@@ -116,11 +131,8 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
     path = translator.save(out or default_translator_path(source, target).with_name(f"{source}-to-{target}-stage2.safetensors"))
-    summary = {
-        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2,
-        "tokens": sum(len(s.target_ids) for s in train), "out": str(path), "steps": state.step,
-        "loss_first": state.losses[0], "loss_last": state.losses[-1], "validation_kl": state.validation,
-    }
+    summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
+               "loss_last": state.losses[-1], "validation_kl": state.validation}
     if json_out:
         _emit(summary)
         return

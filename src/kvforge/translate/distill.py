@@ -15,8 +15,10 @@ seeded order by step number).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +41,8 @@ class DistillConfig:
     samples: int = 64
     validation_samples: int = 8
     max_prefix_chars: int = 2000  # ~500 tokens: one student forward + backward in a few seconds here
+    max_packed_chars: int = 3000  # packed samples: several conversations, one question lifted to the end
+    packed_fraction: float = 0.5
     max_continuation_chars: int = 400
     top_k: int = 32
     validate_every: int = 25
@@ -67,24 +71,79 @@ def split_texts(split: str, count: int, max_prefix_chars: int, max_continuation_
     assistant turn that fits in `max_prefix_chars`, followed by that reply (capped)."""
     out = []
     for conv in conversations(split):
-        best = None
-        for i, (role, content) in enumerate(conv.turns):
-            if role != "assistant" or i == 0:
-                continue
-            before = plain_text(conv.turns[:i]) + "\n\nAssistant:"
-            if len(before) > max_prefix_chars:
-                break
-            if len(content.strip()) >= 20:
-                best = (before + " " + content.strip()[:max_continuation_chars], len(before))
-        if best is None:
+        sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
+        if sample is None:
             continue
         if skip:
             skip -= 1
             continue
-        out.append(best)
+        out.append(sample)
         if len(out) == count:
             return out
     raise ValueError(f"the {split} split holds fewer than {count} usable conversations")
+
+
+def natural_sample(turns, max_prefix_chars: int, max_continuation_chars: int) -> tuple[str, int] | None:
+    best = None
+    for i, (role, content) in enumerate(turns):
+        if role != "assistant" or i == 0:
+            continue
+        before = plain_text(turns[:i]) + "\n\nAssistant:"
+        if len(before) > max_prefix_chars:
+            break
+        if len(content.strip()) >= 20:
+            best = (before + " " + content.strip()[:max_continuation_chars], len(before))
+    return best
+
+
+def _exchanges(turns) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a conversation: each user turn followed by an assistant turn."""
+    return [(q, a) for (rq, q), (ra, a) in zip(turns, turns[1:]) if rq == "user" and ra == "assistant" and q.strip() and a.strip()]
+
+
+def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_continuation_chars: int) -> tuple[str, int]:
+    """Concatenated conversations with one (question, answer) exchange removed at random: the
+    question closes the prefix, the answer is the continuation (the source's packed samples: the
+    reply needs context from anywhere in a long prefix, never from the exchange itself)."""
+    candidates = [(c, j) for c, ex in enumerate(group) for j, (_, a) in enumerate(ex) if len(a.strip()) >= 20]
+    c, j = rng.choice(candidates)
+    question, answer = group[c][j]
+    turns = [t for k, ex in enumerate(group) for i, (q, a) in enumerate(ex) if (k, i) != (c, j) for t in (("user", q), ("assistant", a))]
+    before = plain_text(turns + [("user", question)]) + "\n\nAssistant:"
+    return before + " " + answer.strip()[:max_continuation_chars], len(before)
+
+
+def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
+                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0) -> tuple[list[tuple[str, int]], int]:
+    """`count` (text, cut) samples of `split`, a `packed_fraction` of them packed (prefix of at most
+    `max_packed_chars`, from several conversations) and the rest natural, interleaved; skips the
+    first `skip` conversations and returns how many it read, so a later call can stay disjoint."""
+    rng = random.Random(seed)
+    out, group, read, packed = [], [], 0, 0
+    room = max_packed_chars - 200  # the lifted question and the assistant header
+    for conv in conversations(split):
+        read += 1
+        if read <= skip:
+            continue
+        if packed >= packed_fraction * (len(out) + 1):
+            sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
+            if sample is not None:
+                out.append(sample)
+        else:
+            exchanges, size = [], 0
+            for q, a in _exchanges(conv.turns):  # the leading exchanges that fit in a third of the room
+                size += len(q) + len(a) + 24
+                if size > room // 3:
+                    break
+                exchanges.append((q, a))
+            if exchanges:
+                group.append(exchanges)
+            if sum(len(q) + len(a) + 24 for ex in group for q, a in ex) > room * 3 // 4 or len(group) == 5:
+                out.append(packed_sample(group, rng, max_continuation_chars))
+                group, packed = [], packed + 1
+        if len(out) == count:
+            return out, read
+    raise ValueError(f"the {split} split holds too few usable conversations for {count} samples")
 
 
 def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int) -> DistillSample:
@@ -137,8 +196,10 @@ def validation_kl(translator: Translator, target, samples: list[DistillSample]) 
 
 
 def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
-            checkpoint: Path | None = None, progress=None) -> tuple[Translator, DistillState]:
-    """Train the translator's maps in place; resumes from `checkpoint` when the file exists."""
+            checkpoint: Path | None = None, progress=None, validate_start: bool = True) -> tuple[Translator, DistillState]:
+    """Train the translator's maps in place; resumes from `checkpoint` when the file exists.
+    Validation KL is taken every `validate_every` steps, at the end and (`validate_start`) before
+    the first step."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
     params = trainable(translator)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
@@ -156,7 +217,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         schedule.load_state_dict(saved["schedule"])
         state = saved["state"]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    if validation and state.step == 0 and not state.validation:
+    if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
     while state.step < config.steps:
         start = time.perf_counter()
@@ -184,6 +245,35 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "losses_first_last": [state.losses[0], state.losses[-1]],
                                                                "validation_kl": state.validation}}
     return translator, state
+
+
+def sweep_learning_rates(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample],
+                         config: DistillConfig, rates: list[float], max_rates: int = 9, progress=None) -> list[tuple[float, float]]:
+    """Final validation KL of a short run from `translator` at each rate; while the best rate
+    sits on an edge of those tried, one more rate half a decade further out is tried (at most
+    `max_rates` in all), so the rate picked is interior. Sorted by rate."""
+    results: dict[float, float] = {}
+    pending = sorted(rates)
+    while pending:
+        for lr in pending:
+            run = DistillConfig(**{**asdict(config), "lr": lr, "validate_every": config.steps, "checkpoint_every": config.steps})
+            _, state = distill(copy.deepcopy(translator), target, train, validation, run, validate_start=False)
+            results[lr] = state.validation[-1][1]
+            if progress:
+                progress(lr, results[lr])
+        tried = sorted(results)
+        best = min(tried, key=results.get)
+        pending = []
+        if len(tried) < max_rates and best == tried[0]:
+            pending = [tried[0] / math.sqrt(10)]
+        elif len(tried) < max_rates and best == tried[-1]:
+            pending = [tried[-1] * math.sqrt(10)]
+    return sorted(results.items())
+
+
+def half_decade_rates(center: float, count: int = 5) -> list[float]:
+    """`count` rates spaced half a decade apart, centred on `center`."""
+    return [center * 10 ** (0.5 * (i - (count - 1) / 2)) for i in range(count)]
 
 
 def _cosine(step: int, warmup: int, total: int) -> float:
