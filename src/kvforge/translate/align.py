@@ -88,11 +88,12 @@ def head_rows(target: Tokenized) -> int:
     return int(np.argmax(has_span)) + 1
 
 
-def align(source: Tokenized, target: Tokenized, rule: str = "cover") -> Alignment:
-    """The alignment of every target row to the source rows (see the module docstring)."""
+def align(source: Tokenized, target: Tokenized, rule: str = "cover", head: int | None = None) -> Alignment:
+    """The alignment of every target row to the source rows (see the module docstring). `head`
+    overrides the native head rows (0 for a segment appended to a cache that has its sink)."""
     if rule not in ALIGN_RULES:
         raise ValueError(f"unknown alignment rule {rule!r}: use {', '.join(ALIGN_RULES)}")
-    head = head_rows(target)
+    head = head_rows(target) if head is None else head
     src_rows = np.flatnonzero(source.spans[:, 1] > source.spans[:, 0])
     if src_rows.size == 0:
         raise ValueError("the source tokens carry no character spans: nothing to align")
