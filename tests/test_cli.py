@@ -253,6 +253,31 @@ def test_handoff_generates_from_the_translated_cache(tiny_gemma_dir, tiny_model_
     assert len(obj["token_ids"]) == 5 and obj["ttft_s"] >= obj["translate_s"] > 0
 
 
+def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+    back = tmp_path / "back.safetensors"
+    assert _run("fit", "lingo", "--source", tiny_model_dir, "--target", tiny_gemma_dir, "--nu", 1, "--conversations", 2,
+                "--max-chars", 300, "--out", back).exit_code == 0
+    turns = tmp_path / "turns.txt"
+    turns.write_text("hello there\n\nhow are you\nand then?\n")
+    args = ("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
+            "--back-translator", back, "--turns", turns, "-n", 4)
+    obj = _last_json(_run(*args, "--json"))
+    rows = obj["turns"]
+    assert rows[0]["speaker"] == rows[2]["speaker"] != rows[1]["speaker"]
+    assert rows[0]["translated_rows"] == 0 and 0 < rows[1]["translated_rows"] <= rows[1]["caught_up_rows"]
+    assert rows[2]["translated_rows"] == rows[2]["caught_up_rows"]  # mid-conversation: every caught-up row translated
+    naive = _last_json(_run(*args, "--mode", "naive", "--json"))["turns"]
+    assert naive[2]["translated_rows"] > rows[2]["translated_rows"]  # the whole prefix again
+    bad = _run(*args, "--mode", "relay")
+    assert bad.exit_code == 2 and "--mode must be one of" in bad.stderr
+
+
+def empty_turns(tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("\n  \n")
+    return path
+
+
 def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
     base = ("--translator", tiny_translator, "--prompt", "hello there")
     cases = [
@@ -260,6 +285,7 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, *base, "--capture", "post-rope"), "reads keys at pre-norm, not post-rope"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--prompt", " "), "empty prompt"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tmp_path / "no.safetensors", "--prompt", "x"), "no translator"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--turns", empty_turns(tmp_path)), "holds no user message"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
     ]

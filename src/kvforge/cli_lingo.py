@@ -148,6 +148,9 @@ def handoff(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text the source has prefilled."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="Read the text from a file."),
     capture: Optional[str] = typer.Option(None, "--capture", help="Expected capture point (checked against the translator)."),
+    turns: Optional[Path] = typer.Option(None, "--turns", help="A conversation instead: user messages, one per line (or a JSON list); SOURCE answers the first, the models alternate."),
+    back_translator: Optional[Path] = typer.Option(None, "--back-translator", help="With --turns: TARGET → SOURCE translator (default: the cached one)."),
+    mode: str = typer.Option("alternated", "--mode", help="With --turns: alternated (translate only new tokens), naive (retranslate the whole prefix) or native (re-prefill)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     seed: Optional[int] = typer.Option(None, "--seed"),
@@ -161,6 +164,10 @@ def handoff(
     from kvforge.translate.translator import ModelSide
 
     _setup(threads)
+    if turns is not None:
+        if prompt is not None or prompt_file is not None:
+            raise KvforgeError("give --turns or a prompt, not both")
+        return _handoff_turns(source, target, translator, back_translator, turns, mode, max_new_tokens, temperature, seed, device, json_out)
     if (prompt is None) == (prompt_file is None):
         raise KvforgeError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else _read_prompt(prompt_file)
@@ -185,6 +192,54 @@ def handoff(
         f"[dim]{source} → {target}: {len(h.source_ids)} → {len(h.target_ids)} tokens, translated in {h.translate_s:.3f} s, "
         f"TTFT {result['ttft_s']:.3f} s, {out.decode_tokens_per_s:.1f} tok/s[/dim]"
     )
+
+
+def _read_turns(path: Path) -> list[str]:
+    import json
+
+    text = _read_prompt(path)
+    if text.lstrip().startswith("["):
+        try:
+            turns = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KvforgeError(f"{path} is not a valid JSON list of messages: {exc.msg} at line {exc.lineno}") from exc
+        if not all(isinstance(t, str) for t in turns):
+            raise KvforgeError(f"{path}: the JSON list must hold strings (user messages)")
+    else:
+        turns = text.splitlines()
+    turns = [t for t in turns if t.strip()]
+    if not turns:
+        raise KvforgeError(f"{path} holds no user message")
+    return turns
+
+
+def _handoff_turns(source, target, translator, back_translator, turns_path, mode, max_new_tokens, temperature, seed, device, json_out):
+    from kvforge.generation import GenerationConfig
+    from kvforge.translate.session import MODES, Conversation
+
+    if mode not in MODES:
+        raise KvforgeError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    messages = _read_turns(turns_path)
+    src, tgt = _load(source, device), _load(target, device)
+    pair = None if mode == "native" else (_translator(translator, source, target), _translator(back_translator, target, source))
+    conv = Conversation((src, tgt), pair, mode)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    results = []
+    for i, message in enumerate(messages):
+        out = conv.respond(message, config)
+        switch = conv.switches[-1] if i else None
+        row = {"turn": i + 1, "speaker": conv.parties[i % 2].engine.model.name, "user": message, "text": conv.segments[-1],
+               "ttft_s": out.ttft_s, "decode_tokens_per_s": out.decode_tokens_per_s,
+               "caught_up_rows": switch.new_rows if switch else 0, "translated_rows": switch.translated_rows if switch else 0,
+               "switch_s": switch.seconds if switch else 0.0}
+        results.append(row)
+        if not json_out:
+            sys.stdout.write(f"[{row['speaker']}] {row['text'].strip()}\n")
+            err.print(f"[dim]turn {row['turn']}: {row['translated_rows']} rows translated of {row['caught_up_rows']} caught up "
+                      f"in {row['switch_s']:.3f} s, TTFT {row['ttft_s']:.3f} s[/dim]")
+    if json_out:
+        _emit({"command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "mode": mode,
+               "tokens": len(conv.parties[(len(messages) - 1) % 2].ids), "turns": results})
 
 
 @eval_app.command("lingo")
