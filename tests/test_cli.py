@@ -1,6 +1,7 @@
 """The `kvforge` command: help, JSON contract, and one-line errors with exit code 2."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -292,6 +293,27 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
     _assert_one_line_errors(cases)
 
 
+def test_eval_lingo_compares_translators_asks_questions_and_replays_turns(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+    back = tmp_path / "back.safetensors"
+    assert _run("fit", "lingo", "--source", tiny_model_dir, "--target", tiny_gemma_dir, "--nu", 1, "--conversations", 2,
+                "--max-chars", 300, "--out", back).exit_code == 0
+    ev = _run("eval", "lingo", "--translator", tiny_translator, "--compare", tiny_translator, "--samples", 2, "--prefix-chars", 150,
+              "--continuation-chars", 40, "--plot", tmp_path / "cka.png", "--qa", 2, "--qa-prefix-chars", 200, "--multiturn", 2,
+              "--turns", 3, "--turn-chars", 20, "--back-translator", back, "--json")
+    assert ev.exit_code == 0, ev.output
+    obj = _last_json(ev)
+    same = obj["compare"]["t"]  # the same translator again: the same numbers
+    assert same["bpb"] == pytest.approx(obj["bpb_target_translated"]) and same["kl"] == pytest.approx(obj["kl"], abs=1e-9)
+    assert obj["kl_ci"][0] <= obj["kl"] <= obj["kl_ci"][1]
+    assert obj["qa"]["questions"] == 2 and set(obj["qa"]["accuracy"]) == {"target_native", "translated", "t", "source_native"}
+    mt = obj["multiturn"]
+    assert mt["conversations"] == 2 and len(mt["native"]["bpb_per_turn"]) == 3 and mt["speakers"][0] != mt["speakers"][1]
+    assert mt["alternated"]["bpb_per_turn"][0] == pytest.approx(mt["native"]["bpb_per_turn"][0])  # turn 1: no switch yet
+    assert mt["naive"]["translated_rows_per_switch"][2] > mt["alternated"]["translated_rows_per_switch"][2]
+    assert Path(mt["plot"]).is_file()
+    Path(mt["plot"]).unlink()
+
+
 def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
     ev = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 2, "--prefix-chars", 200, "--continuation-chars", 60,
               "--plot", tmp_path / "cka.png", "--json")
@@ -312,10 +334,11 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
 def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
     out, ckpt = tmp_path / "t2.safetensors", tmp_path / "ckpt.pt"
     result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
-                  "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--json")
+                  "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--plot", tmp_path / "kl.png", "--json")
     assert result.exit_code == 0, result.output
     obj = _last_json(result)
     assert obj["stage"] == 2 and obj["steps"] == 2 and obj["validation_kl"][-1][0] == 2 and ckpt.is_file()
+    assert (tmp_path / "kl.png").stat().st_size > 0
     from kvforge.translate.translator import Translator
 
     assert Translator.load(out).info["stage"] == 2

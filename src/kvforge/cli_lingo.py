@@ -48,6 +48,7 @@ def fit_lingo_cmd(
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
@@ -62,7 +63,7 @@ def fit_lingo_cmd(
 
     _setup(threads)
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, device, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, plot, device, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
@@ -91,7 +92,7 @@ def fit_lingo_cmd(
     )
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, device, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, plot, device, json_out):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates, training_texts
@@ -109,11 +110,14 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
     with err.status("teacher: the target's native distributions, once"):
         train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
+    from kvforge.translate.distill import validation_kl
+
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2,
               "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
               "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
+        common["validation_kl_start"] = validation_kl(translator, tgt, validation)  # the stage-1 maps
         results = sweep_learning_rates(translator, tgt, train, validation, config, half_decade_rates(lr), progress=report)
         best = min(results, key=lambda r: r[1])
         summary = {**common, "lr_sweep": [{"lr": r, "validation_kl": kl} for r, kl in results], "lr_selected": best[0]}
@@ -131,8 +135,11 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
     path = translator.save(out or default_translator_path(source, target).with_name(f"{source}-to-{target}-stage2.safetensors"))
+    from kvforge.translate.distill import plot_distill
+
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation}
+    summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{_safe(source)}-to-{_safe(target)}.png")
     if json_out:
         _emit(summary)
         return
@@ -246,15 +253,23 @@ def _handoff_turns(source, target, translator, back_translator, turns_path, mode
 @user_errors
 def eval_lingo_cmd(
     translator: Path = typer.Option(..., "--translator", help="Translator from `kvforge fit lingo`."),
-    samples: int = typer.Option(24, "--samples", help="Held-out conversations."),
+    compare: list[Path] = typer.Option([], "--compare", help="Other translators of the pair (say stage 1), scored on the same samples."),
+    samples: int = typer.Option(24, "--samples", help="Held-out continuations (0: skip)."),
     prefix_chars: int = typer.Option(2000, "--prefix-chars"),
     continuation_chars: int = typer.Option(400, "--continuation-chars"),
+    qa: int = typer.Option(0, "--qa", help="Context-grounded questions (a fact stated early, asked at the end; 0: skip)."),
+    qa_prefix_chars: int = typer.Option(1500, "--qa-prefix-chars", help="QA: characters of conversation holding the fact and the question."),
+    multiturn: int = typer.Option(0, "--multiturn", help="Held-out conversations replayed with the models alternating (0: skip)."),
+    turns: int = typer.Option(6, "--turns", help="Turns per multi-turn conversation."),
+    turn_chars: int = typer.Option(300, "--turn-chars", help="Multi-turn: characters kept of each user message and each reply."),
+    back_translator: Optional[Path] = typer.Option(None, "--back-translator", help="Multi-turn: the TARGET → SOURCE translator (default: the cached one)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="CKA PNG (default: benchmarks/results/lingo-cka-<source>-to-<target>.png)."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Target loss from the translated cache vs native caches (bits per byte), KL, R², CKA, effective rank."""
+    """Target loss from the translated cache vs native caches (bits per byte), KL, R², CKA, effective
+    rank; optionally context-grounded QA and per-turn loss over alternating turns."""
     from kvforge.evaluate.lingo import LingoEvalSettings, eval_lingo, plot_cka
     from kvforge.translate.translator import ModelSide, Translator
 
@@ -262,27 +277,70 @@ def eval_lingo_cmd(
     tr = Translator.load(translator)
     src, tgt = _load(tr.source.name, device), _load(tr.target.name, device)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
-    settings = LingoEvalSettings(samples=samples, prefix_chars=prefix_chars, continuation_chars=continuation_chars)
-    report = eval_lingo(tr, src, tgt, settings, progress=lambda i, n: err.print(f"[dim]sample {i}/{n}[/dim]"))
+    others = {}
+    for path in compare:
+        other = Translator.load(path)
+        other.check_pair(ModelSide.of(src), ModelSide.of(tgt))
+        others[_label(path, others)] = other
     name = f"{_safe(tr.source.name)}-to-{_safe(tr.target.name)}"
     report = {
         "command": "eval lingo", "model": tr.target.name, "source": tr.source.name, "target": tr.target.name, "method": "lingo",
         "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
-        "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), **report,
+        "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), "compared": {label: str(p) for label, p in zip(others, compare)},
     }
-    report["plot"] = plot_cka(report, tr, plot or Path("benchmarks/results") / f"lingo-cka-{name}.png")
+    tick = lambda what: (lambda i, n: err.print(f"[dim]{what} {i}/{n}[/dim]"))  # noqa: E731
+    if samples:
+        settings = LingoEvalSettings(samples=samples, prefix_chars=prefix_chars, continuation_chars=continuation_chars)
+        report.update(eval_lingo(tr, src, tgt, settings, progress=tick("sample"), compare=others))
+        report["plot"] = plot_cka(report, tr, plot or Path("benchmarks/results") / f"lingo-cka-{name}.png")
+    if qa:
+        from kvforge.evaluate.qa import eval_qa, qa_items
+
+        report["qa"] = eval_qa({"translated": tr, **others}, src, tgt, qa_items(qa, qa_prefix_chars), progress=tick("question"))
+    if multiturn:
+        from kvforge.evaluate.multiturn import MultiTurnSettings, eval_multiturn, plot_turns
+
+        back = _translator(back_translator, tr.target.name, tr.source.name)
+        settings = MultiTurnSettings(conversations=multiturn, turns=turns, user_chars=turn_chars, reply_chars=turn_chars)
+        report["multiturn"] = eval_multiturn((src, tgt), (tr, back), settings, progress=tick("conversation"))
+        stage = f"-stage{report['stage']}"
+        report["multiturn"]["plot"] = plot_turns(report["multiturn"], Path("benchmarks/results") / f"lingo-turns-{name}{stage}.png",
+                                                 f"{tr.source.name} and {tr.target.name} alternating, stage-{report['stage']} translators")
     if json_out:
         _emit(report)
         return
-    table = Table("arm", "bits/byte", "95 % CI")
-    for arm in ("target_native", "target_translated", "target_zero", "source_native"):
-        low, high = report["bpb_ci"][arm]
-        table.add_row(arm, f"{report[f'bpb_{arm}']:.4f}", f"[{low:.4f}, {high:.4f}]")
-    Console().print(table)
-    err.print(
-        f"KL(native ‖ translated) {report['kl']:.4f} nats/token (zero maps {report['kl_zero']:.4f}); held-out R² keys "
-        f"{report['r2_keys_mean']:.3f}, values {report['r2_values_mean']:.3f}; {report['samples']} samples, {report['tokens']} tokens; plot {report['plot']}"
-    )
+    _print_eval(report)
+
+
+def _label(path: Path, taken: dict) -> str:
+    label = path.stem
+    return label if label not in taken else f"{label}-{len(taken)}"
+
+
+def _print_eval(report: dict) -> None:
+    if "bpb_ci" in report:
+        table = Table("arm", "bits/byte", "95 % CI", "KL nats/token", "95 % CI")
+        low_high = lambda ci: f"[{ci[0]:.4f}, {ci[1]:.4f}]"  # noqa: E731
+        for arm in ("target_native", "target_translated", "target_zero", "source_native"):
+            kl = {"target_translated": (f"{report['kl']:.4f}", low_high(report["kl_ci"])), "target_zero": (f"{report['kl_zero']:.4f}", "")}
+            table.add_row(arm, f"{report[f'bpb_{arm}']:.4f}", low_high(report["bpb_ci"][arm]), *kl.get(arm, ("", "")))
+        for label, row in report["compare"].items():
+            table.add_row(f"translated: {label}", f"{row['bpb']:.4f}", low_high(row["bpb_ci"]), f"{row['kl']:.4f}", low_high(row["kl_ci"]))
+        Console().print(table)
+        err.print(
+            f"held-out R² keys {report['r2_keys_mean']:.3f}, values {report['r2_values_mean']:.3f}; {report['samples']} samples, "
+            f"{report['tokens']} tokens; plot {report['plot']}"
+        )
+    if "qa" in report:
+        qa = report["qa"]
+        err.print(f"QA ({qa['questions']} questions, string match): " + ", ".join(f"{arm} {acc:.0%}" for arm, acc in qa["accuracy"].items()))
+    if "multiturn" in report:
+        mt = report["multiturn"]
+        table = Table("turn", "speaker", *[f"{m} bpb" for m in ("native", "alternated", "naive")])
+        for t in range(mt["turns"]):
+            table.add_row(str(t + 1), mt["speakers"][t], *[f"{mt[m]['bpb_per_turn'][t]:.4f}" for m in ("native", "alternated", "naive")])
+        Console().print(table)
+        err.print(f"[dim]{mt['conversations']} conversations; plot {mt['plot']}[/dim]")
 
 
 @bench_app.command("lingo")

@@ -145,8 +145,12 @@ def _effective_rank(cov: torch.Tensor) -> list[float]:
 
 
 @torch.inference_mode()
-def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettings, progress=None) -> dict:
+def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettings, progress=None,
+               compare: dict[str, Translator] | None = None) -> dict:
+    """`compare`: other translators of the pair (say stage 1 against stage 2), scored on the same
+    samples: bits per byte and KL each, with 95 % intervals."""
     s, t = translator.source, translator.target
+    compare = compare or {}
     zero = translator.zeroed()
     texts = plain_texts(
         "held_out", settings.samples, min_chars=settings.prefix_chars + settings.continuation_chars,
@@ -154,6 +158,9 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     )
     arms = {"target_native": [], "target_translated": [], "target_zero": [], "source_native": []}
     kl, kl_zero, byte_counts, tokens = [], [], [], 0
+    other_nats = {label: [] for label in compare}
+    other_kl = {label: [] for label in compare}
+    token_counts = []
     r2_acc = {side: torch.zeros(t.num_layers, 2, dtype=torch.float64) for side in SIDES}  # SSE, Σ y²
     r2_sums = {side: torch.zeros(t.num_layers * t.width, dtype=torch.float64) for side in SIDES}
     geometry = {side: CacheGeometry(s.num_layers, s.width, t.num_layers, t.width) for side in SIDES}
@@ -182,6 +189,8 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         logits_native = continuation_logits(target, tgt.ids, pt, native)
         logits_translated = continuation_logits(target, tgt.ids, pt, translated)
         logits_zero = continuation_logits(target, tgt.ids, pt, zeroed)
+        logits_compare = {label: continuation_logits(target, tgt.ids, pt, translate_cache(other, source, target, src_cache, alignment, tgt.ids))
+                          for label, other in compare.items()}
         src_cache.trim(1)
         logits_source = continuation_logits(source, src.ids, ps, src_cache)
         arms["target_native"].append(float(nll(logits_native, tgt.ids, pt).sum()))
@@ -191,6 +200,10 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         log_native = F.log_softmax(logits_native.double(), -1)
         kl.append(_kl(log_native, logits_translated))
         kl_zero.append(_kl(log_native, logits_zero))
+        for label, logits_other in logits_compare.items():
+            other_nats[label].append(float(nll(logits_other, tgt.ids, pt).sum()))
+            other_kl[label].append(sum(_kl(log_native, logits_other)))
+        token_counts.append(len(tgt.ids) - pt)
         byte_counts.append(len(text[c:].encode("utf-8")))
         tokens += len(tgt.ids) - pt
         if progress:
@@ -212,9 +225,15 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         "bpb_target_translated": bpb["target_translated"],
         "bpb_target_zero": bpb["target_zero"],
         "bpb_source_native": bpb["source_native"],
-        "bpb_ci": {arm: _bootstrap_bpb(v, byte_counts) for arm, v in arms.items()},
+        "bpb_ci": {arm: bootstrap_bpb(v, byte_counts) for arm, v in arms.items()},
         "kl": sum(sum(k) for k in kl) / tokens,
+        "kl_ci": bootstrap_ratio([sum(k) for k in kl], token_counts),
         "kl_zero": sum(sum(k) for k in kl_zero) / tokens,
+        "compare": {
+            label: {"bpb": sum(other_nats[label]) / (LN2 * total_bytes), "bpb_ci": bootstrap_bpb(other_nats[label], byte_counts),
+                    "kl": sum(other_kl[label]) / tokens, "kl_ci": bootstrap_ratio(other_kl[label], token_counts)}
+            for label in compare
+        },
         "r2_keys": r2["k"],
         "r2_values": r2["v"],
         "r2_keys_mean": float(np.mean(r2["k"])),
@@ -232,14 +251,19 @@ def _kl(log_p: torch.Tensor, logits_q: torch.Tensor) -> list[float]:
     return (log_p.exp() * (log_p - log_q)).sum(-1).tolist()
 
 
-def _bootstrap_bpb(nats: list[float], byte_counts: list[int], resamples: int = 2000, seed: int = 0) -> list[float]:
-    """95 % interval of an arm's bits per byte, resampling whole samples."""
-    if len(nats) < 2:
+def bootstrap_ratio(values: list[float], weights: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95 % interval of sum(values) / sum(weights), resampling whole samples."""
+    if len(values) < 2:
         return [float("nan"), float("nan")]
     g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(0, len(nats), (resamples, len(nats)), generator=g)
-    v = torch.tensor(nats, dtype=torch.float64)[draws].sum(1) / (LN2 * torch.tensor(byte_counts, dtype=torch.float64)[draws].sum(1))
+    draws = torch.randint(0, len(values), (resamples, len(values)), generator=g)
+    v = torch.tensor(values, dtype=torch.float64)[draws].sum(1) / torch.tensor(weights, dtype=torch.float64)[draws].sum(1)
     return torch.quantile(v, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def bootstrap_bpb(nats: list[float], byte_counts: list[int]) -> list[float]:
+    """95 % interval of bits per byte, resampling whole samples."""
+    return bootstrap_ratio([n / LN2 for n in nats], byte_counts)
 
 
 def plot_cka(report: dict, translator: Translator, path) -> str:

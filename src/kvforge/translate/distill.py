@@ -288,3 +288,18 @@ def _save_checkpoint(path: Path, params, optimizer, schedule, state: DistillStat
     torch.save({"params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                 "state": state, "config": asdict(config)}, tmp)
     os.replace(tmp, path)
+
+
+def plot_distill(summary: dict, path) -> str:
+    """Training loss per step and validation KL over steps (step 0: the stage-1 maps)."""
+    from kvforge.bench.plotting import new_figure, save_figure
+
+    fig, ax = new_figure(1, (7, 4))
+    ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.5, label="training KL (per step)")
+    steps, kl = zip(*summary["validation_kl"]) if summary["validation_kl"] else ((), ())
+    ax.plot(steps, kl, marker="o", label=f"validation KL ({summary['validation_samples']} conversations)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("KL(native ‖ translated), nats/token")
+    ax.set_title(f"stage 2: {summary['source']} → {summary['target']}, lr {summary['lr']:.1e}", fontsize=9)
+    ax.legend()
+    return str(save_figure(fig, Path(path)))

@@ -1,0 +1,97 @@
+"""A small context-grounded QA set: a fact stated at the start of a held-out conversation, asked
+at its end, scored by string match.
+
+Each item opens a held-out conversation with one planted fact ("My cat is called Biscuit."),
+keeps the conversation's own turns after it (up to `prefix_chars`, ending at a whole exchange)
+and closes with the question as the last user turn. The answer can only come from the prefix:
+the fact is arbitrary (a name, a number, a city drawn at random), so a model's memory cannot
+supply it. Arms: the target from its own native cache, from each translated cache (the source
+prefilled the text), and the source itself; greedy decoding, correct when the reply contains the
+answer (case-insensitive).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.data.prompts import plain_text
+from kvforge.data.sharegpt import conversations
+from kvforge.generation import GenerationConfig
+from kvforge.translate.align import tokenize
+from kvforge.translate.handoff import hand_off
+from kvforge.translate.translator import Translator
+
+NAMES = ["Biscuit", "Marigold", "Tobias", "Winnie", "Pepper", "Juniper", "Oscar", "Clementine", "Rufus", "Hazel"]
+CITIES = ["Lisbon", "Nairobi", "Oslo", "Montreal", "Kyoto", "Valparaiso", "Krakow", "Adelaide", "Tbilisi", "Quito"]
+COLOURS = ["turquoise", "maroon", "lavender", "olive", "amber", "crimson", "teal", "ochre", "indigo", "scarlet"]
+WORDS = ["pelican", "lantern", "harvest", "copper", "meadow", "falcon", "saffron", "glacier", "orchid", "tundra"]
+FACTS = [
+    ("My cat is called {}.", "What is my cat called?", NAMES),
+    ("I was born in {}.", "In which city was I born?", CITIES),
+    ("My favourite colour is {}.", "What is my favourite colour?", COLOURS),
+    ("The password for the shared drive is {}.", "What is the password for the shared drive?", WORDS),
+    ("Our team meeting is in room {}.", "Which room is our team meeting in?", [str(n) for n in range(214, 994, 77)]),
+]
+
+
+@dataclass(frozen=True)
+class QAItem:
+    text: str  # the prefix, ending with the assistant header
+    answer: str
+
+
+def qa_items(count: int, prefix_chars: int = 1500, seed: int = 0, split: str = "held_out") -> list[QAItem]:
+    rng = random.Random(seed)
+    out = []
+    for conv in conversations(split):
+        turns = list(conv.turns)
+        if len(turns) < 2 or turns[0][0] != "user":
+            continue
+        statement, question, answers = FACTS[len(out) % len(FACTS)]
+        answer = rng.choice(answers)
+        turns[0] = ("user", f"{statement.format(answer)} {turns[0][1].strip()}")
+        ending = f"\n\nUser: {question} Answer in a few words.\n\nAssistant:"
+        fits = [k for k in range(2, len(turns) + 1, 2)
+                if turns[k - 1][0] == "assistant" and len(plain_text(turns[:k])) + len(ending) <= prefix_chars]
+        if not fits:
+            continue  # the first exchange alone is too long
+        text = plain_text(turns[: max(fits)])  # whole exchanges after the fact, ending on a reply
+        out.append(QAItem(text + ending, answer))
+        if len(out) == count:
+            return out
+    raise ValueError(f"the {split} split holds fewer than {count} usable conversations")
+
+
+def correct(reply: str, answer: str) -> bool:
+    return answer.lower() in reply.lower()
+
+
+@torch.inference_mode()
+def eval_qa(translators: dict[str, Translator], source, target, items: list[QAItem], max_new_tokens: int = 16, progress=None) -> dict:
+    """Accuracy per arm: target_native, one per translator, source_native."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    hits = {"target_native": [], **{label: [] for label in translators}, "source_native": []}
+    replies = []
+    for i, item in enumerate(items):
+        row = {"answer": item.answer}
+        for arm, engine in (("target_native", target), ("source_native", source)):
+            ids = tokenize(engine.model.tokenizer, item.text).ids
+            row[arm] = engine.generate(ids, config)[0].text
+        _, source_cache = source.prefill([tokenize(source.model.tokenizer, item.text).ids], logits="none")
+        for label, tr in translators.items():
+            h = hand_off(tr, source, target, item.text, source_cache)
+            row[label] = target.generate([h.pending], config, cache=h.cache)[0].text
+        for arm in hits:
+            hits[arm].append(correct(row[arm], item.answer))
+        replies.append(row)
+        if progress:
+            progress(i + 1, len(items))
+    return {
+        "questions": len(items),
+        "accuracy": {arm: sum(v) / len(v) for arm, v in hits.items()},
+        "correct": {arm: sum(v) for arm, v in hits.items()},
+        "replies": replies,
+    }
