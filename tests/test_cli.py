@@ -306,11 +306,12 @@ def test_eval_lingo_compares_translators_asks_questions_and_replays_turns(tiny_g
     assert same["bpb"] == pytest.approx(obj["bpb_target_translated"]) and same["kl"] == pytest.approx(obj["kl"], abs=1e-9)
     assert obj["kl_ci"][0] <= obj["kl"] <= obj["kl_ci"][1]
     assert obj["qa"]["questions"] == 2 and set(obj["qa"]["accuracy"]) == {"target_native", "translated", "t", "source_native"}
+    assert all(a in (0, 50, 100) for a in obj["qa"]["accuracy"].values())  # percent of 2 questions
     mt = obj["multiturn"]
     assert mt["conversations"] == 2 and len(mt["native"]["bpb_per_turn"]) == 3 and mt["speakers"][0] != mt["speakers"][1]
     assert mt["alternated"]["bpb_per_turn"][0] == pytest.approx(mt["native"]["bpb_per_turn"][0])  # turn 1: no switch yet
     assert mt["naive"]["translated_rows_per_switch"][2] > mt["alternated"]["translated_rows_per_switch"][2]
-    assert Path(mt["plot"]).is_file()
+    assert Path(mt["plot"]).is_file() and mt["tokens"] > 0 and len(mt["alternated"]["gap_to_native_percent"]) == 3
     Path(mt["plot"]).unlink()
 
 

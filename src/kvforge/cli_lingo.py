@@ -297,12 +297,14 @@ def eval_lingo_cmd(
         from kvforge.evaluate.qa import eval_qa, qa_items
 
         report["qa"] = eval_qa({"translated": tr, **others}, src, tgt, qa_items(qa, qa_prefix_chars), progress=tick("question"))
+        report.setdefault("tokens", report["qa"]["prompt_tokens"])
     if multiturn:
         from kvforge.evaluate.multiturn import MultiTurnSettings, eval_multiturn, plot_turns
 
         back = _translator(back_translator, tr.target.name, tr.source.name)
         settings = MultiTurnSettings(conversations=multiturn, turns=turns, user_chars=turn_chars, reply_chars=turn_chars)
         report["multiturn"] = eval_multiturn((src, tgt), (tr, back), settings, progress=tick("conversation"))
+        report.setdefault("tokens", report["multiturn"]["tokens"])
         stage = f"-stage{report['stage']}"
         report["multiturn"]["plot"] = plot_turns(report["multiturn"], Path("benchmarks/results") / f"lingo-turns-{name}{stage}.png",
                                                  f"{tr.source.name} and {tr.target.name} alternating, stage-{report['stage']} translators")
@@ -333,7 +335,7 @@ def _print_eval(report: dict) -> None:
         )
     if "qa" in report:
         qa = report["qa"]
-        err.print(f"QA ({qa['questions']} questions, string match): " + ", ".join(f"{arm} {acc:.0%}" for arm, acc in qa["accuracy"].items()))
+        err.print(f"QA ({qa['questions']} questions, string match): " + ", ".join(f"{arm} {acc:.0f} %" for arm, acc in qa["accuracy"].items()))
     if "multiturn" in report:
         mt = report["multiturn"]
         table = Table("turn", "speaker", *[f"{m} bpb" for m in ("native", "alternated", "naive")])

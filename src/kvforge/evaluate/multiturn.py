@@ -48,18 +48,20 @@ def eval_multiturn(engines, translators, settings: MultiTurnSettings, modes=MODE
     nats = {m: [[0.0] * settings.turns for _ in convs] for m in modes}
     translated = {m: [0] * settings.turns for m in modes}
     byte_counts = [[0] * settings.turns for _ in convs]
+    tokens = 0
     for c, pairs in enumerate(convs):
         for mode in modes:
             conv = Conversation(engines, None if mode == "native" else translators, mode)
             for t, (user, reply) in enumerate(pairs):
-                loss, size = conv.score(conv.prompt_segment(user), " " + reply)
+                loss, size, scored = conv.score(conv.prompt_segment(user), " " + reply)
+                tokens += scored
                 nats[mode][c][t] = loss
                 byte_counts[c][t] = size
                 if t:
                     translated[mode][t] += conv.switches[-1].translated_rows
         if progress:
             progress(c + 1, len(convs))
-    report = {"conversations": len(convs), "turns": settings.turns, "speakers": [engines[t % 2].model.name for t in range(settings.turns)]}
+    report = {"conversations": len(convs), "turns": settings.turns, "tokens": tokens, "speakers": [engines[t % 2].model.name for t in range(settings.turns)]}
     for mode in modes:
         per_turn = [sum(nats[mode][c][t] for c in range(len(convs))) / (LN2 * sum(b[t] for b in byte_counts)) for t in range(settings.turns)]
         report[mode] = {
@@ -69,7 +71,7 @@ def eval_multiturn(engines, translators, settings: MultiTurnSettings, modes=MODE
         }
     for mode in modes:
         if mode != "native" and "native" in modes:
-            report[mode]["relative_to_native"] = [m / n - 1 for m, n in zip(report[mode]["bpb_per_turn"], report["native"]["bpb_per_turn"])]
+            report[mode]["gap_to_native_percent"] = [100 * (m / n - 1) for m, n in zip(report[mode]["bpb_per_turn"], report["native"]["bpb_per_turn"])]
     return report
 
 

@@ -74,12 +74,13 @@ def eval_qa(translators: dict[str, Translator], source, target, items: list[QAIt
     """Accuracy per arm: target_native, one per translator, source_native."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     hits = {"target_native": [], **{label: [] for label in translators}, "source_native": []}
-    replies = []
+    replies, prompt_tokens = [], 0
     for i, item in enumerate(items):
         row = {"answer": item.answer}
         for arm, engine in (("target_native", target), ("source_native", source)):
             ids = tokenize(engine.model.tokenizer, item.text).ids
             row[arm] = engine.generate(ids, config)[0].text
+            prompt_tokens += len(ids) if engine is target else 0
         _, source_cache = source.prefill([tokenize(source.model.tokenizer, item.text).ids], logits="none")
         for label, tr in translators.items():
             h = hand_off(tr, source, target, item.text, source_cache)
@@ -91,7 +92,8 @@ def eval_qa(translators: dict[str, Translator], source, target, items: list[QAIt
             progress(i + 1, len(items))
     return {
         "questions": len(items),
-        "accuracy": {arm: sum(v) / len(v) for arm, v in hits.items()},
+        "prompt_tokens": prompt_tokens,  # the target's
+        "accuracy": {arm: 100 * sum(v) / len(v) for arm, v in hits.items()},  # percent
         "correct": {arm: sum(v) for arm, v in hits.items()},
         "replies": replies,
     }

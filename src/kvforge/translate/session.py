@@ -177,9 +177,9 @@ class Conversation:
         self._check_context(sp)
         return sp
 
-    def score(self, prompt_segment: str, reply_segment: str) -> tuple[float, int]:
+    def score(self, prompt_segment: str, reply_segment: str) -> tuple[float, int, int]:
         """Teacher-force `reply_segment` after `prompt_segment`: the speaker's loss on the reply's
-        tokens in nats, and the reply's UTF-8 bytes."""
+        tokens in nats, the reply's UTF-8 bytes and its tokens."""
         sp = self._open_turn(prompt_segment)
         prefix = len(sp.ids)
         sp.add(*self._tokenize(sp, self._add_segment(reply_segment)))
@@ -189,7 +189,7 @@ class Conversation:
             logits = continuation_logits(sp.engine, sp.ids, prefix, sp.cache)
         target = torch.tensor(sp.ids[prefix:], device=logits.device)
         nats = float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-        return nats, len(reply_segment.encode("utf-8"))
+        return nats, len(reply_segment.encode("utf-8")), len(target)
 
     def respond(self, user: str, config):
         """The speaker of this turn answers `user` (a `Generation`)."""
