@@ -92,6 +92,9 @@ def fit_lingo_cmd(
     )
 
 
+VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
+
+
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, plot, device, json_out):
     from tqdm import tqdm
 
@@ -106,7 +109,11 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
     texts, read = training_texts("fit", config.samples, *lengths)
-    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=read)  # disjoint from training and from eval's held-out split
+    if read > VALIDATION_SKIP:
+        raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer")
+    # The same validation conversations for every run: past any training sample, and apart from
+    # the held-out split that eval lingo scores.
+    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP)
     with err.status("teacher: the target's native distributions, once"):
         train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
