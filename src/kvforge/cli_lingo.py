@@ -4,6 +4,7 @@ Registered on the main app by `kvforge.cli`; no algorithm lives here."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -135,17 +136,23 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         return
     with tqdm(total=steps, unit="step", desc=f"distill {source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
+        ran = []
+
         def progress(state, _seconds):
+            ran.append(state.step)
             bar.n = state.step
             bar.set_postfix(loss=f"{state.losses[-1]:.4f}", val_kl=f"{state.validation[-1][1]:.4f}" if state.validation else "-")
             bar.refresh()
 
+        started = time.perf_counter()
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
+        seconds = time.perf_counter() - started
     path = translator.save(out or default_translator_path(source, target).with_name(f"{source}-to-{target}-stage2.safetensors"))
     from kvforge.translate.distill import plot_distill
 
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
-               "loss_last": state.losses[-1], "validation_kl": state.validation}
+               "loss_last": state.losses[-1], "validation_kl": state.validation,
+               "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
     summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{_safe(source)}-to-{_safe(target)}.png")
     if json_out:
         _emit(summary)
