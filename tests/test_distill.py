@@ -126,3 +126,14 @@ def test_a_packed_sample_lifts_one_question_to_the_end_and_drops_its_answer():
     question = next(q for ex in group for q, a in ex if a == reply)
     assert prefix.endswith(f"User: {question}\n\nAssistant:") and prefix.count(question) == 1 and reply not in prefix
     assert all(a in prefix for ex in group for _, a in ex if a != reply)
+
+
+def test_one_step_lowers_the_kl_on_a_fixed_tiny_batch(setup):
+    _, target, translator, samples = setup
+    tr = copy.deepcopy(translator)
+    with torch.no_grad():
+        before = sum(float(student_kl(tr, target, s)) for s in samples)
+    tr, state = distill(tr, target, samples, [], DistillConfig(steps=1, lr=1e-3, accumulate=len(samples)))
+    with torch.no_grad():
+        after = sum(float(student_kl(tr, target, s)) for s in samples)
+    assert state.step == 1 and after < before
