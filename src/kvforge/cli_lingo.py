@@ -50,6 +50,7 @@ def fit_lingo_cmd(
     samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
+    validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
     lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
@@ -64,7 +65,7 @@ def fit_lingo_cmd(
 
     _setup(threads)
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, plot, device, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
@@ -96,7 +97,7 @@ def fit_lingo_cmd(
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, out, plot, device, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates, training_texts
@@ -104,7 +105,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
-    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples)
+    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, validate_every=validate_every, checkpoint_every=validate_every)
     translator = Translator.load(init)
     src, tgt = _load(source, device), _load(target, device)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
