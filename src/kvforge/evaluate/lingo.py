@@ -13,7 +13,8 @@ that token and the continuation scores the continuation. KL(target native ‖ tr
 continuation token, in nats. Diagnostics, on the prefix rows past the head: held-out R² per
 target layer and side (variance-weighted, at the translator's capture point), the linear-CKA grid
 between every source and target layer, and each layer's effective rank (exp of the entropy of
-its covariance spectrum).
+its covariance spectrum). Other translators of the pair (`compare`, say stage 1 against stage 2)
+are scored on the same samples, with 95 % bootstrap intervals for bits per byte and KL.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class LingoEvalSettings:
     samples: int = 24
     prefix_chars: int = 2000
     continuation_chars: int = 400
-    skip: int = 0  # held-out conversations to skip (part 2 uses later ones for validation)
+    skip: int = 0  # held-out conversations to skip
 
 
 def common_boundary(a: Tokenized, b: Tokenized, limit: int) -> int:
