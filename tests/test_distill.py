@@ -106,7 +106,7 @@ def test_the_sweep_extends_past_an_edge_until_the_best_rate_is_interior(setup, m
 
 
 def test_training_texts_mix_packed_and_natural_samples_disjointly():
-    from kvforge.translate.distill import training_texts
+    from kvforge.translate.samples import training_texts
 
     train, read = training_texts("fit", 6, 2000, 3000, 200)
     later, _ = training_texts("fit", 2, 2000, 3000, 200, skip=read)
@@ -118,7 +118,7 @@ def test_training_texts_mix_packed_and_natural_samples_disjointly():
 def test_a_packed_sample_lifts_one_question_to_the_end_and_drops_its_answer():
     import random
 
-    from kvforge.translate.distill import packed_sample
+    from kvforge.translate.samples import packed_sample
 
     group = [[("what is a?", "a is the first letter of it all")], [("what is b?", "b is the second letter, after a"), ("and c?", "c is the third one, after b")]]
     text, cut = packed_sample(group, random.Random(1), 100)

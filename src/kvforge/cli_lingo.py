@@ -100,7 +100,8 @@ VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out):
     from tqdm import tqdm
 
-    from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates, training_texts
+    from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
+    from kvforge.translate.samples import training_texts
     from kvforge.translate.translator import ModelSide, Translator, default_translator_path
 
     if init is None:

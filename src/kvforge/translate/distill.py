@@ -1,7 +1,8 @@
 """Stage 2: self-distillation of a translator through the frozen target.
 
-Each sample is a plain-text conversation cut at the start of an assistant reply (at a character
-where both tokenizers start a token): the prefix is handed off, the reply is the continuation.
+Each sample (`translate.samples`) is a plain-text conversation cut at the start of an assistant
+reply (at a character where both tokenizers start a token): the prefix is handed off, the reply
+is the continuation.
 Teacher: the target's next-token distribution over the continuation given its *native* cache of
 the prefix, computed once per sample and kept as its top-k log-probabilities (renormalised over
 those k). Student: the same forward given the *translated* cache; the loss is KL(teacher ‖
@@ -18,15 +19,12 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvforge.data.prompts import plain_text
-from kvforge.data.sharegpt import conversations
 from kvforge.evaluate.lingo import continuation_logits, split_text
 from kvforge.translate.handoff import aligned_features, append_translated
 from kvforge.translate.translator import SIDES, Translator
@@ -64,86 +62,6 @@ class DistillSample:
     aligned: dict[str, dict[int, torch.Tensor]]  # frozen source features of the translated rows
     teacher_logp: torch.Tensor  # (T, k) renormalised top-k log-probs
     teacher_index: torch.Tensor  # (T, k)
-
-
-def split_texts(split: str, count: int, max_prefix_chars: int, max_continuation_chars: int, skip: int = 0) -> list[tuple[str, int]]:
-    """(text, cut) pairs: a conversation as plain text up to and including the header of its last
-    assistant turn that fits in `max_prefix_chars`, followed by that reply (capped)."""
-    out = []
-    for conv in conversations(split):
-        sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
-        if sample is None:
-            continue
-        if skip:
-            skip -= 1
-            continue
-        out.append(sample)
-        if len(out) == count:
-            return out
-    raise ValueError(f"the {split} split holds fewer than {count} usable conversations")
-
-
-def natural_sample(turns, max_prefix_chars: int, max_continuation_chars: int) -> tuple[str, int] | None:
-    best = None
-    for i, (role, content) in enumerate(turns):
-        if role != "assistant" or i == 0:
-            continue
-        before = plain_text(turns[:i]) + "\n\nAssistant:"
-        if len(before) > max_prefix_chars:
-            break
-        if len(content.strip()) >= 20:
-            best = (before + " " + content.strip()[:max_continuation_chars], len(before))
-    return best
-
-
-def _exchanges(turns) -> list[tuple[str, str]]:
-    """(question, answer) pairs of a conversation: each user turn followed by an assistant turn."""
-    return [(q, a) for (rq, q), (ra, a) in zip(turns, turns[1:]) if rq == "user" and ra == "assistant" and q.strip() and a.strip()]
-
-
-def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_continuation_chars: int) -> tuple[str, int]:
-    """Concatenated conversations with one (question, answer) exchange removed at random: the
-    question closes the prefix, the answer is the continuation (the source's packed samples: the
-    reply needs context from anywhere in a long prefix, never from the exchange itself)."""
-    candidates = [(c, j) for c, ex in enumerate(group) for j, (_, a) in enumerate(ex) if len(a.strip()) >= 20]
-    c, j = rng.choice(candidates)
-    question, answer = group[c][j]
-    turns = [t for k, ex in enumerate(group) for i, (q, a) in enumerate(ex) if (k, i) != (c, j) for t in (("user", q), ("assistant", a))]
-    before = plain_text(turns + [("user", question)]) + "\n\nAssistant:"
-    return before + " " + answer.strip()[:max_continuation_chars], len(before)
-
-
-def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
-                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0) -> tuple[list[tuple[str, int]], int]:
-    """`count` (text, cut) samples of `split`, a `packed_fraction` of them packed (prefix of at most
-    `max_packed_chars`, from several conversations) and the rest natural, interleaved; skips the
-    first `skip` conversations and returns how many it read, so a later call can stay disjoint."""
-    rng = random.Random(seed)
-    out, group, read, packed = [], [], 0, 0
-    room = max_packed_chars - 200  # the lifted question and the assistant header
-    for conv in conversations(split):
-        read += 1
-        if read <= skip:
-            continue
-        if packed >= packed_fraction * (len(out) + 1):
-            sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
-            if sample is not None:
-                out.append(sample)
-        else:
-            exchanges, size = [], 0
-            for q, a in _exchanges(conv.turns):  # the leading exchanges that fit in a third of the room
-                size += len(q) + len(a) + 24
-                if size > room // 3:
-                    break
-                exchanges.append((q, a))
-            if exchanges:
-                group.append(exchanges)
-            if sum(len(q) + len(a) + 24 for ex in group for q, a in ex) > room * 3 // 4 or len(group) == 5:
-                out.append(packed_sample(group, rng, max_continuation_chars))
-                group, packed = [], packed + 1
-        if len(out) == count:
-            return out, read
-    raise ValueError(f"the {split} split holds too few usable conversations for {count} samples")
 
 
 def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int) -> DistillSample:

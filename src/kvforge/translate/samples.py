@@ -1,0 +1,81 @@
+"""Stage-2 training samples: (text, cut) pairs from the packaged chat data, cut at the start of an
+assistant reply, as the source builds them.
+
+natural  a conversation up to and including the "Assistant:" header of its last assistant turn
+         that fits the prefix cap, that reply (capped) as the continuation;
+packed   several conversations' leading exchanges concatenated, one (question, answer) exchange
+         removed at random: the question closes the prefix, the answer is the continuation, so the
+         reply has to come from anywhere in a long prefix, never from the exchange itself.
+Plain text ("User: ...\n\nAssistant: ..."), the same string for both models.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvforge.data.prompts import plain_text
+from kvforge.data.sharegpt import conversations
+
+
+def natural_sample(turns, max_prefix_chars: int, max_continuation_chars: int) -> tuple[str, int] | None:
+    """The conversation up to its last assistant header within `max_prefix_chars`, plus that reply."""
+    best = None
+    for i, (role, content) in enumerate(turns):
+        if role != "assistant" or i == 0:
+            continue
+        before = plain_text(turns[:i]) + "\n\nAssistant:"
+        if len(before) > max_prefix_chars:
+            break
+        if len(content.strip()) >= 20:
+            best = (before + " " + content.strip()[:max_continuation_chars], len(before))
+    return best
+
+
+def _exchanges(turns) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a conversation: each user turn followed by an assistant turn."""
+    return [(q, a) for (rq, q), (ra, a) in zip(turns, turns[1:]) if rq == "user" and ra == "assistant" and q.strip() and a.strip()]
+
+
+def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_continuation_chars: int) -> tuple[str, int]:
+    """Concatenated conversations with one (question, answer) exchange removed at random: the
+    question closes the prefix, the answer is the continuation (the source's packed samples: the
+    reply needs context from anywhere in a long prefix, never from the exchange itself)."""
+    candidates = [(c, j) for c, ex in enumerate(group) for j, (_, a) in enumerate(ex) if len(a.strip()) >= 20]
+    c, j = rng.choice(candidates)
+    question, answer = group[c][j]
+    turns = [t for k, ex in enumerate(group) for i, (q, a) in enumerate(ex) if (k, i) != (c, j) for t in (("user", q), ("assistant", a))]
+    before = plain_text(turns + [("user", question)]) + "\n\nAssistant:"
+    return before + " " + answer.strip()[:max_continuation_chars], len(before)
+
+
+def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
+                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0) -> tuple[list[tuple[str, int]], int]:
+    """`count` (text, cut) samples of `split`, a `packed_fraction` of them packed (prefix of at most
+    `max_packed_chars`, from several conversations) and the rest natural, interleaved; skips the
+    first `skip` conversations and returns how many it read, so a later call can stay disjoint."""
+    rng = random.Random(seed)
+    out, group, read, packed = [], [], 0, 0
+    room = max_packed_chars - 200  # the lifted question and the assistant header
+    for conv in conversations(split):
+        read += 1
+        if read <= skip:
+            continue
+        if packed >= packed_fraction * (len(out) + 1):
+            sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
+            if sample is not None:
+                out.append(sample)
+        else:
+            exchanges, size = [], 0
+            for q, a in _exchanges(conv.turns):  # the leading exchanges that fit in a third of the room
+                size += len(q) + len(a) + 24
+                if size > room // 3:
+                    break
+                exchanges.append((q, a))
+            if exchanges:
+                group.append(exchanges)
+            if sum(len(q) + len(a) + 24 for ex in group for q, a in ex) > room * 3 // 4 or len(group) == 5:
+                out.append(packed_sample(group, rng, max_continuation_chars))
+                group, packed = [], packed + 1
+        if len(out) == count:
+            return out, read
+    raise ValueError(f"the {split} split holds too few usable conversations for {count} samples")
