@@ -52,11 +52,13 @@ def translate_cache(
     return cache
 
 
-def aligned_features(translator: Translator, source, source_cache: KVCache, alignment: Alignment) -> dict[str, dict[int, torch.Tensor]]:
-    """Per side, the aligned features (rows, H_s·D_s) of every source layer the translator reads."""
+def aligned_features(translator: Translator, source, source_cache: KVCache, alignment: Alignment,
+                     start: int = 0) -> dict[str, dict[int, torch.Tensor]]:
+    """Per side, the aligned features (rows, H_s·D_s) of every source layer the translator reads;
+    `alignment` indexes source rows from `start` on (a segment appended mid-conversation)."""
     keys, values = cache_features(source.adapter, source_cache, translator.capture)
     used = {s for side in translator.sources.values() for layer in side for s in layer}
-    return {"k": {s: alignment.gather(keys[s]) for s in used}, "v": {s: alignment.gather(values[s]) for s in used}}
+    return {"k": {s: alignment.gather(keys[s][start:]) for s in used}, "v": {s: alignment.gather(values[s][start:]) for s in used}}
 
 
 def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache) -> None:

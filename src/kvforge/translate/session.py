@@ -34,8 +34,7 @@ from kvforge.errors import PromptError
 from kvforge.evaluate.lingo import continuation_logits
 from kvforge.generation import eos_token_ids
 from kvforge.translate.align import Tokenized, align, tokenize
-from kvforge.translate.capture import cache_features
-from kvforge.translate.handoff import append_translated
+from kvforge.translate.handoff import aligned_features, append_translated
 from kvforge.translate.translator import ModelSide, Translator
 
 MODES = ("alternated", "naive", "native")
@@ -155,10 +154,7 @@ class Conversation:
         target.run(tgt_from + head)
         if alignment.index.shape[0] == 0:
             return 0, 0
-        keys, values = cache_features(source.engine.adapter, source.cache, translator.capture)
-        used = {s for side in translator.sources.values() for layer in side for s in layer}
-        aligned = {"k": {s: alignment.gather(keys[s][src_from:]) for s in used},
-                   "v": {s: alignment.gather(values[s][src_from:]) for s in used}}
+        aligned = aligned_features(translator, source.engine, source.cache, alignment, start=src_from)
         with torch.inference_mode():
             append_translated(translator, target.engine, aligned, tgt_from + head, target.cache)
         return alignment.index.shape[0], len(src.ids)
@@ -199,7 +195,8 @@ class Conversation:
         sp.run(len(sp.ids) - 1)
         out = sp.engine.generate([sp.ids[-1]], config, cache=sp.cache)[0]
         tokenizer = sp.engine.model.tokenizer
-        ids = [t for t in out.token_ids if t not in eos_token_ids(sp.engine.model)]
+        eos = eos_token_ids(sp.engine.model)
+        ids = [t for t in out.token_ids if t not in eos]
         text = tokenizer.decode(ids, skip_special_tokens=True)
         index = self._add_segment(text)
         ends = [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=True)) for i in range(len(ids))]
