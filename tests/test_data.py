@@ -3,7 +3,9 @@
 import json
 
 from conftest import char_tokenizer
-from kvforge.data.sharegpt import Conversation, conversations, iter_json_array, render, split_of
+import pytest
+
+from kvforge.data.sharegpt import Conversation, base_id, conversations, iter_json_array, render, split_of, text_digest
 
 
 def _write(tmp_path, items, cut=0):
@@ -24,11 +26,46 @@ def test_truncated_array_stops_at_the_break(tmp_path):
     assert got == items[: len(got)] and 15 <= len(got) < 20
 
 
-def test_split_is_deterministic_and_about_ten_percent():
-    ids = [f"conv_{i}" for i in range(5000)]
-    held = [i for i in ids if split_of(i) == "held_out"]
-    assert held == [i for i in ids if split_of(i) == "held_out"]
+def test_split_is_by_base_id_and_about_ten_percent():
+    bases = [f"conv{i}" for i in range(5000)]
+    held = [b for b in bases if split_of(b) == "held_out"]
     assert 400 < len(held) < 600
+    # every chunk of a conversation is on its base's side
+    assert all(split_of(f"{b}_{j}") == split_of(b) for b in bases[:500] for j in range(6))
+    assert base_id("QWJhYvA_12") == "QWJhYvA" and base_id("a_b_3") == "a_b" and base_id("plain") == "plain"
+
+
+def _assert_no_leak(convs):
+    sides: dict[str, set[str]] = {}
+    texts: dict[str, set[str]] = {}
+    for c in convs:
+        sides.setdefault(base_id(c.id), set()).add(c.split)
+        texts.setdefault(text_digest(c.turns), set()).add(c.split)
+    assert all(len(s) == 1 for s in sides.values()), "a base conversation has chunks on both sides"
+    assert all(len(s) == 1 for s in texts.values()), "a chunk text is on both sides"
+    return sides
+
+
+def test_chunks_and_copied_texts_never_straddle_the_split(tmp_path):
+    """Chunks of one conversation share a side, and a held-out chunk whose text is byte-identical
+    to a fit chunk's moves to fit (the two leaks the old whole-id split had)."""
+    turns = lambda text: [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]
+    items = [{"id": f"c{i}_{j}", "conversations": turns(f"chunk {j} of {i}")} for i in range(60) for j in range(4)]
+    items += [{"id": f"copy{i}_0", "conversations": turns("the same text everywhere")} for i in range(60)]
+    path = _write(tmp_path, items)
+    every = list(conversations(path=path))
+    sides = _assert_no_leak(every)
+    assert {"fit"} in sides.values() and {"held_out"} in sides.values()
+    copies = [c for c in every if c.id.startswith("copy")]
+    assert any(split_of(c.id) == "held_out" for c in copies), "the fixture must hold a copy whose base is held out"
+    assert all(c.split == "fit" for c in copies)
+    held = list(conversations("held_out", path=path))
+    assert held and all(c.split == "held_out" and not c.id.startswith("copy") for c in held)
+
+
+@pytest.mark.slow
+def test_packaged_file_has_no_leak():
+    _assert_no_leak(conversations())
 
 
 def test_conversations_map_roles_and_filter_splits(tmp_path):
