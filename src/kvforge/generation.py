@@ -58,7 +58,10 @@ class Generation:
 
 
 @dataclass
-class _Sequence:
+class SequenceState:
+    """One sequence while it decodes: what `commit_token` has committed so far. Shared by plain
+    decoding, the speculative step and the server."""
+
     index: int
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
@@ -68,6 +71,11 @@ class _Sequence:
     stop_matched: str | None = None
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+
+    def result(self, start: float) -> Generation:
+        """The finished sequence; `start`: when its request started (for the time to first token)."""
+        return Generation(self.token_ids, self.text, self.finish_reason, self.prompt_tokens, self.first_token_at - start,
+                          self.last_token_at - self.first_token_at, self.stop_matched)
 
 
 def generate(
@@ -93,7 +101,7 @@ def generate(
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
     generator = params.generator(engine.device)
-    seqs = [_Sequence(i, len(p)) for i, p in enumerate(prompts)]
+    seqs = [SequenceState(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
@@ -103,7 +111,7 @@ def generate(
         tokens = sample(logits, params, generator)
         now = time.perf_counter()
         for row, index in enumerate(active):
-            _commit(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text)
+            commit_token(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text)
             if seqs[index].finish_reason is None and positions[row] + 1 >= context:
                 seqs[index].finish_reason = "length"
         keep = [row for row, index in enumerate(active) if seqs[index].finish_reason is None]
@@ -118,19 +126,8 @@ def generate(
         positions = positions + 1
 
     for seq in seqs:
-        _flush(seq, on_text)
-    return [
-        Generation(
-            token_ids=s.token_ids,
-            text=s.text,
-            finish_reason=s.finish_reason,
-            prompt_tokens=s.prompt_tokens,
-            ttft_s=s.first_token_at - start,
-            decode_s=s.last_token_at - s.first_token_at,
-            stop_matched=s.stop_matched,
-        )
-        for s in seqs
-    ]
+        flush_text(seq, on_text)
+    return [seq.result(start) for seq in seqs]
 
 
 def check_prompts(prompts: list[list[int]], context: int, cached: list[int] | None = None) -> int:
@@ -158,7 +155,9 @@ def eos_token_ids(model) -> set[int]:
     return ids
 
 
-def _commit(seq: _Sequence, token: int, now: float, tokenizer, eos: set[int], config: GenerationConfig, on_text) -> None:
+def commit_token(seq: SequenceState, token: int, now: float, tokenizer, eos: set[int], config: GenerationConfig, on_text) -> None:
+    """Append one token: finish on EOS (kept in the ids), a stop string (cut from the text) or
+    max tokens; stream the text that can no longer change to `on_text(seq.index, delta)`."""
     if not seq.token_ids:
         seq.first_token_at = now
     seq.last_token_at = now
@@ -189,7 +188,8 @@ def _commit(seq: _Sequence, token: int, now: float, tokenizer, eos: set[int], co
             seq.streamed = safe
 
 
-def _flush(seq: _Sequence, on_text) -> None:
+def flush_text(seq: SequenceState, on_text) -> None:
+    """Stream what `commit_token` held back (the sequence has finished)."""
     if on_text is not None and len(seq.text) > seq.streamed:
         on_text(seq.index, seq.text[seq.streamed :])
     seq.streamed = len(seq.text)

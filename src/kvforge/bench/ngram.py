@@ -58,8 +58,9 @@ def rl_prompts(tokenizer, count: int = 3, max_chars: int = 1500) -> list[list[in
 
 def bench_ngram(
     engine, workload: str, runs: int = 3, k: int = 8, budget: int = 16, max_new_tokens: int | None = None,
-    samples: int = 8, prompts: int | None = None, progress=None,
+    samples: int = 8, prompts: int | None = None, progress=None, gate: bool = True,
 ) -> dict:
+    """`gate`: the drafting arms skip drafts while they are rejected (`DraftGate`); False drafts every step."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
     tok = engine.model.tokenizer
@@ -71,9 +72,9 @@ def bench_ngram(
         max_new_tokens = max_new_tokens or 96
     arms = {
         "plain": DraftConfig("none"),
-        "prompt-lookup": DraftConfig("prompt-lookup", k),
-        "ngram": DraftConfig("ngram", k),
-        "ngram-prefetch": DraftConfig("ngram", k, prefetch=True, budget=budget),
+        "prompt-lookup": DraftConfig("prompt-lookup", k, gate=gate),
+        "ngram": DraftConfig("ngram", k, gate=gate),
+        "ngram-prefetch": DraftConfig("ngram", k, prefetch=True, budget=budget, gate=gate),
     }
     # warm-up: a few tokens per arm, so no arm pays first-call costs
     for draft in arms.values():
@@ -86,7 +87,7 @@ def bench_ngram(
                 progress(f"{workload}: run {run + 1}/{runs}, {name}")
             per_run[name].append(_run_arm(engine, prompt_ids, group, temperature, max_new_tokens, draft, seed=run))
     lossless = _lossless(engine, prompt_ids if workload == "copy" else prompt_ids[:1], group, max_new_tokens if workload == "copy" else 32, arms, per_run if workload == "copy" else None)
-    results = _summarise(per_run, lossless)
+    results = _summarise(per_run, lossless, arms)
     return {
         "command": "bench ngram",
         "model": engine.model.name,
@@ -99,6 +100,7 @@ def bench_ngram(
         "max_new_tokens": max_new_tokens,
         "k": k,
         "budget": budget,
+        "gate": gate,
         "runs": runs,
         **environment(),
         "results": results,
@@ -129,11 +131,12 @@ def _lossless(engine, prompt_ids, group, max_new_tokens, arms, per_run) -> dict[
     return {name: _run_arm(engine, prompt_ids, group, 0.0, max_new_tokens, d, 0)["outputs"] == reference for name, d in arms.items() if name != "plain"}
 
 
-def _summarise(per_run: dict[str, list[dict]], lossless: dict[str, bool]) -> list[dict]:
+def _summarise(per_run: dict[str, list[dict]], lossless: dict[str, bool], arms: dict[str, DraftConfig]) -> list[dict]:
     rate = {name: statistics.median(r["tokens"] / r["seconds"] for r in runs) for name, runs in per_run.items()}
     rows = []
     for name, runs in per_run.items():
-        row = {"arm": name, "tokens_per_s": rate[name], "speedup_vs_plain": rate[name] / rate["plain"]}
+        row = {"arm": name, "gate": arms[name].gate if arms[name].draft != "none" else None, "tokens_per_s": rate[name],
+               "speedup_vs_plain": rate[name] / rate["plain"]}
         stats = [s for r in runs for s in r["stats"]]
         if stats:
             steps = sum(s.steps for s in stats)
@@ -149,6 +152,7 @@ def _summarise(per_run: dict[str, list[dict]], lossless: dict[str, bool]) -> lis
             c = sum(s.hits for s in stats) / probes if probes else 0.0
             sync = next((r for r in rows if r["arm"] == "ngram"), None)
             row["coverage"] = c
+            row["prefetched_drafts"] = sum(s.prefetched for s in stats)  # request-steps that verified a prefetch hit
             if sync is not None:
                 t_dev, t_host = sync["device_ms_per_step"], sync["host_ms_per_step"]
                 row["predicted_speedup"] = (t_dev + t_host) / (t_dev + (1 - c) * t_host)

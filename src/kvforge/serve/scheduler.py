@@ -3,12 +3,13 @@
 One thread owns the engine. Each loop iteration it admits queued requests (up to `max_batch`
 running): a new request is prefilled alone, by its own method's plan (exact, RidgeFill, SPEED,
 or a KV-Lingo hand-off that fills the cache from another model's), commits its first token and
-joins the batch cache (`KVCache.concat_batch`). Then one step runs for the whole batch: each
-request's pending token plus its draft (empty without a drafter) in one forward, verified per
-request with its own sampling settings and generator (`speculative.verify`), committed through
-generation's `_commit` (EOS, stop strings, max tokens, streaming), the cache rolled back per
-request. A plain request is a speculative request with no draft: one mechanism. Finished or
-cancelled requests (a client that disconnected) leave the batch and free their cache rows.
+joins the batch cache (`KVCache.concat_batch`). Then one `speculative_step` runs for the whole
+batch, the same step as offline decoding: each request's pending token plus its draft (empty
+without a drafter, or the prefetch hit of its last step) in one forward, verified with the
+request's own sampling settings and generator, committed (EOS, stop strings, max tokens,
+streaming), the cache rolled back per request. A plain request is a speculative request with no
+draft: one mechanism. Finished or cancelled requests (a client that disconnected) leave the
+batch and free their cache rows.
 
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving);
 sampling with a seed is reproducible per request because each request has its own generator.
@@ -16,6 +17,7 @@ sampling with a seed is reproducible per request because each request has its ow
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -25,12 +27,10 @@ from typing import Callable
 import torch
 
 from kvforge.cache import KVCache
-from kvforge.generation import GenerationConfig, _commit, _flush, _Sequence, eos_token_ids
+from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
 from kvforge.sampling import sample
-from kvforge.speculative.decode import DraftGate, verification_batch
-from kvforge.speculative.ngram import NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import Prefetcher
-from kvforge.speculative.verify import verify
+from kvforge.speculative.step import DraftConfig, DraftGate, SpecRequest, SpecStats, commit, new_drafters, speculative_step
 
 # prefill(request) -> (first-token logits (1, V), the request's cache)
 Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache]]
@@ -51,21 +51,22 @@ class ServeRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the scheduler
     id: int = 0
-    seq: _Sequence | None = None
-    context: list[int] = field(default_factory=list)
-    pending: int = 0
-    drafter: object = None
-    ngram: NgramCache | None = None
-    generator: torch.Generator | None = None
+    state: SpecRequest | None = None  # the decoding state, from the first token on
     submitted_at: float = 0.0
     ttft_s: float = 0.0
-    accepted: int = 0
-    steps: int = 0
     error: str | None = None
 
     @property
+    def seq(self) -> SequenceState | None:
+        return self.state.seq if self.state is not None else None
+
+    @property
+    def steps(self) -> int:
+        return self.state.steps if self.state is not None else 0
+
+    @property
     def mean_accept_len(self) -> float:
-        return self.accepted / self.steps if self.steps else 0.0
+        return self.state.mean_accept_len if self.state is not None else 0.0
 
 
 class QueueFull(Exception):
@@ -73,17 +74,21 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine, prefillers: dict[str, Prefiller], max_batch: int = 16, queue_size: int = 64, k: int = 8,
-                 budget: int = 16, metrics=None):
-        """`prefillers`: prefill method name -> how a request's cache is made."""
-        self.engine, self.prefillers, self.max_batch, self.k = engine, prefillers, max_batch, k
+    def __init__(self, engine, prefillers: dict[str, Prefiller], max_batch: int = 16, queue_size: int = 64,
+                 draft: DraftConfig | None = None, metrics=None):
+        """`prefillers`: prefill method name -> how a request's cache is made. `draft`: k, the
+        prefetch budget, the n-gram sizes and the gate for every request; each request picks
+        its drafter and whether it is prefetched."""
+        self.engine, self.prefillers, self.max_batch = engine, prefillers, max_batch
+        self.draft = draft or DraftConfig()
         self.queue: queue.Queue[ServeRequest] = queue.Queue(maxsize=queue_size)
         self.metrics = metrics
         self.tokenizer = engine.model.tokenizer
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
-        self.prefetcher = Prefetcher(k, budget)
-        self.gate = DraftGate()
+        self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
+        self.gate = DraftGate() if self.draft.gate else None
+        self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
         self.active: list[ServeRequest] = []
         self.cache: KVCache | None = None
         self._ids = 0
@@ -143,80 +148,35 @@ class Scheduler:
     def _start(self, r: ServeRequest) -> None:
         logits, cache = self.prefillers[r.prefill](r)  # a hand-off may re-tokenize the prompt
         params = r.config.sampling
-        r.generator = params.generator(self.engine.device)
-        r.seq = _Sequence(0, len(r.prompt_ids))
-        r.context = list(r.prompt_ids)
-        if r.draft == "ngram":
-            r.ngram = NgramCache(r.prompt_ids, 2, 4)
-            r.drafter = NgramDrafter(r.ngram, r.prompt_ids)
-        elif r.draft == "prompt-lookup":
-            r.drafter = PromptLookupDrafter(2, 4)
-        else:
-            r.drafter = NoDrafter()
-        token = int(sample(logits, params, r.generator)[0])
-        self._commit(r, [token])
+        generator = params.generator(self.engine.device)
+        (drafter,), ngram = new_drafters(dataclasses.replace(self.draft, draft=r.draft, prefetch=r.prefetch), r.prompt_ids)
+        r.state = SpecRequest(
+            r.id, SequenceState(0, len(r.prompt_ids)), list(r.prompt_ids), r.config, drafter, generator,
+            set() if r.config.ignore_eos else self.eos, lambda _index, delta: r.emit("text", delta), ngram if r.prefetch else None,
+        )
+        commit(r.state, [int(sample(logits, params, generator)[0])], self.tokenizer, self.context)
         r.ttft_s = time.perf_counter() - r.submitted_at
         if self.metrics is not None:
             self.metrics.observe_ttft(r)
-        if r.seq.finish_reason is not None:
+        if r.state.finished:
             self._finish(r)
             return
         self.active.append(r)
         self.cache = cache if self.cache is None else KVCache.concat_batch([self.cache, cache])
 
-    def _commit(self, r: ServeRequest, tokens: list[int]) -> list[int]:
-        now, committed = time.perf_counter(), []
-        on_text = lambda _index, delta: r.emit("text", delta)  # noqa: E731
-        for tok in tokens:
-            _commit(r.seq, tok, now, self.tokenizer, self.eos, r.config, on_text)
-            r.context.append(tok)
-            committed.append(tok)
-            if r.seq.finish_reason is not None:
-                break
-        if r.seq.finish_reason is None and len(r.context) >= self.context:
-            r.seq.finish_reason = "length"
-        r.drafter.observe(committed)
-        r.pending = committed[-1]
-        return committed
-
     def _step(self) -> None:
-        drafts = []
-        for r in self.active:
-            room = min(self.k, r.config.max_new_tokens - len(r.seq.token_ids) - 1, self.context - len(r.context) - 1)
-            use = r.draft != "none" and room > 0 and self.gate.allows(r.id)
-            drafts.append(r.drafter.propose(r.context, room)[:room] if use else [])
-        ids, positions, lengths = verification_batch([r.pending for r in self.active], drafts, [len(r.context) - 1 for r in self.active])
-        width = ids.shape[1] - 1
-        future = None
-        prefetching = {r.id: (r.ngram, r.context[:], d) for r, d in zip(self.active, drafts) if r.prefetch and r.ngram is not None}
-        if prefetching:
-            future = self.prefetcher.start(prefetching)
         start = time.perf_counter()
-        logits = self.engine.forward(ids.to(self.engine.device), positions.to(self.engine.device), self.cache, "all")
-        accepted, bonus = [], []
-        for row, (r, d) in enumerate(zip(self.active, drafts)):
-            a, b = verify(logits[row : row + 1], ids[row : row + 1, 1:].to(logits.device), lengths[row : row + 1].to(logits.device),
-                          r.config.sampling, r.generator)
-            accepted.append(int(a[0]))
-            bonus.append(int(b[0]))
-        self.cache.rollback([width - j for j in accepted])
-        branches = future.result() if future is not None else {}
+        outcomes = speculative_step(self.engine, self.cache, [r.state for r in self.active], self.draft.k, self.gate, self.prefetcher, self.stats)
         step_s = time.perf_counter() - start
-        for row, (r, d) in enumerate(zip(self.active, drafts)):
-            j = accepted[row]
-            self.gate.record(r.id, len(d), j)
-            r.steps, r.accepted = r.steps + 1, r.accepted + j
-            committed = self._commit(r, d[:j] + [bonus[row]])
-            if self.metrics is not None:
-                self.metrics.observe_step(len(committed), step_s, j if d else None)
-            if r.id in branches:
-                hit = self.prefetcher.probe(r.id, branches[r.id], j, bonus[row])
-                if self.metrics is not None:
-                    self.metrics.observe_probe(hit is not None)
+        if self.metrics is not None:
+            for outcome in outcomes:
+                self.metrics.observe_step(outcome.committed, step_s, outcome.accepted if outcome.drafted else None)
+                if outcome.prefetch_hit is not None:
+                    self.metrics.observe_probe(outcome.prefetch_hit)
         keep = []
         for row, r in enumerate(self.active):
-            if r.seq.finish_reason is not None or r.cancelled.is_set():
-                self._finish(r, error="cancelled" if r.seq.finish_reason is None else None)
+            if r.state.finished or r.cancelled.is_set():
+                self._finish(r, error=None if r.state.finished else "cancelled")
             else:
                 keep.append(row)
         if len(keep) < len(self.active):
@@ -225,10 +185,11 @@ class Scheduler:
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
         r.error = error
-        if r.seq is not None:
-            _flush(r.seq, lambda _i, delta: r.emit("text", delta))
+        if r.state is not None:
+            flush_text(r.state.seq, r.state.on_text)
         self.prefetcher.forget(r.id)
-        self.gate.forget(r.id)
+        if self.gate is not None:
+            self.gate.forget(r.id)
         if self.metrics is not None:
             self.metrics.observe_done(r)
         r.emit("done", r)
