@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_loaded
 from kvforge.engine import Engine
+from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, trainable
 from kvforge.translate.fit import LingoFitConfig, fit_lingo
 
@@ -65,7 +66,7 @@ def test_gradients_reach_the_maps(setup):
 def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
     _, target, translator, samples = setup
     config = DistillConfig(steps=4, lr=1e-3, accumulate=1, checkpoint_every=2, validate_every=100)
-    straight, _ = distill(copy.deepcopy(translator), target, samples, [], config)
+    straight, straight_state = distill(copy.deepcopy(translator), target, samples, [], config)
 
     class Interrupt(Exception):
         pass
@@ -77,13 +78,62 @@ def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
     checkpoint = tmp_path / "ckpt.pt"
     with pytest.raises(Interrupt):
         distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, stop_at_two)
+    saved = torch.load(checkpoint, weights_only=True)  # plain tensors, numbers and lists only
+    assert saved["state"]["step"] == 2 and saved["format"] == "kvforge.distill-checkpoint"
     resumed, state = distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)
     assert state.step == 4 and len(state.losses) == 4
+    assert state.losses == straight_state.losses  # the same steps, to the bit
     for side in "kv":
-        for a, b in zip(straight.weights[side], resumed.weights[side]):
-            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        for store in ("weights", "biases"):
+            for a, b in zip(getattr(straight, store)[side], getattr(resumed, store)[side]):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="other settings"):
         distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=5, lr=1e-3), checkpoint)
+
+
+class _RunsCode:
+    """Pickles as a call to os.system: what a hostile checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("payload", ["bare", "inside_a_checkpoint"])
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(setup, tmp_path, payload):
+    _, target, translator, samples = setup
+    config = DistillConfig(steps=2, lr=1e-3, accumulate=1, checkpoint_every=1, validate_every=100)
+    checkpoint, marker = tmp_path / "ckpt.pt", tmp_path / "pwned"
+    if payload == "bare":
+        torch.save(_RunsCode(marker), checkpoint)
+    else:  # a real checkpoint with one object slipped in
+        distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)
+        saved = torch.load(checkpoint, weights_only=True)
+        saved["state"]["losses"].append(_RunsCode(marker))
+        torch.save(saved, checkpoint)
+    with pytest.raises(ArtifactError) as error:
+        distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)
+    assert isinstance(error.value, KvforgeError) and "\n" not in str(error.value) and str(checkpoint) in str(error.value)
+    assert "could run code; refused" in str(error.value)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_that_is_not_one_is_refused(setup, tmp_path):
+    _, target, translator, samples = setup
+    config = DistillConfig(steps=2, lr=1e-3, accumulate=1)
+    for name, content in (("garbage.pt", b"not a checkpoint at all"), ("other.pt", None)):
+        path = tmp_path / name
+        if content is None:
+            torch.save({"params": [], "config": {}}, path)  # loads, but is not ours
+        else:
+            path.write_bytes(content)
+        with pytest.raises(ArtifactError, match="not a version-2 kvforge distillation checkpoint") as error:
+            distill(copy.deepcopy(translator), target, samples, [], config, path)
+        assert "could run code" not in str(error.value)
 
 
 def test_the_sweep_extends_past_an_edge_until_the_best_rate_is_interior(setup, monkeypatch):

@@ -81,8 +81,39 @@ def test_rank_deficient_inputs_are_solved_on_their_subspace():
 
 def test_pick_lambda_prefers_little_ridge_on_clean_data():
     x, y = _data(n=2500, noise=0.01)
-    best, scores = pick_lambda(_moments(x[:2000], y[:2000]), _moments(x[2000:], y[2000:]), [0.0, 1e-3, 1.0, 10.0])
-    assert best in (0.0, 1e-3) and scores[10.0] < scores[best]
+    choice = pick_lambda(_moments(x[:2000], y[:2000]), _moments(x[2000:], y[2000:]), [0.0, 1e-3, 1.0, 10.0])
+    (best,) = choice.lam
+    assert best in (0.0, 1e-3) and choice.scores[10.0][0] < choice.scores[best][0] == choice.r2[0]
+    w, b = solve(_moments(x[:2000], y[:2000]), best)
+    torch.testing.assert_close(choice.w, w, atol=0, rtol=0)
+    torch.testing.assert_close(choice.b, b, atol=0, rtol=0)
+
+
+def test_pick_lambda_chooses_per_group_and_assembles_each_groups_map_at_its_lambda():
+    # Group 0 is clean, group 1 pure noise over few rows: the noisy group wants a large λ.
+    g = np.random.default_rng(7)
+    x = g.normal(size=(60, 12))
+    y = np.hstack([x[:, :2] @ g.normal(size=(2, 2)) + 0.01 * g.normal(size=(60, 2)), g.normal(size=(60, 2))])
+    fit, held = _moments(x[:30], y[:30]), _moments(x[30:], y[30:])
+    candidates = [0.0, 1e-2, 10.0, 1e3]
+    choice = pick_lambda(fit, held, candidates, groups=2)
+    assert choice.lam[0] < choice.lam[1]
+    for group, lam in enumerate(choice.lam):
+        cols = slice(2 * group, 2 * group + 2)
+        w, b = solve(fit, lam)
+        torch.testing.assert_close(choice.w[:, cols], w[:, cols], atol=0, rtol=0)
+        torch.testing.assert_close(choice.b[cols], b[cols], atol=0, rtol=0)
+        assert choice.r2[group] == max(choice.scores[c][group] for c in candidates)
+        sub = held.select(torch.arange(12), torch.arange(2 * group, 2 * group + 2))
+        torch.testing.assert_close(r2_pooled(sub, choice.w[:, cols], choice.b[cols]), torch.tensor([choice.r2[group]], dtype=torch.float64))
+
+
+def test_a_single_candidate_is_a_fixed_lambda_still_scored():
+    x, y = _data(n=500)
+    choice = pick_lambda(_moments(x[:400], y[:400]), _moments(x[400:], y[400:]), [0.5], groups=3)
+    assert choice.lam == [0.5] * 3 and list(choice.scores) == [0.5] and all(-1 < r <= 1 for r in choice.r2)
+    with pytest.raises(ValueError):
+        pick_lambda(_moments(x, y), _moments(x, y), [])
 
 
 def test_mismatched_rows_and_negative_lambda_are_errors():

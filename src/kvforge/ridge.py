@@ -135,13 +135,45 @@ def r2_pooled(moments: Moments, w: torch.Tensor, b: torch.Tensor, groups: int = 
     return 1.0 - sse.view(groups, -1).sum(1) / sst.view(groups, -1).sum(1).clamp(min=torch.finfo(DTYPE).tiny)
 
 
+LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # the default candidates: λ is relative, so one grid fits every layer
+
+
+@dataclass
+class LambdaChoice:
+    """The λ picked for each group of outputs, and the map solved with it."""
+
+    lam: list[float]  # (groups,)
+    r2: list[float]  # (groups,) held-out variance-weighted R² at the picked λ
+    scores: dict[float, list[float]]  # every candidate's held-out R² per group
+    w: torch.Tensor  # (I, O): each group's columns solved at its own λ
+    b: torch.Tensor  # (O,)
+
+
 def pick_lambda(
-    fit: Moments, held_out: Moments, candidates: list[float], rel_tol: float = 1e-8
-) -> tuple[float, dict[float, float]]:
-    """The λ with the best mean held-out R², and the mean R² of every candidate."""
-    e = eigen(fit)
-    scores = {lam: float(r2(held_out, *solve(fit, lam, rel_tol, e)).mean()) for lam in candidates}
-    return max(scores, key=scores.get), scores
+    fit: Moments, held_out: Moments, candidates: tuple[float, ...] | list[float] = LAMBDAS, groups: int = 1, rel_tol: float = 1e-8
+) -> LambdaChoice:
+    """The λ selection every ridge fit in kvforge uses: solve on `fit` at each candidate (one
+    eigendecomposition), score each of `groups` equal blocks of outputs by held-out
+    variance-weighted R² (`r2_pooled`), and keep per block the best candidate (the first listed
+    on a tie). One candidate is a fixed λ, still scored."""
+    if not candidates:
+        raise ValueError("give at least one λ candidate")
+    decomposition = eigen(fit)
+    width = fit.xy.shape[1] // groups
+    choice = None
+    for lam in candidates:
+        w, b = solve(fit, lam, rel_tol, decomposition)
+        per_group = r2_pooled(held_out, w, b, groups).tolist()
+        if choice is None:
+            choice = LambdaChoice([lam] * groups, list(per_group), {}, w, b)
+        else:
+            for g, score in enumerate(per_group):
+                if score > choice.r2[g]:
+                    cols = slice(g * width, (g + 1) * width)
+                    choice.lam[g], choice.r2[g] = lam, score
+                    choice.w[:, cols], choice.b[cols] = w[:, cols], b[cols]
+        choice.scores[lam] = per_group
+    return choice
 
 
 def explained(moments: Moments, lam: float = 0.0, rel_tol: float = 1e-8) -> float:

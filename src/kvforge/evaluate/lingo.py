@@ -9,7 +9,7 @@ continuation text[c:]. Loss is in bits per byte of that text (the tokenizers dif
   target zero        the same with every map zero (the untrained baseline);
   source native      the source's own exact cache.
 In every arm the cache holds the prefix but its last token, and one teacher-forced forward over
-that token and the continuation scores the continuation. KL(target native ‖ translated) is per
+that token and the continuation scores the continuation (`scoring.continuation_logits`). KL(target native ‖ translated) is per
 continuation token, in nats. Diagnostics, on the prefix rows past the head: held-out R² per
 target layer and side (variance-weighted, at the translator's capture point), the linear-CKA grid
 between every source and target layer, and each layer's effective rank (exp of the entropy of
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvforge.cache import KVCache
 from kvforge.data.prompts import plain_texts
-from kvforge.translate.align import Alignment, Tokenized, align, tokenize
+from kvforge.scoring import continuation_logits, token_nll
 from kvforge.translate.capture import cache_features
 from kvforge.translate.handoff import translate_cache
+from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
 
 LN2 = math.log(2.0)
@@ -43,55 +43,6 @@ class LingoEvalSettings:
     prefix_chars: int = 2000
     continuation_chars: int = 400
     skip: int = 0  # held-out conversations to skip
-
-
-def common_boundary(a: Tokenized, b: Tokenized, limit: int) -> int:
-    """The largest character position in (0, limit] where both tokenizations start a token."""
-    starts = lambda t: {int(s) for s, e in t.spans if e > s}  # noqa: E731
-    common = [c for c in starts(a) & starts(b) if 0 < c <= limit]
-    if not common:
-        raise ValueError("the two tokenizations share no token boundary in the prefix")
-    return max(common)
-
-
-@dataclass
-class SplitText:
-    """A text cut for a hand-off at character `cut`, where both tokenizers start a token: the
-    source's exact cache of its prefix, the target's native cache of its prefix but the last
-    token, and the alignment of the target's prefix rows but the last."""
-
-    src: Tokenized
-    tgt: Tokenized
-    cut: int
-    source_prefix: int  # source tokens before the cut
-    target_prefix: int  # target tokens before the cut
-    alignment: Alignment
-    source_cache: KVCache
-    native_cache: KVCache
-
-
-def split_text(source, target, text: str, limit: int, rule: str) -> SplitText:
-    """Cut `text` at the last character <= `limit` where both tokenizations start a token."""
-    src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
-    c = common_boundary(src, tgt, limit)
-    ps, pt = src.tokens_before(c), tgt.tokens_before(c)
-    alignment = align(src.prefix(ps), tgt.prefix(pt), rule).truncate(pt - 1)
-    _, source_cache = source.prefill([src.ids[:ps]], logits="none")
-    _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
-    return SplitText(src, tgt, c, ps, pt, alignment, source_cache, native)
-
-
-def continuation_logits(engine, ids: list[int], prefix: int, cache: KVCache) -> torch.Tensor:
-    """Logits (T, V) predicting ids[prefix:], given `cache` holding ids[:prefix - 1].
-    Differentiable outside inference mode (stage 2 trains through it)."""
-    seq = torch.tensor([ids[prefix - 1 : -1]], device=engine.device)
-    positions = torch.arange(prefix - 1, len(ids) - 1, device=engine.device).view(1, -1)
-    h = engine.run_layers(engine.adapter.embed(seq), positions, cache)
-    return engine.adapter.head(h)[0].float()
-
-
-def nll(logits: torch.Tensor, ids: list[int], prefix: int) -> torch.Tensor:
-    return F.cross_entropy(logits, torch.tensor(ids[prefix:], device=logits.device), reduction="none").double().cpu()
 
 
 class CacheGeometry:
@@ -194,15 +145,15 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
                           for label, other in compare.items()}
         src_cache.trim(1)
         logits_source = continuation_logits(source, src.ids, ps, src_cache)
-        arms["target_native"].append(float(nll(logits_native, tgt.ids, pt).sum()))
-        arms["target_translated"].append(float(nll(logits_translated, tgt.ids, pt).sum()))
-        arms["target_zero"].append(float(nll(logits_zero, tgt.ids, pt).sum()))
-        arms["source_native"].append(float(nll(logits_source, src.ids, ps).sum()))
+        arms["target_native"].append(_nats(logits_native, tgt.ids[pt:]))
+        arms["target_translated"].append(_nats(logits_translated, tgt.ids[pt:]))
+        arms["target_zero"].append(_nats(logits_zero, tgt.ids[pt:]))
+        arms["source_native"].append(_nats(logits_source, src.ids[ps:]))
         log_native = F.log_softmax(logits_native.double(), -1)
         kl.append(_kl(log_native, logits_translated))
         kl_zero.append(_kl(log_native, logits_zero))
         for label, logits_other in logits_compare.items():
-            other_nats[label].append(float(nll(logits_other, tgt.ids, pt).sum()))
+            other_nats[label].append(_nats(logits_other, tgt.ids[pt:]))
             other_kl[label].append(sum(_kl(log_native, logits_other)))
         token_counts.append(len(tgt.ids) - pt)
         byte_counts.append(len(text[c:].encode("utf-8")))
@@ -245,6 +196,10 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
             "source_keys": ranks["k"][0], "target_keys": ranks["k"][1], "source_values": ranks["v"][0], "target_values": ranks["v"][1],
         },
     }
+
+
+def _nats(logits: torch.Tensor, targets: list[int]) -> float:
+    return float(token_nll(logits, targets).double().sum())
 
 
 def _kl(log_p: torch.Tensor, logits_q: torch.Tensor) -> list[float]:

@@ -2,15 +2,19 @@
 
 Continuation loss: a held-out sequence of `prompt_tokens + continuation` tokens; the prompt
 (minus its last token) is prefilled by each arm, then the last prompt token and the continuation
-run exactly (teacher forced), as decoding would, over the arm's cache. Loss is reported on novel
-and key tokens (`metrics.token_classes`) as a perplexity gap to exact with a paired bootstrap 95 %
-interval over samples.
+run exactly (teacher forced, `scoring.continuation_nll`), as decoding would, over the arm's cache.
+Loss is reported on novel and key tokens (`metrics.token_classes`) and on all tokens as a
+perplexity gap to exact with a paired bootstrap 95 % interval over samples.
 
 Splice: the exact and RidgeFill caches mixed at the filled layers (RidgeFill keys with exact
 values, and exact keys with RidgeFill values) say which component carries the error.
 
-Needles: RULER niah_single haystacks with the needle inside the filled region, greedy answers,
-string match, per arm.
+Needles: RULER niah_single haystacks, greedy answers, string match, per arm. The needle sits at
+each depth of the haystack before the tail (the rows a fill can reach). Besides RidgeFill and the
+identity fill at the given setting, the arm `ridgefill_no_attended` runs RidgeFill without the
+tail-attended-row rescue, so the needle stays in filled rows and is found through the maps alone.
+Per arm the report counts the needles whose rows were all filled and how many of those were
+answered: only they say anything about the fill.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from kvforge.cache import KVCache, LayerCache
 from kvforge.data.prompts import token_sequences
@@ -26,8 +29,12 @@ from kvforge.data.tasks import answered, needle_sample
 from kvforge.engine import Engine
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct, token_classes
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, final_depth, ridgefill_plan
+from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
 from kvforge.generation import GenerationConfig
+from kvforge.plan import final_depth
+from kvforge.scoring import continuation_nll
+
+NEEDLE_CONFIG = GenerationConfig(max_new_tokens=16)
 
 
 @dataclass(frozen=True)
@@ -37,15 +44,18 @@ class EvalSettings:
     continuation: int = 128
     needles: int = 20
     needle_tokens: int = 1600
-    needle_depths: tuple[float, ...] = (0.1, 0.25, 0.4, 0.55, 0.7)
+    needle_depths: tuple[float, ...] = (0.1, 0.25, 0.4, 0.55, 0.7)  # fractions of the haystack before the tail
 
 
 def eval_ridgefill(
     engine: Engine, maps: RidgeMaps, config: RidgeFillConfig, settings: EvalSettings, progress=None, memo: dict | None = None
 ) -> dict:
     """`memo` (a dict the caller keeps) lets a sweep over settings reuse the exact arm's caches and
-    answers, which do not depend on the RidgeFill setting."""
+    needle answers. Entries are keyed by what determines them (the model's fingerprint, dtype,
+    device and prefill chunk, the prompt's tokens and, for answers, the generation settings), so a
+    changed setting never reads a stale one."""
     memo = {} if memo is None else memo
+    model = _model_key(engine)
     arms = {"ridgefill": config, "identity": replace(config, fill="identity")}
     nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, "splice_filled_keys", "splice_filled_values"]}
     novel, key = [], []
@@ -55,28 +65,31 @@ def eval_ridgefill(
         if progress:
             progress(f"continuation sample {i + 1}/{settings.samples}")
         prompt = seq[: settings.prompt_tokens - 1]
-        if ("cache", i) not in memo:
-            memo[("cache", i)] = _prefill(engine, prompt, None)
-        exact_cache = memo[("cache", i)]
+        exact_key = ("exact_cache", model, tuple(prompt))
+        if exact_key not in memo:
+            memo[exact_key] = _prefill(engine, prompt, None)
+        exact_cache = memo[exact_key]
         plans = {name: ridgefill_plan(engine, prompt, c, maps) for name, c in arms.items()}
         caches = {name: _prefill(engine, prompt, plan) for name, plan in plans.items()}
         ridge_cache = caches["ridgefill"]
         caches["splice_filled_keys"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=True)
         caches["splice_filled_values"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=False)
         caches["exact"] = exact_cache
-        for name, cache in caches.items():
-            nll[name].append(_continuation_nll(engine, seq, settings.prompt_tokens, cache))
-        filled = _filled_rows(plans["ridgefill"], len(prompt), engine.num_layers)
+        with torch.inference_mode():  # restore: the memoised exact cache is left as it was
+            for name, cache in caches.items():
+                nll[name].append(continuation_nll(engine, seq, settings.prompt_tokens, cache, restore=True).cpu())
+        filled = _filled_rows(ridge_cache, len(prompt))
         n, k = token_classes(seq, settings.prompt_tokens, filled)
         novel.append(n)
         key.append(k)
 
+    every = [torch.ones_like(m) for m in novel]
     report: dict = {"arms": {}}
     for name in nll:
         report["arms"][name] = {
             "novel_nll": mean_nll(nll[name], novel),
             "key_nll": mean_nll(nll[name], key),
-            "all_nll": mean_nll(nll[name], [torch.ones_like(m) for m in novel]),
+            "all_nll": mean_nll(nll[name], every),
         }
         if name != "exact":
             report["arms"][name].update(
@@ -84,36 +97,31 @@ def eval_ridgefill(
                 ppl_gap_novel_ci=paired_bootstrap_ci(nll[name], nll["exact"], novel),
                 ppl_gap_key_pct=ppl_gap_pct(nll[name], nll["exact"], key),
                 ppl_gap_key_ci=paired_bootstrap_ci(nll[name], nll["exact"], key),
+                ppl_gap_all_pct=ppl_gap_pct(nll[name], nll["exact"], every),
+                ppl_gap_all_ci=paired_bootstrap_ci(nll[name], nll["exact"], every),
             )
     report["novel_tokens"] = int(sum(int(m.sum()) for m in novel))
     report["key_tokens"] = int(sum(int(m.sum()) for m in key))
-    report["needle"] = _needles(engine, maps, arms, settings, progress, memo)
+    report["all_tokens"] = int(sum(m.numel() for m in every))
+    needle_arms = {**arms, "ridgefill_no_attended": replace(config, attended_rows=0)}
+    report["needle"] = _needles(engine, maps, needle_arms, settings, progress, memo, model)
     return report
 
 
-def _filled_rows(plan, tokens: int, num_layers: int) -> torch.Tensor:
-    """(T,) rows the plan filled, after any attention-based choice made during its prefill."""
-    if plan is None:
-        return torch.zeros(tokens, dtype=torch.bool)
-    return final_depth(plan) < num_layers
+def _model_key(engine: Engine) -> tuple:
+    """What about the engine changes an exact result: weights and architecture, dtype, device,
+    prefill chunking."""
+    return (engine.model.fingerprint, str(engine.dtype), str(engine.device), engine.chunk_size)
+
+
+def _filled_rows(cache: KVCache, tokens: int) -> torch.Tensor:
+    """(T,) prompt rows its prefill did not run full depth, after any attention-based choice:
+    read off the cache."""
+    return final_depth(cache, tokens) < len(cache)
 
 
 def _prefill(engine: Engine, prompt: list[int], plan) -> KVCache:
     return engine.prefill([prompt], plan=plan)[1]
-
-
-@torch.inference_mode()
-def _continuation_nll(engine: Engine, seq: list[int], prompt_tokens: int, cache: KVCache) -> torch.Tensor:
-    """(C,) nats of seq[prompt_tokens:] given the cache of seq[:prompt_tokens - 1], teacher forced.
-    The cache is not modified (its rows past the prompt are trimmed back)."""
-    ids = torch.tensor([seq[prompt_tokens - 1 : -1]], device=engine.device)
-    positions = torch.arange(prompt_tokens - 1, len(seq) - 1, device=engine.device).unsqueeze(0)
-    lengths = cache.lengths()
-    logits = engine.forward(ids, positions, cache, "all")[0]  # (C, V)
-    for layer, length in zip(cache.layers, lengths):
-        layer.trim(layer.length - length)
-    target = torch.tensor(seq[prompt_tokens:], device=logits.device)
-    return F.cross_entropy(logits, target, reduction="none").cpu()
 
 
 def _splice(exact: KVCache, filled: KVCache, split: int, keys_from_fill: bool) -> KVCache:
@@ -133,32 +141,55 @@ def _splice(exact: KVCache, filled: KVCache, split: int, keys_from_fill: bool) -
     return KVCache(layers)
 
 
-def _needles(engine: Engine, maps: RidgeMaps, arms: dict, settings: EvalSettings, progress, memo: dict) -> dict:
+def _needles(engine: Engine, maps: RidgeMaps, arms: dict, settings: EvalSettings, progress, memo: dict, model: tuple) -> dict:
+    """Per arm: the share of needles answered, the needles whose rows were all filled and how many
+    of those were answered. Arms with equal settings are run once."""
     correct = {"exact": 0, **{name: 0 for name in arms}}
-    in_filled = 0
-    config = GenerationConfig(max_new_tokens=16)
+    filled = {name: 0 for name in arms}
+    filled_correct = {name: 0 for name in arms}
     for i in range(settings.needles):
         depth = settings.needle_depths[i % len(settings.needle_depths)]
-        sample = needle_sample(engine.model.tokenizer, settings.needle_tokens, depth, seed=i)
+        tail = arms["ridgefill"].tail
+        reach = depth * max(0.0, 1.0 - tail / settings.needle_tokens)  # before the tail, which is always exact
+        sample = needle_sample(engine.model.tokenizer, settings.needle_tokens, reach, seed=i)
         if progress:
-            progress(f"needle {i + 1}/{settings.needles} at depth {depth:.2f}")
-        plans = {name: ridgefill_plan(engine, sample.prompt, c, maps) for name, c in arms.items()}
+            progress(f"needle {i + 1}/{settings.needles} at depth {depth:.2f} of the rows before the tail")
         start, end = sample.needle_rows
-        if ("needle", i) not in memo:
-            memo[("needle", i)] = answered(engine.generate(sample.prompt, config)[0].text, sample.value)
-        correct["exact"] += memo[("needle", i)]
-        for name, plan in plans.items():
-            out = engine.generate(sample.prompt, config, plan=plan)[0]
-            correct[name] += answered(out.text, sample.value)
-        if bool(_filled_rows(plans["ridgefill"], len(sample.prompt), engine.num_layers)[start:end].all()):
-            in_filled += 1  # the whole needle was filled (not rescued by the attention choice)
+        exact_key = ("exact_answer", model, tuple(sample.prompt), NEEDLE_CONFIG)
+        if exact_key not in memo:
+            memo[exact_key] = engine.generate(sample.prompt, NEEDLE_CONFIG)[0].text
+        correct["exact"] += answered(memo[exact_key], sample.value)
+        results: dict[str, tuple[bool, bool]] = {}  # arm -> (answered, needle wholly filled)
+        for name, c in arms.items():
+            same = next((other for other in results if arms[other] == c), None)
+            if same is None:
+                cache = engine.new_cache(1, capacity=len(sample.prompt) + NEEDLE_CONFIG.max_new_tokens)
+                plan = ridgefill_plan(engine, sample.prompt, c, maps)
+                text = engine.generate(sample.prompt, NEEDLE_CONFIG, plan=plan, cache=cache)[0].text
+                whole = bool(_filled_rows(cache, len(sample.prompt))[start:end].all())
+                results[name] = (answered(text, sample.value), whole)
+            else:
+                results[name] = results[same]
+            ok, whole = results[name]
+            correct[name] += ok
+            filled[name] += whole
+            filled_correct[name] += ok and whole
     n = settings.needles
-    return {"samples": n, "needle_filled": in_filled, **{name: 100.0 * c / n if n else None for name, c in correct.items()}}
+    pct = lambda count, total: 100.0 * count / total if total else None  # noqa: E731
+    return {
+        "samples": n,
+        **{name: pct(c, n) for name, c in correct.items()},
+        "needle_filled": filled["ridgefill"],  # needles wholly in RidgeFill's filled rows
+        "filled": filled,
+        "answered_in_filled": filled_correct,
+        "in_filled_pct": {name: pct(filled_correct[name], filled[name]) for name in arms},
+    }
 
 
 def summary(report: dict, model: str, config: RidgeFillConfig, prompt_tokens: int) -> dict:
     """The `eval ridgefill --json` object: the issue's figures at the top, one row per arm."""
     arms, needle = report["arms"], report["needle"]
+    needle_arms = list(needle["filled"])
     return {
         "command": "eval ridgefill",
         "model": model,
@@ -169,20 +200,35 @@ def summary(report: dict, model: str, config: RidgeFillConfig, prompt_tokens: in
         "attended_rows": config.attended_rows,
         "ppl_gap_novel_pct": arms["ridgefill"]["ppl_gap_novel_pct"],
         "ppl_gap_novel_ci": arms["ridgefill"]["ppl_gap_novel_ci"],
+        "ppl_gap_all_pct": arms["ridgefill"]["ppl_gap_all_pct"],
+        "ppl_gap_all_ci": arms["ridgefill"]["ppl_gap_all_ci"],
         "ppl_gap_key_pct": arms["ridgefill"]["ppl_gap_key_pct"],
         "identity_ppl_gap_novel_pct": arms["identity"]["ppl_gap_novel_pct"],
         "identity_ppl_gap_novel_ci": arms["identity"]["ppl_gap_novel_ci"],
+        "identity_ppl_gap_all_pct": arms["identity"]["ppl_gap_all_pct"],
+        "identity_ppl_gap_all_ci": arms["identity"]["ppl_gap_all_ci"],
         "identity_ppl_gap_key_pct": arms["identity"]["ppl_gap_key_pct"],
         "needle_exact": needle["exact"],
         "needle_ridgefill": needle["ridgefill"],
         "needle_identity": needle["identity"],
+        "needle_ridgefill_no_attended": needle["ridgefill_no_attended"],
         "needle_samples": needle["samples"],
         "needle_filled": needle["needle_filled"],
+        "needle_by_arm": {
+            name: {
+                "answered_pct": needle[name],
+                "filled": needle["filled"][name],
+                "answered_in_filled": needle["answered_in_filled"][name],
+                "answered_in_filled_pct": needle["in_filled_pct"][name],
+            }
+            for name in needle_arms
+        },
         "splice": {
             "filled_keys_exact_values": arms["splice_filled_keys"],
             "exact_keys_filled_values": arms["splice_filled_values"],
         },
         "novel_tokens": report["novel_tokens"],
         "key_tokens": report["key_tokens"],
+        "all_tokens": report["all_tokens"],
         "results": [{"tokens": prompt_tokens, "arm": name, **values} for name, values in arms.items()],
     }

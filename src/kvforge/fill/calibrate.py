@@ -9,7 +9,7 @@ residual stream entering s is the input x and the inputs of layers s+1..L-1, sid
 outputs y of one ridge problem, so the input covariance is decomposed once per split. The first
 `sinks` rows of each sequence stay out of the fit: their late states are ~100× the median norm
 and no linear map predicts them (they are always kept exact). Every `held_out_every`-th sequence
-goes to a held-out set that picks λ per layer and reports R².
+goes to a held-out set that picks λ per layer (`ridge.pick_lambda`) and reports R².
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from kvforge.data.prompts import token_sequences
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps, map_key, quantize_int8
 
-LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
-
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -33,7 +31,7 @@ class CalibrationConfig:
     tokens: int = 200_000
     seq_len: int = 2048
     sinks: int = 4
-    lam: float | None = None  # None: per-layer λ from LAMBDAS by held-out R²
+    lam: float | None = None  # None: per-layer λ from ridge.LAMBDAS by held-out R²
     held_out_every: int = 10
     int8: bool = False
 
@@ -118,25 +116,17 @@ def fit_ridgefill(
 
 def _solve_split(fit: ridge.Moments, held: ridge.Moments, s: int, num_layers: int, e: int, config, tensors: dict) -> dict:
     """Solve one split's maps into `tensors`; returns per-layer λ and held-out R² (and int8 error)."""
-    decomposition = ridge.eigen(fit)
     late = list(range(s + 1, num_layers))
-    candidates = [config.lam] if config.lam is not None else list(LAMBDAS)
-    best: dict[int, tuple[float, float]] = {}  # layer -> (R², λ)
-    solutions = {}
-    for lam in candidates:
-        w, b = ridge.solve(fit, lam, decomposition=decomposition)
-        per_layer = ridge.r2_pooled(held, w, b, groups=len(late))
-        for i, layer in enumerate(late):
-            if layer not in best or float(per_layer[i]) > best[layer][0]:
-                best[layer] = (float(per_layer[i]), lam)
-                solutions[layer] = (w[:, i * e : (i + 1) * e].clone(), b[i * e : (i + 1) * e].clone())
+    candidates = [config.lam] if config.lam is not None else list(ridge.LAMBDAS)
+    choice = ridge.pick_lambda(fit, held, candidates, groups=len(late))
     report = {"lam": {}, "r2": {}}
     if config.int8:
         report["r2_int8"], report["int8_rel_error"] = {}, {}
-    for layer in late:
-        w, b = solutions[layer]
-        report["lam"][str(layer)] = best[layer][1]
-        report["r2"][str(layer)] = round(best[layer][0], 5)
+    for i, layer in enumerate(late):
+        cols = slice(i * e, (i + 1) * e)
+        w, b = choice.w[:, cols], choice.b[cols]
+        report["lam"][str(layer)] = choice.lam[i]
+        report["r2"][str(layer)] = round(choice.r2[i], 5)
         if config.int8:
             q, scale = quantize_int8(w.float())
             w_hat = q.double() * scale.double()

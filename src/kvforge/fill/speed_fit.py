@@ -4,27 +4,28 @@ The source studies SPEED with the model trained under the policy. Here the train
 the SPEED plan run over prompt + reply (`Engine.run_plan` with gradients on): shallow prompt rows
 exist only below the cut, anchors, the tail and the reply rows run full depth, so above the cut a
 reply token sees exactly what a decode token sees at inference. The loss is the reply's
-next-token cross entropy (teacher forced). Only the LoRA factors train (the base weights are
-frozen): AdamW, no weight decay, cosine schedule with warmup, gradient clipping at 1.0, one
-conversation per step with gradient accumulation for the effective batch.
+next-token cross entropy (teacher forced, `scoring.planned_nll`). Only the LoRA factors train
+(the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
+cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
+gradient accumulation for the effective batch.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvforge.data.replies import ReplySample, reply_samples
 from kvforge.engine import Engine
 from kvforge.fill.lora import LoraAdapter
 from kvforge.fill.speed import SpeedConfig, speed_plan
 from kvforge.plan import PrefillPlan
+from kvforge.scoring import planned_nll
+from kvforge.training import OptimConfig, Trainer
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,7 @@ class SpeedFitConfig:
 def reply_nll(engine: Engine, sample: ReplySample, plan: PrefillPlan) -> torch.Tensor:
     """(R,) nats of each reply token given everything before it, under `plan` (which covers
     prompt + reply). Differentiable when called with gradients enabled."""
-    ids = torch.tensor([sample.ids], device=engine.device)
-    positions = torch.arange(len(sample.ids), device=engine.device).unsqueeze(0)
-    h = engine.run_plan(ids, positions, engine.new_cache(1, capacity=len(sample.ids)), plan)
-    logits = engine.adapter.head(h[:, sample.prompt_tokens - 1 : -1])[0].float()
-    return F.cross_entropy(logits, ids[0, sample.prompt_tokens :], reduction="none")
+    return planned_nll(engine, sample.ids, sample.prompt_tokens, plan)
 
 
 def sample_plan(engine: Engine, sample: ReplySample, speed: SpeedConfig | None) -> PrefillPlan:
@@ -77,24 +74,19 @@ def fit_speed(
     params = lora.parameters()
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    warmup = max(1, round(config.warmup_fraction * config.steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, config.steps))
+    trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     samples = itertools.cycle(_fit_samples(engine, config))
     losses, tokens, start = [], 0, time.perf_counter()
+
+    def loss(_j: int) -> torch.Tensor:
+        nonlocal tokens
+        sample = next(samples)
+        tokens += len(sample.ids)
+        with lora.applied(engine.adapter):
+            return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
+
     for step in range(config.steps):
-        total = 0.0
-        for _ in range(config.accumulate):
-            sample = next(samples)
-            with lora.applied(engine.adapter):
-                loss = reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean() / config.accumulate
-            loss.backward()
-            total += float(loss.detach())
-            tokens += len(sample.ids)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+        total = trainer.step(loss)
         losses.append(total)
         if progress:
             progress(step, total)
@@ -126,15 +118,8 @@ def _fit_samples(engine: Engine, config: SpeedFitConfig) -> list[ReplySample]:
     return samples
 
 
-def _cosine(step: int, warmup: int, total: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
 def default_adapter_path(model: str, cut: int):
-    """$KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors"""
-    from kvforge.models.loading import kvforge_home
+    """$KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors (`artifacts.artifact_path`)"""
+    from kvforge.artifacts import artifact_path
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
-    return kvforge_home() / "adapters" / f"{safe}-speed-cut{cut}.safetensors"
+    return artifact_path("adapter", model, cut=cut)

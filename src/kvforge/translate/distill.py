@@ -7,11 +7,13 @@ Teacher: the target's next-token distribution over the continuation given its *n
 the prefix, computed once per sample and kept as its top-k log-probabilities (renormalised over
 those k). Student: the same forward given the *translated* cache; the loss is KL(teacher ‖
 student) per continuation token, and gradients flow through the frozen target into the maps only
-(the source is frozen too: its aligned features are computed once per sample). AdamW without
-weight decay, cosine schedule with warmup, gradient clipping, gradient accumulation; a checkpoint
-(maps, optimizer, schedule, step, validation history) is written atomically every
-`checkpoint_every` steps and a run resumes from it exactly (samples are visited in a fixed
-seeded order by step number).
+(the source is frozen too: its aligned features are computed once per sample). The loop is
+`training.Trainer`: AdamW without weight decay, cosine schedule with warmup, gradient clipping,
+gradient accumulation. A checkpoint (maps, optimizer, schedule, step, losses, validation history,
+settings) is written atomically every `checkpoint_every` steps and a run resumes from it exactly
+(samples are visited in a fixed seeded order by step number). It holds tensors, numbers, lists
+and strings only and is read with `torch.load(weights_only=True)`: a checkpoint from elsewhere
+cannot run code, and one that tries is refused.
 """
 
 from __future__ import annotations
@@ -19,15 +21,22 @@ from __future__ import annotations
 import copy
 import math
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvforge.evaluate.lingo import continuation_logits, split_text
+from kvforge.errors import ArtifactError
+from kvforge.scoring import continuation_logits
+from kvforge.training import OptimConfig, Trainer
 from kvforge.translate.handoff import aligned_features, append_translated
+from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
+
+CHECKPOINT_FORMAT = "kvforge.distill-checkpoint"
+CHECKPOINT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -120,41 +129,23 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     the first step."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
     params = trainable(translator)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    warmup = max(1, round(config.warmup_fraction * config.steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _cosine(s, warmup, config.steps))
+    trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     state = DistillState()
     if checkpoint is not None and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["config"] != asdict(config):
-            raise ValueError(f"checkpoint {checkpoint} was written with other settings; delete it or pass the same ones")
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"]):
-                p.copy_(value)
-        optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
-        state = saved["state"]
+        state = _load_checkpoint(checkpoint, params, trainer, config)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
     while state.step < config.steps:
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(config.accumulate):
-            sample = train[order[(state.step * config.accumulate + j) % len(train)]]
-            loss = student_kl(translator, target, sample) / config.accumulate
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
+        first = state.step * config.accumulate
+        total = trainer.step(lambda j: student_kl(translator, target, train[order[(first + j) % len(train)]]))
         state.step += 1
         state.losses.append(total)
         if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
-            _save_checkpoint(checkpoint, params, optimizer, schedule, state, config)
+            _save_checkpoint(checkpoint, params, trainer, state, config)
         if progress:
             progress(state, time.perf_counter() - start)
     for side in SIDES:
@@ -194,18 +185,45 @@ def half_decade_rates(center: float, count: int = 5) -> list[float]:
     return [center * 10 ** (0.5 * (i - (count - 1) / 2)) for i in range(count)]
 
 
-def _cosine(step: int, warmup: int, total: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def _save_checkpoint(path: Path, params, optimizer, schedule, state: DistillState, config: DistillConfig) -> None:
+def _save_checkpoint(path: Path, params, trainer: Trainer, state: DistillState, config: DistillConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                "state": state, "config": asdict(config)}, tmp)
+    torch.save({
+        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "config": asdict(config),
+        "params": [p.detach().clone() for p in params], "trainer": trainer.state_dict(),
+        "state": {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation]},
+    }, tmp)
     os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, params, trainer: Trainer, config: DistillConfig) -> DistillState:
+    """Restore maps and trainer in place from `path`; returns the saved progress. Anything but a
+    plain checkpoint of these settings is refused with a one-line error."""
+    refuse = f"checkpoint {path} is not a version-{CHECKPOINT_VERSION} kvforge distillation checkpoint"
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if "GLOBAL" in str(exc):  # torch's weights-only unpickler met a class or function
+            raise ArtifactError(f"{refuse}: it holds Python objects beyond tensors and numbers, which could run code; refused") from None
+        raise ArtifactError(f"{refuse}: it is not readable as one; delete it to start over") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{refuse}: it is not readable as one ({type(exc).__name__}); delete it to start over") from None
+    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT or saved.get("version") != CHECKPOINT_VERSION:
+        raise ArtifactError(f"{refuse}; delete it to start over")
+    if saved.get("config") != asdict(config):
+        raise ValueError(f"checkpoint {path} was written with other settings; delete it or pass the same ones")
+    try:
+        values, s = saved["params"], saved["state"]
+        if len(values) != len(params) or any(v.shape != p.shape for v, p in zip(values, params)):
+            raise ArtifactError(f"checkpoint {path} holds maps of other shapes than this translator's; delete it to start over")
+        state = DistillState(int(s["step"]), [float(x) for x in s["losses"]], [(int(a), float(b)) for a, b in s["validation"]])
+        with torch.no_grad():
+            for p, value in zip(params, values):
+                p.copy_(value)
+        trainer.load_state_dict(saved["trainer"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ArtifactError(f"{refuse}: {type(exc).__name__} {exc}; delete it to start over") from None
+    return state
 
 
 def plot_distill(summary: dict, path) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import PromptError
-from kvforge.translate.align import Alignment, align, tokenize
+from kvforge.translate.align import Alignment, Tokenized, align, tokenize
 from kvforge.translate.capture import cache_features
 from kvforge.translate.translator import ModelSide, Translator
 
@@ -87,14 +87,19 @@ class Handoff:
     translate_s: float  # alignment + translation + the target's head rows
 
 
-def hand_off(translator: Translator, source, target, text: str, source_cache: KVCache | None = None) -> Handoff:
+def hand_off(
+    translator: Translator, source, target, text: str, source_cache: KVCache | None = None, target_tokens: Tokenized | None = None
+) -> Handoff:
     """Translate the source's cache of `text` into a target cache (the source prefills it first
-    when no cache is given). Raises a one-line error for a translator of another pair."""
+    when no cache is given). `target_tokens`: the target's tokenization of `text` when the caller
+    has made it -- the ids it serves, e.g. a rendered chat template tokenized without special
+    tokens because it holds them already; by default `text` is tokenized with them. Raises a
+    one-line error for a translator of another pair."""
     translator.check_pair(ModelSide.of(source), ModelSide.of(target))
     if not text or not text.strip():
         raise PromptError("empty prompt: give some text")
     src = tokenize(source.model.tokenizer, text)
-    tgt = tokenize(target.model.tokenizer, text)
+    tgt = target_tokens if target_tokens is not None else tokenize(target.model.tokenizer, text)
     for engine, tok in ((source, src), (target, tgt)):
         if len(tok.ids) >= engine.model.context_length:
             raise PromptError(f"prompt has {len(tok.ids)} tokens but {engine.model.name}'s context is {engine.model.context_length} tokens")

@@ -31,8 +31,8 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.errors import PromptError
-from kvforge.evaluate.lingo import continuation_logits
 from kvforge.generation import eos_token_ids
+from kvforge.scoring import continuation_nll
 from kvforge.translate.align import Tokenized, align, tokenize
 from kvforge.translate.handoff import aligned_features, append_translated
 from kvforge.translate.translator import ModelSide, Translator
@@ -182,10 +182,8 @@ class Conversation:
         self._check_context(sp)
         sp.run(prefix - 1)
         with torch.inference_mode():
-            logits = continuation_logits(sp.engine, sp.ids, prefix, sp.cache)
-        target = torch.tensor(sp.ids[prefix:], device=logits.device)
-        nats = float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-        return nats, len(reply_segment.encode("utf-8")), len(target)
+            nats = float(continuation_nll(sp.engine, sp.ids, prefix, sp.cache).sum())
+        return nats, len(reply_segment.encode("utf-8")), len(sp.ids) - prefix
 
     def respond(self, user: str, config):
         """The speaker of this turn answers `user` (a `Generation`)."""

@@ -153,7 +153,6 @@ class Translator:
 
 def default_translator_path(source: str, target: str) -> Path:
     """Where `kvforge fit lingo` writes by default and the demo looks: $KVFORGE_HOME/translators."""
-    from kvforge.models.loading import kvforge_home
+    from kvforge.artifacts import artifact_path
 
-    safe = lambda name: "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)  # noqa: E731
-    return kvforge_home() / "translators" / f"{safe(source)}-to-{safe(target)}.safetensors"
+    return artifact_path("translator", source, target=target)
