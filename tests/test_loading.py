@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_hf_model
+from conftest import tiny_hf_model, tiny_loaded
 from kvforge.errors import DeviceError, MissingPackageError, UnknownModelError
 from kvforge.models import load_model, resolve_device
 from kvforge.models import loading
@@ -24,6 +24,23 @@ def test_load_local_directory_gives_the_same_model(tiny_model_dir):
 def test_fingerprint_tells_models_apart():
     assert model_fingerprint(tiny_hf_model("llama", seed=0)) != model_fingerprint(tiny_hf_model("llama", seed=1))
     assert model_fingerprint(tiny_hf_model("llama")) != model_fingerprint(tiny_hf_model("qwen3"))
+
+
+def test_fingerprint_sees_a_change_to_the_last_value_of_one_weight():
+    """A fine-tune that moves only late values must not pass as the base model."""
+    model = tiny_hf_model("llama")
+    base = model_fingerprint(model)
+    weight = model.model.layers[-1].mlp.down_proj.weight  # (64, 96): its last value is far past any leading sample
+    with torch.no_grad():
+        weight.view(-1)[-1] += 1e-3
+    assert model_fingerprint(model) != base
+
+
+def test_a_loaded_model_computes_its_fingerprint_once(monkeypatch):
+    loaded = tiny_loaded("llama")
+    calls = []
+    monkeypatch.setattr(loading, "model_fingerprint", lambda model: calls.append(model) or "id")
+    assert [loaded.fingerprint for _ in range(3)] == ["id"] * 3 and calls == [loaded.hf]
 
 
 def test_unknown_alias_lists_the_known_ones():

@@ -11,6 +11,7 @@ from kvforge.errors import ArtifactError
 from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
 from kvforge.fill.maps import RidgeMaps
 from kvforge.fill.ridgefill import AttendedRows, RidgeFillConfig, exact_row_mask, parse_splits, preset, ridgefill_plan
+from kvforge.plan import final_depth
 
 T = 40
 TOL = 1e-4
@@ -38,14 +39,17 @@ def _zero_late_layers(engine, split):
 
 
 def test_split_equal_to_depth_is_exact_bit_for_bit(family):
+    """Through `run_plan` itself (prefill would otherwise take the exact path for this plan)."""
     engine = Engine(tiny_loaded(family))
     ids = _ids()
     plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=engine.num_layers, tail=4, fill="identity"))
     assert plan.is_exact(engine.num_layers)
-    planned, cache = engine.prefill([ids], plan=plan)
+    planned, cache = engine.prefill([ids], plan=plan, exact_shortcut=False)
     exact, exact_cache = engine.prefill([ids])
     assert torch.equal(planned, exact)
-    assert all(torch.equal(a.keys(), b.keys()) for a, b in zip(cache.layers, exact_cache.layers))
+    for a, b in zip(cache.layers, exact_cache.layers):
+        assert torch.equal(a.keys(), b.keys()) and torch.equal(a.values(), b.values())
+        assert torch.equal(a.row_kinds(), b.row_kinds())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -104,7 +108,8 @@ def test_exact_rows_sinks_tail_specials_and_a_list():
 
 def test_a_tail_longer_than_the_prompt_falls_back_to_exact():
     engine = Engine(tiny_loaded("llama"))
-    assert ridgefill_plan(engine, _ids(0, 10), RidgeFillConfig(split=1, tail=16, fill="identity")) is None
+    plan = ridgefill_plan(engine, _ids(0, 10), RidgeFillConfig(split=1, tail=16, fill="identity"))
+    assert plan.is_exact(engine.num_layers) and "no longer than" in plan.reason
 
 
 def test_attended_rows_keep_exact_the_rows_the_tail_attends_to_and_those_after():
@@ -113,8 +118,8 @@ def test_attended_rows_keep_exact_the_rows_the_tail_attends_to_and_those_after()
     chooser = AttendedRows(engine, count=3, tail=4, span=2)
     plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=4, sinks=2, fill="identity"))
     plan = type(plan)(plan.depth, plan.fill, plan.method, chooser)
-    engine.prefill([ids], plan=plan)
-    before, after = plan.depth, chooser.last_depth
+    _, cache = engine.prefill([ids], plan=plan)
+    before, after = plan.depth, final_depth(cache, T)
     assert bool((after[before == engine.num_layers] == engine.num_layers).all())
     # reference: the candidates with the largest attention weight from any tail query at layer 1
     cache = engine.new_cache()

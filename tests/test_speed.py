@@ -21,14 +21,19 @@ def _prompt(seed=0, n=T):
 
 
 def test_cut_at_full_depth_equals_exact_bit_for_bit(family):
+    """Through `run_plan` itself (prefill would otherwise take the exact path for this plan)."""
     engine = Engine(tiny_loaded(family))
     prompt = _prompt()
     plan = speed_plan(T, SpeedConfig(cut=engine.num_layers), engine.num_layers)
-    logits, cache = engine.prefill([prompt], plan=plan)
+    logits, cache = engine.prefill([prompt], plan=plan, exact_shortcut=False)
     exact, exact_cache = engine.prefill([prompt])
     assert torch.equal(logits, exact)
     for a, b in zip(cache.layers, exact_cache.layers):
         assert torch.equal(a.keys(), b.keys()) and torch.equal(a.values(), b.values())
+    for _ in range(3):  # decode continues from the planned cache exactly as from the exact one
+        token = exact.argmax(-1)
+        logits, exact = engine.decode_step(token, cache), engine.decode_step(token, exact_cache)
+        assert torch.equal(logits, exact)
     config = GenerationConfig(max_new_tokens=10, ignore_eos=True)
     assert engine.generate(prompt, config, plan=plan)[0].token_ids == engine.generate(prompt, config)[0].token_ids
 
