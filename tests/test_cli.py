@@ -105,13 +105,19 @@ def tiny_maps(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def test_generate_with_ridgefill_maps(tiny_model_dir, tiny_maps):
-    prompt = "the quick brown fox jumps over the lazy dog " * 2
+def test_generate_with_ridgefill_maps_says_what_ran(tiny_model_dir, tiny_maps):
+    prompt = "the quick brown fox jumps over the lazy dog " * 2  # 88 tokens
     args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "ridgefill", "--maps", tiny_maps)
     obj = _last_json(_run(*args, "--split", 2, "--tail", 8, "--exact-rows", "5,9", "--json"))
-    assert obj["method"] == "ridgefill" and len(obj["token_ids"]) == 5
+    assert obj["method"] == obj["prefill"] == "ridgefill" and obj["reason"] is None and len(obj["token_ids"]) == 5
+    assert obj["filled_rows"] is None  # the tail's attended rows are chosen during the prefill
+    assert obj["setting"]["split"] == 2 and obj["setting"]["tail"] == 8 and obj["setting"]["rows"] == [5, 9]
+    plain = _last_json(_run(*args, "--split", 2, "--tail", 8, "--attended-rows", 0, "--json"))
+    assert plain["prefill"] == "ridgefill" and plain["filled_rows"] == 88 - 4 - 8
     fallback = _run(*args, "--split", 2, "--tail", 500)
     assert fallback.exit_code == 0 and "running exact prefill" in fallback.stderr
+    obj = _last_json(_run(*args, "--split", 2, "--tail", 500, "--json"))
+    assert obj["method"] == "ridgefill" and obj["prefill"] == "exact" and "no longer than RidgeFill's exact rows" in obj["reason"]
 
 
 def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
@@ -134,22 +140,30 @@ def test_ridgefill_bad_input_is_one_line(tiny_model_dir, tiny_maps, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_model_dir, tmp_path_factory):
-    """A SPEED LoRA adapter trained for two steps through the CLI on the tiny model."""
+    """A SPEED LoRA adapter trained for two steps through the CLI on the tiny model, under a policy
+    that is not the default: cut 2, anchors first:2, tail 3."""
     out = tmp_path_factory.mktemp("adapter") / "tiny-speed.safetensors"
-    result = _run("fit", "speed", "--model", tiny_model_dir, "--cut", 2, "--steps", 2, "--max-tokens", 200, "--lora-rank", 2, "--out", out, "--json")
+    result = _run("fit", "speed", "--model", tiny_model_dir, "--cut", 2, "--anchors", "first:2", "--tail", 3, "--steps", 2, "--max-tokens", 200,
+                  "--lora-rank", 2, "--out", out, "--json")
     assert result.exit_code == 0, result.output
     obj = _last_json(result)
-    assert obj["cut"] == 2 and obj["training"]["rank"] == 2 and obj["out"] == str(out)
+    assert obj["cut"] == 2 and obj["anchors_first"] == 2 and obj["tail"] == 3 and obj["training"]["rank"] == 2 and obj["out"] == str(out)
     return out
 
 
-def test_generate_with_speed_and_an_adapter(tiny_model_dir, tiny_adapter):
-    prompt = "the quick brown fox jumps over the lazy dog"
+def test_generate_with_speed_applies_the_adapters_whole_policy(tiny_model_dir, tiny_adapter):
+    prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens
     args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "speed", "--json")
     plain = _last_json(_run(*args, "--cut", "0.5"))
-    adapted = _last_json(_run(*args, "--adapter", tiny_adapter))  # the adapter's cut (2) by default
-    assert plain["method"] == adapted["method"] == "speed"
+    assert plain["setting"] == {"cut": 2, "first": 1, "rows": [], "tail": 1} and plain["shallow_rows"] == 43 - 2
+    adapted = _last_json(_run(*args, "--adapter", tiny_adapter))  # cut, anchors and tail: the adapter's
+    assert plain["method"] == adapted["method"] == adapted["prefill"] == "speed"
+    assert adapted["setting"] == {"cut": 2, "first": 2, "rows": [], "tail": 3} and adapted["shallow_rows"] == 43 - 5
     assert len(plain["token_ids"]) == len(adapted["token_ids"]) == 5 and adapted["adapter"] == str(tiny_adapter)
+    same = _last_json(_run(*args, "--adapter", tiny_adapter, "--cut", 2, "--anchors", "first:2", "--tail", 3))  # restating it is fine
+    assert same["token_ids"] == adapted["token_ids"]
+    short = _last_json(_run("generate", "--model", tiny_model_dir, "--prompt", "hi", "-n", 2, "--method", "speed", "--tail", 4, "--json"))
+    assert short["prefill"] == "exact" and "in the tail of 4" in short["reason"]
 
 
 def test_speed_bad_input_is_one_line(tiny_model_dir, tiny_adapter, tmp_path):
@@ -164,6 +178,9 @@ def test_speed_bad_input_is_one_line(tiny_model_dir, tiny_adapter, tmp_path):
         ((*base, "--cut", "0"), "outside 1..4"),
         ((*base, "--anchors", "3,40"), "anchor row 40 is past the 11-token prompt"),
         ((*base, "--adapter", tiny_adapter, "--cut", 3), "trained for SPEED cut 2"),
+        ((*base, "--adapter", tiny_adapter, "--anchors", "bos"), "trained with SPEED anchors first:2, not bos"),
+        ((*base, "--adapter", tiny_adapter, "--tail", 1), "trained with SPEED tail 3, not 1"),
+        (("generate", "--model", tiny_model_dir, "--prompt", "hello world", "--adapter", tiny_adapter), "use it with --method speed"),
         (("generate", "--model", other, "--prompt", "hi", "--method", "speed", "--adapter", tiny_adapter), "trained on"),
         ((*base, "--adapter", tmp_path / "none.safetensors"), "does not exist"),
         (("fit", "speed", "--model", tiny_model_dir, "--cut", "9"), "outside 1..4"),

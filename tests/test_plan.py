@@ -108,3 +108,52 @@ def test_generate_with_an_oracle_plan_commits_the_exact_tokens():
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     planned = engine.generate(ids[0].tolist(), config, plan=PrefillPlan(depth, oracle, "oracle"))[0]
     assert planned.token_ids == engine.generate(ids[0].tolist(), config)[0].token_ids
+
+
+def test_what_a_prefill_ran_is_read_off_the_cache(family):
+    """final_depth and PrefillReport from the cache's row kinds: filled rows (RidgeFill), absent
+    rows (SPEED), and a chooser's final choice, with no record kept on the plan or chooser."""
+    from kvforge.plan import PrefillReport, final_depth
+
+    engine = Engine(tiny_loaded(family))
+    ids = _ids(5)
+    inputs = _layer_inputs(engine, ids)
+    oracle = lambda layer, h, rows: inputs[layer][:, rows]  # noqa: E731
+    filled = PrefillPlan(_depth(2, slice(2, T - 3)), oracle, "ridgefill")
+    _, cache = engine.prefill(ids, plan=filled)
+    assert final_depth(cache, T).tolist() == _depth(2, slice(2, T - 3)).tolist()
+    ran = PrefillReport.of(filled, cache, T)
+    if all(w is None for w in engine.adapter.windows):
+        assert (ran.prefill, ran.filled_rows, ran.shallow_rows, ran.reason) == ("ridgefill", T - 5, 0, None)
+    else:  # a sliding layer leaves out the filled rows no exact row can read
+        assert ran.prefill == "ridgefill" and ran.filled_rows + ran.shallow_rows == T - 5 and ran.filled_rows > 0
+    absent = PrefillPlan(_depth(3, slice(1, T - 2)), None, "speed")
+    ran = PrefillReport.of(absent, engine.prefill(ids, plan=absent)[1], T)
+    assert (ran.prefill, ran.filled_rows, ran.shallow_rows) == ("speed", 0, T - 3)
+    assert PrefillReport.planned(absent, T, engine.num_layers) == ran
+
+    def keep_row_5(layer, h_before, positions, cache, depth):
+        depth = depth.clone()
+        depth[5] = engine.num_layers
+        return depth
+
+    chosen = PrefillPlan(_depth(2, slice(2, T - 3)), oracle, "ridgefill", keep_row_5)
+    _, cache = engine.prefill(ids, plan=chosen)
+    expected = _depth(2, slice(2, T - 3))
+    expected[5] = engine.num_layers
+    assert final_depth(cache, T).tolist() == expected.tolist()
+    assert PrefillReport.planned(chosen, T, engine.num_layers).filled_rows is None  # the choice is made during the prefill
+
+
+def test_a_method_whose_plan_ran_exact_reports_exact_with_the_reason():
+    from kvforge.plan import PrefillReport
+
+    engine = Engine(tiny_loaded("llama"))
+    ids = _ids(6)
+    everything = lambda layer, h_before, positions, cache, depth: torch.full_like(depth, engine.num_layers)  # noqa: E731
+    plan = PrefillPlan(_depth(2, slice(2, T - 3)), lambda layer, h, rows: h, "ridgefill", everything)
+    ran = PrefillReport.of(plan, engine.prefill(ids, plan=plan)[1], T)
+    assert ran.prefill == "exact" and ran.filled_rows == 0 and "ridgefill kept every row" in ran.reason
+    short = PrefillPlan.exact(T, engine.num_layers, "the prompt is no longer than the exact rows")
+    assert PrefillReport.of(short, engine.prefill(ids, plan=short)[1], T).reason == short.reason
+    assert PrefillReport.of(None, engine.prefill(ids)[1], T) == PrefillReport("exact", T)

@@ -20,13 +20,39 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 PROMPTS = ["the cat sat on the mat. the cat", "abc abc abc abc", "hello world, hello", "one two three four five"]
 
 
-def _save(path, family, seed):
+def _save(path, family, seed, bos=False):
+    """A tiny model directory; `bos`: its tokenizer adds a BOS and its chat template holds one."""
     model = tiny_hf_model(family, seed=seed)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
+    if bos:
+        from tokenizers import processors
+
+        tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
     tok.save_pretrained(path)
+    return path
+
+
+def _speed_adapter(model_dir, path):
+    """A SPEED adapter far from the base model (B drawn large), recording a policy that is not
+    the default: cut 2, anchors first:2, tail 3."""
+    import torch
+
+    from kvforge.engine import Engine
+    from kvforge.fill.lora import LoraAdapter
+    from kvforge.models import load_model
+
+    engine = Engine(load_model(str(model_dir)))
+    lora = LoraAdapter.new(engine.adapter, 2, 2.0, str(model_dir), engine.model.fingerprint, seed=1)
+    g = torch.Generator().manual_seed(2)
+    for key, value in lora.tensors.items():
+        if key.endswith(".B"):
+            value.copy_(0.5 * torch.randn(value.shape, generator=g))
+    lora.info = {"method": "speed", "cut": 2, "cut_fraction": 0.5, "anchors_first": 2, "anchor_rows": [], "tail": 3}
+    lora.save(path)
     return path
 
 
@@ -60,14 +86,26 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(dirs, tmp_path_factory):
+def artifacts(dirs, tmp_path_factory):
     llama, gemma = dirs
     root = tmp_path_factory.mktemp("artifacts")
     _cli("fit", "ridgefill", "--model", llama, "--split", "2", "--calib-tokens", 1400, "--seq-len", 64, "--out", root / "maps.safetensors", "--json")
     _cli("fit", "lingo", "--source", llama, "--target", gemma, "--assign", "identity", "--nu", 1, "--conversations", 2, "--max-chars", 300,
          "--out", root / "t.safetensors", "--json")
-    proc, url = _start(["--model", llama, "--maps", root / "maps.safetensors", "--translator", root / "t.safetensors", "--target", gemma,
-                        "--max-batch", 16, "--threads", 1], free_port())
+    return {"maps": root / "maps.safetensors", "translator": root / "t.safetensors", "adapter": _speed_adapter(llama, root / "speed.safetensors")}
+
+
+# RidgeFill in the served setting: the fast preset's split (2 of 4), a tail of 8, no attended rows.
+RIDGEFILL = ("--tail", 8, "--attended-rows", 0)
+
+
+@pytest.fixture(scope="module")
+def server(dirs, artifacts):
+    """Every method at once: RidgeFill maps, a SPEED adapter and a translator, all fitted on (or
+    checked against) the base model, which exact, RidgeFill and hand-off requests run."""
+    llama, gemma = dirs
+    proc, url = _start(["--model", llama, "--maps", artifacts["maps"], *RIDGEFILL, "--adapter", artifacts["adapter"],
+                        "--translator", artifacts["translator"], "--target", gemma, "--max-batch", 16, "--threads", 1], free_port())
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -128,6 +166,87 @@ def test_each_method_per_request(client, dirs, options):
 def test_handoff_to_the_target_model(client, dirs):
     out = client.completions.create(model=str(dirs[1]), prompt=PROMPTS[2], max_tokens=6, temperature=0, extra_body={"kvforge": {"prefill": "handoff"}})
     assert out.model_extra["kvforge"]["prefill"] == "handoff" and out.usage.completion_tokens >= 1
+
+
+def test_ridgefill_fills_rows_and_says_so(client, dirs, artifacts):
+    """A prompt longer than the exact rows (4 sinks + a tail of 8) really fills: the response
+    counts the filled rows, and the answer is the library's RidgeFill answer."""
+    model, prompt = str(dirs[0]), "the quick brown fox jumps over the lazy dog. " * 4  # 180 tokens
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"kvforge": {"prefill": "ridgefill"}})
+    kv = out.model_extra["kvforge"]
+    assert kv["prefill"] == "ridgefill" and kv["reason"] is None and kv["filled_rows"] == len(prompt) - 12 and kv["shallow_rows"] == 0
+    assert out.usage.prompt_tokens == len(prompt) and 1 <= out.usage.completion_tokens <= 8
+    assert out.choices[0].finish_reason in ("stop", "length")
+    expected = _cli("generate", "--model", model, "--prompt", prompt, "-n", 8, "--method", "ridgefill", "--maps", artifacts["maps"], *RIDGEFILL, "--json")
+    assert expected["prefill"] == "ridgefill" and expected["filled_rows"] == kv["filled_rows"]
+    assert out.choices[0].text == expected["text"]
+
+
+def test_a_ridgefill_prompt_no_longer_than_the_exact_rows_runs_exact_and_says_why(client, dirs):
+    out = client.completions.create(model=str(dirs[0]), prompt="hi there", max_tokens=4, temperature=0, extra_body={"kvforge": {"prefill": "ridgefill"}})
+    kv = out.model_extra["kvforge"]
+    assert kv["prefill"] == "exact" and "8-token prompt is no longer than RidgeFill's exact rows" in kv["reason"] and kv["filled_rows"] == 0
+    assert out.choices[0].text == _library(str(dirs[0]), "hi there", 4)["text"]
+
+
+def test_speed_runs_the_adapter_with_its_policy_and_every_other_method_the_base_model(client, dirs, artifacts):
+    """The server started with --adapter and --maps (and a translator): SPEED requests run the
+    adapted weights under the adapter's cut, anchors and tail; exact requests the base model."""
+    model, prompt = str(dirs[0]), PROMPTS[0]  # 31 tokens
+    speed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"kvforge": {"prefill": "speed"}})
+    kv = speed.model_extra["kvforge"]
+    assert kv["prefill"] == "speed" and kv["shallow_rows"] == len(prompt) - 2 - 3  # anchors first:2, tail 3
+    args = ("generate", "--model", model, "--prompt", prompt, "-n", 8, "--method", "speed", "--json")
+    adapted = _cli(*args, "--adapter", artifacts["adapter"])
+    assert speed.choices[0].text == adapted["text"] and adapted["shallow_rows"] == kv["shallow_rows"]
+    assert adapted["text"] != _cli(*args, "--cut", 2, "--anchors", "first:2", "--tail", 3)["text"]  # the adapter matters
+    exact = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert exact.choices[0].text == _library(model, prompt, 8)["text"] and exact.model_extra["kvforge"]["prefill"] == "exact"
+
+
+def test_serve_refuses_settings_that_contradict_the_adapter(dirs, artifacts):
+    for flag, value, message in (("--anchors", "bos", "trained with SPEED anchors first:2, not bos"), ("--cut", 3, "trained for SPEED cut 2"),
+                                 ("--speed-tail", 1, "trained with SPEED tail 3, not 1")):
+        result = CliRunner().invoke(app, ["serve", "--model", str(dirs[0]), "--adapter", str(artifacts["adapter"]), flag, str(value)])
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+
+
+def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
+    """A rendered chat template holds its BOS: the hand-off serves the request's one tokenization
+    (no second BOS), and that is what the context check and usage count."""
+    from kvforge.serve.app import ServeConfig, _make_request, build_served
+    from kvforge.serve.protocol import ChatCompletionRequest
+
+    llama, target = str(dirs[0]), str(_save(tmp_path / "gemma-bos", "gemma3", 4, bos=True))
+    translator = tmp_path / "t.safetensors"
+    _cli("fit", "lingo", "--source", llama, "--target", target, "--assign", "identity", "--nu", 1, "--conversations", 2, "--max-chars", 300,
+         "--out", translator, "--json")
+    served = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1))[target]
+    messages = [{"role": "user", "content": "hello there"}]
+    tok = served.engine.model.tokenizer
+    expected = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+    assert expected[0] == 1 and expected.count(1) == 1  # one BOS, from the template
+    body = ChatCompletionRequest(model=target, messages=messages, max_tokens=2, kvforge={"prefill": "handoff"})
+    request = _make_request(served, body, None, chat=True)
+    assert request.prompt_ids == expected
+    logits, cache = served.routes["handoff"].prefillers["handoff"](request)
+    assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
+    assert request.report.prefill == "handoff" and logits.shape[0] == 1
+
+
+def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):
+    """The filled (RidgeFill) and shallow (SPEED) shares of the prompt rows, and the requests that
+    ran exact instead: with the default tail of 256 a short prompt fills nothing, and says so."""
+    from kvforge.bench.serve import bench_serve
+
+    report = bench_serve(str(dirs[0]), artifacts["maps"], ["ridgefill", "speed"], [1], 1, 2, 60, tail=8, attended_rows=0)
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["ridgefill"]["ran_exact"] == 0 and 0.5 < rows["ridgefill"]["filled_share"] < 1 and rows["ridgefill"]["shallow_share"] == 0
+    assert rows["speed"]["ran_exact"] == 0 and rows["speed"]["shallow_share"] > 0.5 and rows["speed"]["filled_share"] == 0
+    row = bench_serve(str(dirs[0]), artifacts["maps"], ["ridgefill"], [1], 1, 2, 60)["results"][0]
+    assert row["filled_share"] == 0 and row["ran_exact"] == row["requests"] == 1
+    assert "no longer than RidgeFill's exact rows" in row["ran_exact_reasons"][0]
 
 
 def test_sampling_with_a_seed_is_reproducible(client, dirs):
@@ -226,3 +345,96 @@ def test_a_full_queue_answers_429(dirs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+
+# --- the scheduler in process: the same speculative step as offline decoding -------------------
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from conftest import tiny_loaded
+    from kvforge.engine import Engine
+
+    return Engine(tiny_loaded("llama"))
+
+
+def _schedule(engine, requests, draft=None, setup=lambda scheduler: None):
+    """Run `requests` through a Scheduler, admitted into one batch; returns the scheduler."""
+    from kvforge.serve.scheduler import Scheduler
+
+    done = threading.Semaphore(0)
+    for r in requests:
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = Scheduler(engine, {"exact": lambda r: engine.prefill([r.prompt_ids])}, max_batch=8, draft=draft)
+    setup(scheduler)
+    for r in requests:
+        scheduler.submit(r)
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=120), "a request did not finish"
+    finally:
+        scheduler.stop()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    return scheduler
+
+
+def test_the_scheduler_verifies_prefetch_hits_as_the_next_drafts(tiny_engine, monkeypatch):
+    """A prefetch hit is the next step's draft: the forward after each hit verifies it."""
+    import torch
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import ServeRequest
+    from kvforge.speculative.step import DraftConfig
+
+    engine = tiny_engine
+    prompt = torch.randint(3, 9, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = engine.generate(prompt, config)[0].token_ids
+    events = []  # ("hit", draft) and ("verify", draft), in order
+    forward = engine.forward
+
+    def spy_forward(ids, positions, cache, logits="last"):
+        if logits == "all":  # a verification forward (prefill asks for 'last')
+            events.append(("verify", ids[0, 1:].tolist()))
+        return forward(ids, positions, cache, logits)
+
+    def spy_probe(scheduler):
+        probe = scheduler.prefetcher.probe
+
+        def spy(*args):
+            hit = probe(*args)
+            if hit is not None:
+                events.append(("hit", hit))
+            return hit
+
+        scheduler.prefetcher.probe = spy
+
+    monkeypatch.setattr(engine, "forward", spy_forward)
+    request = ServeRequest(prompt, config, draft="ngram", prefetch=True)
+    scheduler = _schedule(engine, [request], DraftConfig(k=4, gate=False), spy_probe)
+    assert request.seq.token_ids == plain
+    used = [(h, d) for (kind, h), (after, d) in zip(events, events[1:]) if kind == "hit" and after == "verify"]
+    assert all(d == h[: len(d)] for h, d in used)  # each hit was the next verified draft (cut to the room left)
+    assert sum(1 for _, d in used if d) > 0 and scheduler.prefetcher.hits > 0
+    assert request.state.prefetched == scheduler.stats.prefetched > 0
+
+
+def test_the_scheduler_batches_greedy_drafted_and_seeded_requests(tiny_engine):
+    """Greedy requests (drafted or not) commit plain decoding's tokens; a seeded sampling request
+    commits the same tokens batched with others as alone (its own generator)."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import ServeRequest
+
+    engine = tiny_engine
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [10, 11, 12, 13, 14], [20, 21, 20, 21, 20]]
+    greedy = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    seeded = GenerationConfig(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = ServeRequest(prompts[2], seeded, draft="ngram")
+    _schedule(engine, [alone])
+    batch = [ServeRequest(prompts[0], greedy, draft="ngram"), ServeRequest(prompts[1], greedy, draft="prompt-lookup"),
+             ServeRequest(prompts[2], seeded, draft="ngram"), ServeRequest(prompts[1], greedy)]
+    scheduler = _schedule(engine, batch)
+    for r in (batch[0], batch[1], batch[3]):
+        assert r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
+    assert batch[2].seq.token_ids == alone.seq.token_ids
+    assert scheduler.stats.steps > 0 and scheduler.stats.drafted > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -36,9 +37,10 @@ MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit r
 PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
 SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
 TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 1).")
+AttendedOpt = typer.Option(None, "--attended-rows", help="RidgeFill: rows the tail attends to most kept exact, each with the 16 after it (overrides the preset; 0: none).")
 CutOpt = typer.Option(None, "--cut", help="SPEED cut: layers (e.g. 22) or a fraction of the depth (default 0.75, or the adapter's).")
-AnchorsOpt = typer.Option("bos", "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated.")
-AdapterOpt = typer.Option(None, "--adapter", help="LoRA adapter from `kvforge fit speed`, merged into the model.")
+AnchorsOpt = typer.Option(None, "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated (default bos, or the adapter's).")
+AdapterOpt = typer.Option(None, "--adapter", help="SPEED LoRA adapter from `kvforge fit speed`: its cut, anchors and tail apply; SPEED runs its weights.")
 DraftOpt = typer.Option("none", "--draft", help="Speculative drafter: none, prompt-lookup or ngram (lossless).")
 PrefetchOpt = typer.Option(False, "--prefetch", help="n-gram: build the next drafts while the model verifies.")
 KOpt = typer.Option(8, "--k", help="Draft tokens per step.")
@@ -121,8 +123,9 @@ def generate(
     split: Optional[int] = SplitOpt,
     tail: Optional[int] = TailOpt,
     exact_rows: Optional[str] = typer.Option(None, "--exact-rows", help="RidgeFill: prompt positions kept exact, comma-separated."),
+    attended_rows: Optional[int] = AttendedOpt,
     cut: Optional[str] = CutOpt,
-    anchors: str = AnchorsOpt,
+    anchors: Optional[str] = AnchorsOpt,
     adapter: Optional[Path] = AdapterOpt,
     draft: str = DraftOpt,
     prefetch: bool = PrefetchOpt,
@@ -135,7 +138,9 @@ def generate(
     """Generate a completion: exact prefill, RidgeFill (late layers filled from ridge maps) or
     SPEED (prompt rows cached only below the cut; decode runs full depth); decoding plain or
     speculative with a lossless drafter."""
+    from kvforge.fill import ridgefill, speed
     from kvforge.generation import GenerationConfig
+    from kvforge.plan import PrefillReport
     from kvforge.prompting import encode_prompt
     from kvforge.speculative.rollout import DraftConfig, generate_group
 
@@ -148,17 +153,21 @@ def generate(
     config = GenerationConfig(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop), chunk_size=chunk_size)
     if method not in ("exact", "ridgefill", "speed"):
         raise KvforgeError(f"unknown --method {method!r}: use exact, ridgefill or speed")
+    if adapter is not None and method != "speed":
+        raise KvforgeError(f"--adapter is a SPEED adapter: use it with --method speed, not {method}")
     drafting = DraftConfig(draft, k, prefetch, budget)
     engine = _load(model, device)
-    lora = _apply_adapter(engine, adapter)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
-    plan = None
+    plan, setting = None, None
     if method == "ridgefill":
-        plan = _ridgefill_plan(engine, ids, maps, preset, split, tail, _parse_rows(exact_rows))
+        rf, resident = ridgefill.resolve(engine, maps, preset, split, tail, attended_rows, _parse_rows(exact_rows))
+        plan, setting = ridgefill.ridgefill_plan(engine, ids, rf, resident), asdict(rf)
     elif method == "speed":
-        from kvforge.fill.speed import speed_plan
-
-        plan = speed_plan(len(ids), _speed_config(engine, cut, anchors, tail, lora), engine.num_layers)
+        spd = speed.resolve(engine, cut, anchors, tail, adapter)
+        engine, plan, setting = spd.engine, spd.plan(len(ids)), asdict(spd.config)
+    ran = PrefillReport.planned(plan, len(ids), engine.num_layers)
+    if ran.reason and method != "exact":
+        err.print(f"[yellow]note:[/yellow] {ran.reason}; running exact prefill", highlight=False, soft_wrap=True)
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
     outputs, stats = generate_group(engine, ids, 1, config, drafting, on_text=stream, plan=plan)
     out = outputs[0]
@@ -168,6 +177,8 @@ def generate(
                 "command": "generate",
                 "model": model,
                 "method": method,
+                **{key: value for key, value in ran.as_dict().items() if key != "prompt_tokens"},  # what the prefill ran
+                "setting": setting,
                 "tokens": out.prompt_tokens,
                 "prompt_tokens": out.prompt_tokens,
                 "text": out.text,
@@ -191,62 +202,11 @@ def generate(
         )
 
 
-def _ridgefill_config(engine, maps_path, preset, split, tail, streamed=False):
-    """(maps, config) for a RidgeFill run: the preset with overrides, maps checked against the model."""
-    from kvforge.fill.maps import RidgeMaps
-    from kvforge.fill.ridgefill import default_maps_path, preset as make_preset
-
-    config = make_preset(preset, engine.num_layers, split=split, tail=tail)
-    config.check(engine.num_layers)
-    path = maps_path or default_maps_path(engine.model.name)
-    if maps_path is None and not path.is_file():
-        raise KvforgeError(f"no RidgeFill maps for {engine.model.name} at {path}: run `kvforge fit ridgefill --model {engine.model.name}` or pass --maps")
-    maps = RidgeMaps.load(path, streamed=streamed)
-    maps.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
-    return maps, config
-
-
 def _parse_rows(text: Optional[str]) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in (text or "").split(",") if t.strip())
     except ValueError as exc:
         raise KvforgeError(f"--exact-rows takes comma-separated token positions, got {text!r}") from exc
-
-
-def _ridgefill_plan(engine, ids, maps_path, preset, split, tail, rows=()):
-    from dataclasses import replace
-
-    from kvforge.fill.ridgefill import ridgefill_plan
-
-    maps, config = _ridgefill_config(engine, maps_path, preset, split, tail)
-    config = replace(config, rows=tuple(rows))
-    plan = ridgefill_plan(engine, ids, config, maps)
-    if plan is None:
-        err.print(f"[yellow]note:[/yellow] the {len(ids)}-token prompt is no longer than RidgeFill's exact rows (tail {config.tail}); running exact prefill")
-    return plan
-
-
-def _apply_adapter(engine, path: Optional[Path]):
-    """Load a LoRA adapter, refuse it for another model, merge it into the engine's weights."""
-    if path is None:
-        return None
-    from kvforge.fill.lora import load_merged
-
-    return load_merged(engine, path)
-
-
-def _speed_config(engine, cut: Optional[str], anchors: str, tail: Optional[int], lora=None):
-    """The SPEED setting: --cut (default: the adapter's cut, else 0.75), anchors, tail; an adapter
-    trained for another cut is refused."""
-    from kvforge.errors import ArtifactError
-    from kvforge.fill.speed import DEFAULT_CUT, SpeedConfig, parse_anchors, resolve_cut
-
-    trained = (lora.info or {}).get("cut") if lora is not None else None
-    layers = resolve_cut(cut, engine.num_layers) if cut is not None else (trained or resolve_cut(DEFAULT_CUT, engine.num_layers))
-    if trained is not None and layers != trained:
-        raise ArtifactError(f"adapter {lora.path} was trained for SPEED cut {trained}, not cut {layers}: pass --cut {trained} or fit one for this cut")
-    first, rows = parse_anchors(anchors)
-    return SpeedConfig(layers, first, rows, tail if tail is not None else 1)
 
 
 def _read_prompt(path: Path) -> str:
@@ -273,6 +233,7 @@ def rollout(
     prefetch: bool = PrefetchOpt,
     k: int = KOpt,
     budget: int = BudgetOpt,
+    no_gate: bool = typer.Option(False, "--no-gate", help="Draft every step (no DraftGate pausing rejected drafters)."),
     out: Path = typer.Option(Path("rollouts.jsonl"), "--out", "-o", help="JSONL of rollouts, one line per sample."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -289,7 +250,7 @@ def rollout(
     if samples_per_prompt < 1:
         raise KvforgeError("--samples-per-prompt must be >= 1")
     texts = _read_prompts(prompts)
-    drafting = DraftConfig(draft, k, prefetch, budget)
+    drafting = DraftConfig(draft, k, prefetch, budget, gate=not no_gate)
     config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed)
     engine = _load(model, device)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
@@ -310,6 +271,7 @@ def rollout(
         "command": "rollout",
         "model": model,
         "method": draft,
+        "gate": drafting.gate,
         "tokens": tokens,
         "prompts": len(encoded),
         "samples_per_prompt": samples_per_prompt,
@@ -357,7 +319,7 @@ def bench_exact_cmd(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Exact engine vs transformers (sdpa) on the same weights: prefill, decode, KV bytes, logit parity."""
+    """Exact engine vs transformers (sdpa) on the same weights: prefill, decode, KV bytes, logit parity over every prompt position."""
     from kvforge.bench.exact import bench_exact
 
     import time
@@ -374,7 +336,7 @@ def bench_exact_cmd(
     if json_out:
         _emit(report)
         return
-    table = Table("tokens", "prefill s", "HF prefill s", "prefill ×HF", "decode tok/s", "HF decode tok/s", "decode ×HF", "KV bytes", "max |Δlogit|")
+    table = Table("tokens", "prefill s", "HF prefill s", "prefill ×HF", "decode tok/s", "HF decode tok/s", "decode ×HF", "KV bytes", "max |Δlogit| (all positions)")
     for r in report["results"]:
         table.add_row(
             str(r["tokens"]), f"{r['prefill_s']:.3f}", f"{r['hf_prefill_s']:.3f}", f"{r['prefill_speedup_vs_hf']:.2f}",
@@ -404,14 +366,15 @@ def fit_ridgefill_cmd(
 
     from tqdm import tqdm
 
+    from kvforge.artifacts import artifact_path
     from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
-    from kvforge.fill.ridgefill import default_maps_path, parse_splits
+    from kvforge.fill.ridgefill import parse_splits
 
     _setup(threads)
     engine = _load(model, device)
     splits = parse_splits(split, engine.num_layers)
     config = CalibrationConfig(tuple(splits), calib_tokens, seq_len, lam=lam, int8=int8)
-    path = out or default_maps_path(model)
+    path = out or artifact_path("maps", model)
     start = time.perf_counter()
     with tqdm(total=calib_tokens, unit="tok", desc="calibration", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
         maps = fit_ridgefill(engine, config, model, progress=bar.update)
@@ -470,12 +433,13 @@ def bench_ridgefill_cmd(
 ):
     """TTFT of exact vs RidgeFill (maps resident and streamed) vs identity fill, with the MAC ceiling."""
     from kvforge.bench.ridgefill import bench_ridgefill, plot as plot_report
+    from kvforge.fill import ridgefill
     from kvforge.fill.maps import RidgeMaps
 
     _setup(threads)
     lengths = _parse_lengths(tokens)
     engine = _load(model, device)
-    resident, config = _ridgefill_config(engine, maps, preset, split, tail)
+    config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     streamed = RidgeMaps.load(resident.path, streamed=True)
     report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
@@ -517,12 +481,13 @@ def eval_ridgefill_cmd(
 ):
     """RidgeFill and identity fill vs exact on held-out text: novel/key-token loss, splices, needles."""
     from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill, summary
+    from kvforge.fill import ridgefill
 
     _setup(threads)
     if samples < 2 or needles < 0:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap) and --needles >= 0")
     engine = _load(model, device)
-    resident, config = _ridgefill_config(engine, maps, preset, split, tail)
+    config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
     report = eval_ridgefill(engine, resident, config, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, config, prompt_tokens)
@@ -538,7 +503,8 @@ def eval_ridgefill_cmd(
     Console().print(table)
     n = report["needle"]
     if n["samples"]:
-        Console().print(f"needles ({n['samples']}, {n['needle_filled']} wholly filled): exact {n['exact']:.0f} %, RidgeFill {n['ridgefill']:.0f} %, identity {n['identity']:.0f} %")
+        Console().print(f"needles ({n['samples']}): exact {n['exact']:.0f} %; " + ", ".join(
+            f"{arm} {n[arm]:.0f} % ({n['answered_in_filled'][arm]}/{n['filled'][arm]} wholly filled answered)" for arm in n["filled"]))
 
 
 @fit_app.command("speed")
@@ -551,7 +517,7 @@ def fit_speed_cmd(
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
-    anchors: str = AnchorsOpt,
+    anchors: Optional[str] = AnchorsOpt,
     tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
     device: str = DeviceOpt,
@@ -561,13 +527,15 @@ def fit_speed_cmd(
     """Adapt a model to SPEED: LoRA fine-tuning on the fit split of the chat data under the SPEED mask."""
     from tqdm import tqdm
 
-    from kvforge.fill.speed_fit import SpeedFitConfig, default_adapter_path, fit_speed
+    from kvforge.artifacts import artifact_path
+    from kvforge.fill.speed import resolve_config
+    from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed
 
     _setup(threads)
     config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens)
     engine = _load(model, device)
-    speed = _speed_config(engine, cut, anchors, tail)
-    path = out or default_adapter_path(model, speed.cut)
+    speed = resolve_config(engine.num_layers, cut, anchors, tail)
+    path = out or artifact_path("adapter", model, cut=speed.cut)
     with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(step: int, loss: float) -> None:
@@ -591,8 +559,8 @@ def fit_speed_cmd(
 def bench_speed_cmd(
     model: str = ModelOpt,
     tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
-    cuts: str = typer.Option("0.5,0.75,0.875", "--cuts", help="Comma-separated cuts (layers or fractions)."),
-    anchors: str = AnchorsOpt,
+    cuts: Optional[str] = typer.Option(None, "--cuts", help="Comma-separated cuts, layers or fractions (default 0.5,0.75,0.875, or the adapter's)."),
+    anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = TailOpt,
     adapter: Optional[Path] = AdapterOpt,
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
@@ -604,18 +572,21 @@ def bench_speed_cmd(
 ):
     """TTFT, TPOT and active KV bytes of exact vs SPEED at several cuts, with their ceilings."""
     from kvforge.bench.speed import bench_speed, plot as plot_report
+    from kvforge.fill import speed
 
     _setup(threads)
     lengths = _parse_lengths(tokens)
     if decode_tokens < 1:
         raise KvforgeError("--decode-tokens must be >= 1")
     engine = _load(model, device)
-    # The adapter changes weights, not cost: it is accepted (and checked) so a bench runs the served model.
-    _apply_adapter(engine, adapter)
-    configs = [_speed_config(engine, c, anchors, tail) for c in cuts.split(",") if c.strip()]
+    # The adapter changes weights, not cost: it is accepted (its policy applied) so a bench runs the served model.
+    spd = speed.resolve(engine, None, anchors, tail, adapter)
+    if cuts is None:
+        cuts = str(spd.config.cut) if adapter is not None else ",".join(map(str, speed.BENCH_CUTS))
+    configs = [speed.resolve_config(engine.num_layers, c, anchors, tail, spd.lora) for c in cuts.split(",") if c.strip()]
     if not configs:
         raise KvforgeError("--cuts is empty")
-    report = bench_speed(engine, configs, lengths, runs, decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report = bench_speed(spd.engine, configs, lengths, runs, decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
     report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"speed-{_safe(model)}.png"))
     if json_out:
@@ -643,6 +614,7 @@ def bench_ngram_cmd(
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts (default: 4 copy, 3 rl)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>.png)."),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -657,7 +629,8 @@ def bench_ngram_cmd(
     if runs < 1 or k < 1 or budget < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
         raise KvforgeError("--runs, --k, --budget, --samples-per-prompt and --prompts must be >= 1")
     engine = _load(model, device)
-    report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+                          gate=not no_gate)
     report["model"] = model
     report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{_safe(model)}.png"))
     if json_out:
@@ -678,7 +651,7 @@ def eval_speed_cmd(
     model: str = ModelOpt,
     adapter: Optional[Path] = AdapterOpt,
     cut: Optional[str] = CutOpt,
-    anchors: str = AnchorsOpt,
+    anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = TailOpt,
     samples: int = typer.Option(40, "--samples", help="Held-out conversations (reply loss)."),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Prompt + reply tokens per conversation."),
@@ -690,16 +663,14 @@ def eval_speed_cmd(
 ):
     """Exact vs SPEED (training-free and, with --adapter, adapted) on held-out replies and needles."""
     from kvforge.evaluate.speed import SpeedEvalSettings, eval_speed, summary
+    from kvforge.fill.speed import resolve
 
     _setup(threads)
     if samples < 2 or needles < 0 or max_tokens < 32:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
     base = _load(model, device)
-    adapted, lora = None, None
-    if adapter is not None:
-        adapted = _load(model, device)  # a second copy: the base arms keep the original weights
-        lora = _apply_adapter(adapted, adapter)
-    speed = _speed_config(base, cut, anchors, tail, lora)
+    spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
+    speed, adapted = spd.config, (spd.engine if adapter is not None else None)
     settings = SpeedEvalSettings(samples=samples, max_tokens=max_tokens, needles=needles, needle_tokens=needle_tokens)
     report = eval_speed(base, adapted, speed, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, speed, base.num_layers, str(adapter) if adapter else None)
@@ -756,18 +727,18 @@ def demo(
     """A long real prompt answered by each method, with a one-screen summary."""
     from kvforge.demo import run_demo
 
+    from kvforge.artifacts import artifact_path
+    from kvforge.demo import PARTNERS
+
     _setup(threads)
     engine = _load(model, device)
-    from kvforge.fill.ridgefill import default_maps_path
-
-    if not default_maps_path(engine.model.name).is_file():
-        err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {default_maps_path(engine.model.name)}[/dim]")
-    from kvforge.demo import PARTNERS
-    from kvforge.translate.translator import default_translator_path
-
+    maps = artifact_path("maps", engine.model.name)
+    if not maps.is_file():
+        err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {maps}[/dim]")
     partner = PARTNERS.get(engine.model.name)
-    if partner and not default_translator_path(partner, engine.model.name).is_file():
-        err.print(f"[dim]first run: fitting a KV-Lingo translator {partner} → {model} once (a few minutes), cached in {default_translator_path(partner, engine.model.name)}[/dim]")
+    translator = artifact_path("translator", partner, target=engine.model.name) if partner else None
+    if translator is not None and not translator.is_file():
+        err.print(f"[dim]first run: fitting a KV-Lingo translator {partner} → {model} once (a few minutes), cached in {translator}[/dim]")
     with err.status("answering"):
         rows, prompt = run_demo(engine, max_new_tokens)
     if json_out:

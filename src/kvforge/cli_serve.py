@@ -9,7 +9,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli import DeviceOpt, JsonOpt, MapsOpt, ModelOpt, ThreadsOpt, AdapterOpt, _emit, _setup, app, bench_app, err, user_errors
+from kvforge.cli import (
+    AnchorsOpt, AttendedOpt, CutOpt, DeviceOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, ThreadsOpt, _emit, _setup, app,
+    bench_app, err, user_errors,
+)
+
+RidgeTailOpt = typer.Option(None, "--tail", help="RidgeFill full-depth tail tokens (overrides the preset).")
+SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 1, or the adapter's).")
 
 
 @app.command()
@@ -17,7 +23,14 @@ from kvforge.cli import DeviceOpt, JsonOpt, MapsOpt, ModelOpt, ThreadsOpt, Adapt
 def serve(
     model: str = ModelOpt,
     maps: Optional[Path] = MapsOpt,
-    adapter: Optional[Path] = AdapterOpt,
+    preset: str = PresetOpt,
+    split: Optional[int] = SplitOpt,
+    tail: Optional[int] = RidgeTailOpt,
+    attended_rows: Optional[int] = AttendedOpt,
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="SPEED LoRA adapter from `kvforge fit speed`: SPEED requests run it, every other method the base model."),
+    cut: Optional[str] = CutOpt,
+    anchors: Optional[str] = AnchorsOpt,
+    speed_tail: Optional[int] = SpeedTailOpt,
     translator: Optional[Path] = typer.Option(None, "--translator", help="KV-Lingo translator from --model into --target (enables prefill 'handoff')."),
     target: Optional[str] = typer.Option(None, "--target", help="Second served model, the translator's target."),
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -27,7 +40,8 @@ def serve(
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
 ):
-    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+    Prefill exact and SPEED always, RidgeFill with --maps, hand-off with --translator and --target."""
     import uvicorn
 
     from kvforge.serve.app import ServeConfig, build_served, create_app
@@ -36,7 +50,10 @@ def serve(
     if max_batch < 1 or queue_size < 1:
         raise ValueError("--max-batch and --queue-size must be >= 1")
     with err.status(f"loading {model}"):
-        served = build_served(ServeConfig(model, maps, adapter, translator, target, max_batch, queue_size, device))
+        served = build_served(ServeConfig(
+            model, maps, adapter, translator, target, max_batch, queue_size, device, preset=preset, split=split, tail=tail,
+            attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail,
+        ))
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1", highlight=False)
     uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
 
@@ -46,6 +63,9 @@ def serve(
 def bench_serve_cmd(
     model: str = ModelOpt,
     maps: Optional[Path] = MapsOpt,
+    preset: str = PresetOpt,
+    tail: Optional[int] = RidgeTailOpt,
+    attended_rows: Optional[int] = AttendedOpt,
     methods: str = typer.Option("exact,ridgefill,speed,ngram", "--methods", help="Comma-separated: exact, ridgefill (the cached maps), speed, ngram."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="Comma-separated client counts."),
     requests: int = typer.Option(2, "--requests", help="Requests per client."),
@@ -63,12 +83,13 @@ def bench_serve_cmd(
     if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
         raise ValueError("--concurrency, --requests and --max-tokens must be >= 1")
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
-                         device, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+                         device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows)
     if json_out:
         _emit(report)
         return
-    table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s", "failed")
+    table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s", "filled %", "shallow %", "ran exact", "failed")
     for r in report["results"]:
         table.add_row(r["method"], str(r["concurrency"]), str(r["requests"]), f"{r['tokens_per_s']:.1f}", f"{r['scaling']:.2f}",
-                      f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", str(r["failed"]))
+                      f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{100 * r['filled_share']:.0f}", f"{100 * r['shallow_share']:.0f}",
+                      str(r["ran_exact"]), str(r["failed"]))
     Console().print(table)

@@ -1,15 +1,19 @@
 """`kvforge demo`: a long real prompt answered by each method, one row per method.
 
-Each method issue adds its row to `DEMO_METHODS`; the exact engine is the first row.
+Each method issue adds its row to `DEMO_METHODS`; the exact engine is the first row. Methods are
+resolved by the library (`fill.ridgefill.resolve`, `fill.speed.resolve`, `artifacts.artifact_path`),
+as the CLI and the server resolve them; a row whose method ran exact says so.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.artifacts import artifact_path
 from kvforge.data.prompts import held_out_conversations
 from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
+from kvforge.plan import PrefillPlan, PrefillReport
 from kvforge.prompting import encode_prompt
 
 QUESTION = "Summarize the conversation above in two sentences."
@@ -43,50 +47,51 @@ def demo_maps(engine: Engine):
     """RidgeFill maps for the engine's model: the cached ones, or fitted once and cached."""
     from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
     from kvforge.fill.maps import RidgeMaps
-    from kvforge.fill.ridgefill import PRESETS, default_maps_path, preset_split
+    from kvforge.fill.ridgefill import PRESETS, preset_split
 
-    path = default_maps_path(engine.model.name)
+    path = artifact_path("maps", engine.model.name)
     if not path.is_file():
         splits = tuple(preset_split(name, engine.num_layers) for name in PRESETS)
         fit_ridgefill(engine, CalibrationConfig(splits, tokens=DEMO_FIT_TOKENS), engine.model.name).save(path)
     return RidgeMaps.load(path)
 
 
-def run_ridgefill(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
-    from kvforge.fill.ridgefill import preset, ridgefill_plan
+def _named(name: str, plan: PrefillPlan, tokens: int, num_layers: int) -> str:
+    """The row's name, saying so when the method's plan ran exact."""
+    ran = PrefillReport.planned(plan, tokens, num_layers)
+    return name if ran.prefill != "exact" else f"{name}, ran exact: {ran.reason}"
 
-    maps = demo_maps(engine)
-    plan = ridgefill_plan(engine, prompt_ids, preset("fast", engine.num_layers), maps)
+
+def run_ridgefill(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
+    from kvforge.fill.ridgefill import resolve, ridgefill_plan
+
+    config, maps = resolve(engine, demo_maps(engine), "fast")
+    plan = ridgefill_plan(engine, prompt_ids, config, maps)
     out = engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), plan=plan)[0]
-    return DemoRow("ridgefill (fast)", out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+    name = _named("ridgefill (fast)", plan, len(prompt_ids), engine.num_layers)
+    return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
 def run_speed(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
-    """SPEED at the default cut; adapted when `kvforge fit speed` left an adapter for this model
-    and cut in the default place, training-free otherwise (the row's name says which)."""
-    import contextlib
-
+    """SPEED at the default cut; adapted (with the adapter's whole policy) when `kvforge fit speed`
+    left an adapter for this model and cut in the default place, training-free otherwise (the
+    row's name says which)."""
     import torch
 
     from kvforge.errors import ArtifactError
-    from kvforge.fill.lora import LoraAdapter
-    from kvforge.fill.speed import DEFAULT_CUT, SpeedConfig, resolve_cut, speed_plan
-    from kvforge.fill.speed_fit import default_adapter_path
+    from kvforge.fill.speed import DEFAULT_CUT, resolve, resolve_cut
 
-    cut = resolve_cut(DEFAULT_CUT, engine.num_layers)
-    plan = speed_plan(len(prompt_ids), SpeedConfig(cut), engine.num_layers)
-    path, adapted = default_adapter_path(engine.model.name, cut), contextlib.nullcontext()
-    name = f"speed (cut {cut}/{engine.num_layers})"
-    if path.is_file():
-        try:
-            lora = LoraAdapter.load(path)
-            lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
-            adapted, name = lora.applied(engine.adapter), f"speed (cut {cut}/{engine.num_layers}, adapted)"
-        except ArtifactError:
-            pass  # an adapter for other weights: run training-free
-    with torch.inference_mode(), adapted:
-        out = engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), plan=plan)[0]
-    return DemoRow(name, out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+    path = artifact_path("adapter", engine.model.name, cut=resolve_cut(DEFAULT_CUT, engine.num_layers))
+    adapted = path.is_file()
+    try:
+        speed = resolve(engine, adapter=path if adapted else None)
+    except ArtifactError:  # an adapter for other weights: run training-free
+        speed, adapted = resolve(engine), False
+    plan = speed.plan(len(prompt_ids))
+    with torch.inference_mode():
+        out = speed.engine.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens), plan=plan)[0]
+    name = f"speed (cut {speed.config.cut}/{engine.num_layers}{', adapted' if adapted else ''})"
+    return DemoRow(_named(name, plan, len(prompt_ids), engine.num_layers), out.prompt_tokens, out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
 def run_ngram(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
@@ -109,19 +114,21 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
     without re-prefilling. TTFT is the hand-off's: translation + the first step (the source
     already held the conversation)."""
     from kvforge.models.loading import load_model
+    from kvforge.translate.align import tokenize
     from kvforge.translate.fit import LingoFitConfig, fit_lingo
     from kvforge.translate.handoff import hand_off
-    from kvforge.translate.translator import Translator, default_translator_path
+    from kvforge.translate.translator import Translator
 
     partner = PARTNERS.get(engine.model.name)
     if partner is None:
         return DemoRow("handoff (no packaged partner for this model)", len(prompt_ids), 0.0, 0.0, "")
     source = Engine(load_model(partner, device=str(engine.device)))
-    path = default_translator_path(partner, engine.model.name)
+    path = artifact_path("translator", partner, target=engine.model.name)
     if not path.is_file():
         fit_lingo(source, engine, LingoFitConfig(conversations=DEMO_LINGO_CONVERSATIONS)).save(path)
+    # The rendered chat template holds its special tokens: tokenized once, without adding them again.
     text = engine.model.tokenizer.decode(prompt_ids)
-    h = hand_off(Translator.load(path), source, engine, text)
+    h = hand_off(Translator.load(path), source, engine, text, target_tokens=tokenize(engine.model.tokenizer, text, add_special_tokens=False))
     out = engine.generate([h.pending], GenerationConfig(max_new_tokens=max_new_tokens), cache=h.cache)[0]
     return DemoRow(f"handoff from {partner} (stage 1)", len(h.target_ids), h.translate_s + out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 

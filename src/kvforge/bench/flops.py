@@ -1,11 +1,18 @@
 """Multiply-accumulate counts of a prefill plan, for the speedup ceiling beside measured times.
 
 Per exact row and layer: q/k/v and output projections, the gated MLP and attention over the keys
-the row sees (its position + 1, or its window). Per filled row and late layer: the ridge map
-(E × E; none at the split layer, whose input is the split state itself) and the k/v projections,
-only on rows the layer writes (sliding-window layers skip rows nothing reads). The head runs on
-the last row. The ceiling is exact MACs / plan MACs: the speedup if time were proportional to MACs. A decode
-step's MACs (`decode_macs`) give the same ceiling for time per output token.
+the row sees: the rows the layer holds (exact rows, and filled rows where the plan fills) at or
+before its position, within its window. Summed over a causal prompt that is the quadratic
+T(T+1)/2 keys per layer; above a SPEED cut the few full-depth rows see only each other. Per
+filled row and late layer: the ridge map (E × E; none at the split layer, whose input is the
+split state itself) and the k/v projections, only on rows the layer writes (sliding-window layers
+skip rows nothing reads). The head runs on the last row.
+
+The ceiling is exact MACs / plan MACs: the speedup if time were proportional to MACs. Whatever
+one layer costs (linear or quadratic), when the layers are alike and a plan drops whole layers
+for most rows the ceiling is close to the layer ratio: a measured speedup above it means the arms
+differ in something other than MACs, or noise. `decode_span_macs` gives the ceiling for time per
+output token over the decode steps a TPOT averages.
 """
 
 from __future__ import annotations
@@ -31,16 +38,25 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
     for layer in range(adapter.num_layers):
         active = depth > layer
         window = adapter.windows[layer]
-        seen = positions[active] + 1
-        if window is not None:
-            seen = seen.clamp(max=window)
+        written = ~active & readable_rows(positions, active, window) if filled else torch.zeros_like(active)
+        seen = _keys_seen(active | written, window)[active]
         # QKᵀ and AV: 2 · head dim per visible key per query head
         total += int(active.sum()) * per_row_linear + int(seen.sum()) * 2 * q_dim
         if filled:
-            written = ~active & readable_rows(positions, active, window)
             map_macs = e * e if (split is not None and layer > split) else 0
             total += int(written.sum()) * (map_macs + e * 2 * kv_dim)
     return total + e * vocab
+
+
+def _keys_seen(present: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(T,) for each position, how many rows the layer holds (`present`, bool (T,)) at or before
+    it and within its window: the keys a query there attends over."""
+    upto = present.long().cumsum(0)
+    if window is None or window >= present.numel():
+        return upto
+    before = torch.zeros_like(upto)
+    before[window:] = upto[:-window]
+    return upto - before
 
 
 def decode_macs(adapter, cached_rows: list[int]) -> int:
@@ -53,6 +69,12 @@ def decode_macs(adapter, cached_rows: list[int]) -> int:
         seen = rows + 1 if window is None else min(rows + 1, window)
         total += _per_row_linear(adapter) + seen * 2 * q_dim
     return total + e * vocab
+
+
+def decode_span_macs(adapter, cached_rows: list[int], steps: int) -> int:
+    """MACs of `steps` greedy decode steps after a prefill that left `cached_rows[l]` rows at
+    layer l: each step appends one row to every layer, so step i sees cached_rows + i."""
+    return sum(decode_macs(adapter, [rows + i for rows in cached_rows]) for i in range(steps))
 
 
 def _per_row_linear(adapter) -> int:

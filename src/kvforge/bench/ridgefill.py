@@ -14,7 +14,8 @@ from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, final_depth, ridgefill_plan
+from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.plan import final_depth
 
 
 def bench_ridgefill(
@@ -34,9 +35,9 @@ def bench_ridgefill(
             runs=runs,
         )
         plan = ridgefill_plan(engine, prompt, config, maps)
-        _, cache = engine.prefill([prompt], plan=plan)  # also resolves the attention-chosen rows
+        _, cache = engine.prefill([prompt], plan=plan)
         exact_kv = engine.prefill([prompt])[1].nbytes
-        depth = final_depth(plan)
+        depth = final_depth(cache, tokens)  # after the attention-chosen rows
         ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
         results.append(
             {

@@ -1,7 +1,10 @@
 """`bench serve`: a live server (uvicorn on a free loopback port, in this process) under
 1..N concurrent streaming clients, each method in turn: output tokens/s over the wall time of a
 level, TTFT percentiles as clients see them (request sent to first streamed text), and responses
-that failed or ended without a finish reason and [DONE]."""
+that failed or ended without a finish reason and [DONE]. What the prefills ran comes from the
+responses: the share of prompt rows filled (RidgeFill) or left shallow (SPEED), and how many
+requests ran exact instead (a prompt no longer than RidgeFill's exact rows), so a method that
+never engaged is not reported as measured."""
 
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ def start_server(app) -> tuple[object, str]:
 
 
 def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
-    """One streaming request: {ttft_s, tokens, complete, text}."""
+    """One streaming request: {ttft_s, tokens, complete, text, status} and, from the final chunk,
+    prompt_tokens and what the prefill ran (prefill, filled_rows, shallow_rows, reason)."""
     start, ttft, text, final, done = time.perf_counter(), None, [], None, False
     try:
         with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=600) as response:
@@ -69,7 +73,11 @@ def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
     except httpx.HTTPError:
         return {"ttft_s": None, "tokens": 0, "complete": False, "status": None}
     tokens = final["usage"]["completion_tokens"] if final else 0
-    return {"ttft_s": ttft, "tokens": tokens, "complete": bool(final and done), "text": "".join(text), "status": 200}
+    out = {"ttft_s": ttft, "tokens": tokens, "complete": bool(final and done), "text": "".join(text), "status": 200}
+    if final:
+        ran = final.get("kvforge", {})
+        out.update(prompt_tokens=final["usage"]["prompt_tokens"], **{key: ran.get(key) for key in ("prefill", "filled_rows", "shallow_rows", "reason")})
+    return out
 
 
 def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, options: dict, max_tokens: int) -> dict:
@@ -93,6 +101,11 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
         t.join()
     wall = time.perf_counter() - start
     ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
+    served = [r for r in results if r.get("prompt_tokens")]
+    prompt_rows = sum(r["prompt_tokens"] for r in served)
+    share = lambda key: sum(r.get(key) or 0 for r in served) / prompt_rows if prompt_rows else 0.0  # noqa: E731
+    asked = options.get("prefill", "exact")
+    fell_back = [r for r in served if asked != "exact" and r.get("prefill") == "exact"]
     return {
         "concurrency": clients,
         "requests": len(results),
@@ -102,21 +115,29 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))] if ttfts else None,
+        "prompt_tokens": prompt_rows,
+        "filled_share": share("filled_rows"),
+        "shallow_share": share("shallow_rows"),
+        "ran_exact": len(fell_back),
+        "ran_exact_reasons": sorted({r["reason"] for r in fell_back if r.get("reason")}),
     }
 
 
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
-                prompt_tokens: int, device: str = "cpu", progress=None) -> dict:
+                prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
+                attended_rows: int | None = None) -> dict:
+    """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
+    prompt fills nothing; attended rows with their spans may cover a short prompt's other rows)."""
+    from kvforge.artifacts import artifact_path
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     unknown = [m for m in methods if m not in METHOD_OPTIONS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
     if "ridgefill" in methods and maps is None:
-        from kvforge.fill.ridgefill import default_maps_path
-
-        maps = default_maps_path(model)
-    served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device))
+        maps = artifact_path("maps", model)
+    served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device,
+                                      preset=preset, tail=tail, attended_rows=attended_rows))
     tokenizer = served[model].engine.model.tokenizer
     texts = plain_texts("held_out", max(levels) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
     prompts = [tokenizer.decode(tokenizer(t).input_ids[:prompt_tokens]) for t in texts]
@@ -138,5 +159,6 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         server.should_exit = True
     return {
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
-        "requests_per_client": per_client, **environment(), "results": results,
+        "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
+        "ridgefill_attended_rows": attended_rows, **environment(), "results": results,
     }

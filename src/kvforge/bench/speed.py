@@ -3,20 +3,25 @@ exact prefill vs SPEED at several cuts, in one process on the same held-out prom
 interleaved after a warm-up, medians.
 
 Each timed call prefills (TTFT) and then decodes `decode_tokens` greedy tokens (TPOT = decode
-time / tokens). Ceilings beside the measurements: TTFT from multiply-accumulates (absent rows cost
-nothing above the cut), TPOT from a decode step's multiply-accumulates (projections, MLP and head
-are the same; attention above the cut reads a few rows instead of the prompt), KV from the cache.
+time / tokens). Below the cut both arms run the same layer code on the same rows; above it SPEED
+runs the full-depth rows only. Ceilings beside the measurements: TTFT from multiply-accumulates
+(absent rows cost nothing above the cut, and the full-depth rows there attend only to each
+other), TPOT from the multiply-accumulates of the same `decode_tokens` steps (projections, MLP
+and head are the same; attention above the cut reads a few rows instead of the prompt), KV from
+the cache. Per-round speedups (`*_speedup_runs`, exact and SPEED timed in the same round) show
+the run-to-run spread the medians hide.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from kvforge.bench.flops import decode_macs, exact_macs, prefill_macs
-from kvforge.bench.harness import environment, interleaved_metric_medians
+from kvforge.bench.flops import decode_span_macs, exact_macs, prefill_macs
+from kvforge.bench.harness import environment, interleaved_samples, synchronize
 from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
@@ -36,7 +41,8 @@ def bench_speed(
         plans = {"exact": None, **{f"cut {c.cut}": speed_plan(tokens, c, num_layers) for c in configs}}
         if progress:
             progress(f"{tokens} tokens: {len(plans)} arms x{runs}, {decode_tokens} decoded tokens each")
-        timings = interleaved_metric_medians({name: _prefill_then_decode(engine, prompt, plan, decode_tokens) for name, plan in plans.items()}, runs)
+        samples = interleaved_samples({name: _prefill_then_decode(engine, prompt, plan, decode_tokens) for name, plan in plans.items()}, runs)
+        timings = {name: {key: statistics.median(r[key] for r in rows) for key in ("ttft", "tpot")} for name, rows in samples.items()}
         exact = timings["exact"]
         exact_cache = engine.prefill([prompt])[1]
         kv_exact = exact_cache.nbytes
@@ -54,11 +60,15 @@ def bench_speed(
                     "exact_ttft_s": exact["ttft"],
                     "speed_ttft_s": t["ttft"],
                     "ttft_speedup": exact["ttft"] / t["ttft"],
+                    "ttft_speedup_runs": _per_round(samples["exact"], samples[name], "ttft"),
                     "ttft_ceiling": exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, plan.depth, None, False),
                     "exact_tpot_s": exact["tpot"],
                     "speed_tpot_s": t["tpot"],
                     "tpot_speedup": exact["tpot"] / t["tpot"],
-                    "tpot_ceiling": decode_macs(engine.adapter, exact_cache.lengths()) / decode_macs(engine.adapter, cache.lengths()),
+                    "tpot_speedup_runs": _per_round(samples["exact"], samples[name], "tpot"),
+                    # over the same decode steps the TPOT averages: step i sees each layer's rows + i
+                    "tpot_ceiling": decode_span_macs(engine.adapter, exact_cache.lengths(), decode_tokens)
+                    / decode_span_macs(engine.adapter, cache.lengths(), decode_tokens),
                     "kv_bytes_exact": kv_exact,
                     "kv_bytes_speed": kv,
                     "kv_reduction_pct": 100.0 * (1 - kv / kv_exact),
@@ -83,16 +93,24 @@ def bench_speed(
 
 def _prefill_then_decode(engine: Engine, prompt: list[int], plan: PrefillPlan | None, decode_tokens: int):
     def run() -> dict[str, float]:
+        synchronize()
         start = time.perf_counter()
         logits, cache = engine.prefill([prompt], plan=plan)
         token = logits.argmax(-1)
+        synchronize()
         first = time.perf_counter()
         position = torch.tensor([len(prompt)], device=engine.device)
         for i in range(decode_tokens):
             token = engine.decode_step(token, cache, position + i).argmax(-1)
+        synchronize()
         return {"ttft": first - start, "tpot": (time.perf_counter() - first) / max(1, decode_tokens)}
 
     return run
+
+
+def _per_round(exact: list[dict[str, float]], speed: list[dict[str, float]], key: str) -> list[float]:
+    """exact / SPEED for each round, both timed in the same stretch of time."""
+    return [e[key] / s[key] for e, s in zip(exact, speed)]
 
 
 def plot(report: dict, path: Path) -> Path:

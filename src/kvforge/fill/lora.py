@@ -13,6 +13,8 @@ was trained for (SPEED: the cut and anchors), so loading it onto another model i
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,12 +127,25 @@ class LoraAdapter:
         return adapter
 
 
-def load_merged(engine, path: str | Path) -> LoraAdapter:
-    """Load an adapter, refuse it for another model, merge it into the engine's weights."""
-    lora = LoraAdapter.load(path)
-    lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
-    lora.merge_into(engine.adapter)
-    return lora
+@torch.no_grad()
+def adapted_engine(engine, lora: LoraAdapter):
+    """A second engine over the same model whose fused q/k/v and gate/up weights are W + delta,
+    new tensors; every other weight (embeddings, norms, o/down projections, head) is shared, and
+    `engine` keeps the base weights. Its fingerprint is the base model's combined with the
+    adapter's, so artifacts fitted on the base model are refused for it."""
+    from kvforge.engine import Engine
+
+    adapter = copy.copy(engine.adapter)
+    for target in TARGETS:
+        base = getattr(engine.adapter, target)
+        setattr(adapter, target, [(weight + lora.delta(layer, target).to(weight), bias) for layer, (weight, bias) in enumerate(base)])
+    model = copy.copy(engine.model)  # keeps the base fingerprint already computed
+    model.adapter = adapter
+    h = hashlib.sha256(f"{engine.model.fingerprint}+lora{lora.rank}:{lora.alpha};".encode())
+    for key in sorted(lora.tensors):
+        h.update(lora.tensors[key].detach().float().cpu().numpy().tobytes())
+    vars(model)["fingerprint"] = h.hexdigest()[:16]  # over the cached base id (a cached_property)
+    return Engine(model, engine.chunk_size)
 
 
 def _key(layer: int, target: str, part: str) -> str:

@@ -9,6 +9,10 @@ exactly and, at each late layer l >= split, the layer writes its K/V from the pr
 h_split @ W_l + b_l (at l = split the input is h_split itself). The `identity` fill (the seed's POP
 baseline) uses h_split as every late layer's input, through the same plan. Decoding is unchanged:
 every decode step runs the full model.
+
+`resolve` turns a user's choice (preset, overrides, a maps file or the cached one) into a checked
+config and maps; the CLI, the server and the demo all call it. A prompt no longer than the exact
+rows gets an exact plan that says why (`PrefillPlan.reason`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from kvforge.artifacts import artifact_path
 from kvforge.attention import visibility_mask
 from kvforge.engine import Engine
-from kvforge.errors import ArtifactError
+from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.fill.calibrate import validate_splits
 from kvforge.fill.maps import RidgeMaps
-from kvforge.models.loading import kvforge_home
 from kvforge.plan import PrefillPlan
 
 FILLS = ("ridge", "identity")
@@ -88,10 +92,45 @@ def parse_splits(text: str, num_layers: int) -> list[int]:
     return sorted(set(splits))
 
 
-def default_maps_path(model: str) -> Path:
-    """Where fitted maps live unless told otherwise: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
-    return kvforge_home() / "maps" / f"{safe}-ridgefill.safetensors"
+def resolve(
+    engine: Engine,
+    maps: str | Path | RidgeMaps | None = None,
+    preset_name: str = "fast",
+    split: int | None = None,
+    tail: int | None = None,
+    attended_rows: int | None = None,
+    rows: tuple[int, ...] = (),
+    fill: str = "ridge",
+    streamed: bool = False,
+) -> tuple[RidgeFillConfig, RidgeMaps | None]:
+    """(config, maps) for RidgeFill on `engine`: the preset with any overrides, and the maps --
+    loaded from `maps`, or the model's cached ones (`artifact_path("maps", model)`) -- checked
+    against the model and holding the split. The identity fill needs no maps (None). Each
+    problem is a one-line error."""
+    num_layers = engine.num_layers
+    config = preset(preset_name, num_layers, split=split, tail=tail, attended_rows=attended_rows, rows=tuple(rows), fill=fill)
+    config.check(num_layers)
+    if fill != "ridge":
+        return config, None
+    if not isinstance(maps, RidgeMaps):
+        path = Path(maps) if maps is not None else artifact_path("maps", engine.model.name)
+        if maps is None and not path.is_file():
+            raise KvforgeError(
+                f"no RidgeFill maps for {engine.model.name} at {path}: run `kvforge fit ridgefill --model {engine.model.name}` or pass --maps"
+            )
+        maps = RidgeMaps.load(path, streamed=streamed)
+    if config.split < num_layers:
+        _check_maps(engine, maps, config.split)
+    else:
+        maps.check_model(engine.model.name, engine.model.fingerprint, num_layers)
+    return config, maps
+
+
+def _check_maps(engine: Engine, maps: RidgeMaps, split: int) -> None:
+    """A one-line error unless `maps` were fitted for the engine's model and hold `split`."""
+    maps.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+    if not maps.has_split(split):
+        raise ArtifactError(f"maps {maps.path or ''} hold splits {maps.splits}, not split {split}: fit that split or pick one of those")
 
 
 def exact_row_mask(prompt: list[int], config: RidgeFillConfig, special_ids: set[int]) -> torch.Tensor:
@@ -109,36 +148,33 @@ def exact_row_mask(prompt: list[int], config: RidgeFillConfig, special_ids: set[
     return exact
 
 
-def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None = None) -> PrefillPlan | None:
-    """The plan for one prompt, or None when nothing would be filled (the prompt is no longer
-    than the exact rows): the caller then runs exact prefill and says so. split = L gives the
-    exact plan."""
-    num_layers = engine.num_layers
+def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None = None) -> PrefillPlan:
+    """The plan for one prompt. When nothing would be filled -- split = L, a prompt no longer
+    than the exact rows, or one whose fillable rows the attended-row choice keeps exact anyway --
+    it is the exact plan, with the reason."""
+    num_layers, tokens = engine.num_layers, len(prompt)
     config.check(num_layers)
     if config.split == num_layers:
-        return PrefillPlan.exact(len(prompt), num_layers)
+        return PrefillPlan.exact(tokens, num_layers, f"RidgeFill split {config.split} is the model's depth: no layer to fill")
     if config.fill == "ridge":
         if maps is None:
             raise ValueError("RidgeFill needs maps: pass --maps (fit them with `kvforge fit ridgefill`)")
-        maps.check_model(engine.model.name, engine.model.fingerprint, num_layers)
-        if not maps.has_split(config.split):
-            raise ArtifactError(
-                f"maps {maps.path or ''} hold splits {maps.splits}, not split {config.split}: fit that split or pick one of those"
-            )
+        _check_maps(engine, maps, config.split)
     special = set(getattr(engine.model.tokenizer, "all_special_ids", []) or [])
     exact = exact_row_mask(prompt, config, special)
-    if bool(exact.all()):
-        return None
+    fillable = int((~exact).sum())
+    if fillable == 0:
+        return PrefillPlan.exact(
+            tokens, num_layers, f"the {tokens}-token prompt is no longer than RidgeFill's exact rows (first {config.sinks}, last {config.tail})"
+        )
+    if config.attended_rows >= fillable:
+        return PrefillPlan.exact(
+            tokens, num_layers, f"RidgeFill keeps exact the {config.attended_rows} rows the tail attends to most, which covers all {fillable} fillable rows"
+        )
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
     choose = AttendedRows(engine, config.attended_rows, config.tail, config.attended_span) if config.attended_rows else None
-    return PrefillPlan(depth, fill, f"ridgefill-{config.fill}", choose)
-
-
-def final_depth(plan: PrefillPlan) -> torch.Tensor:
-    """(T,) depths a plan's last prefill ran with: the tail-attended choice when it made one."""
-    chosen = getattr(plan.choose, "last_depth", None)
-    return (chosen if chosen is not None else plan.depth).cpu()
+    return PrefillPlan(depth, fill, "ridgefill", choose)
 
 
 def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -171,7 +207,6 @@ class AttendedRows:
 
     def __init__(self, engine: Engine, count: int, tail: int, span: int = 16):
         self.adapter, self.count, self.tail, self.span = engine.adapter, count, tail, span
-        self.last_depth: torch.Tensor | None = None  # the depths it returned last, for reports
 
     def __call__(self, layer: int, h_before: torch.Tensor, positions: torch.Tensor, cache, depth: torch.Tensor) -> torch.Tensor:
         a, last_exact = self.adapter, layer - 1
@@ -193,5 +228,4 @@ class AttendedRows:
         rows = (anchors.unsqueeze(1) + torch.arange(self.span + 1, device=anchors.device)).flatten()
         depth = depth.clone()
         depth[rows[rows < depth.numel()]] = a.num_layers
-        self.last_depth = depth
         return depth

@@ -16,17 +16,28 @@ layers' caches simply do not hold the shallow rows. Teacher-forced scoring and a
 same plan over prompt + reply, with reply rows full depth (`speed_plan(..., total=...)`).
 
 A fractional cut is rounded down: 0.75 of a 30-layer model keeps shallow rows in 22 layers.
+
+A SPEED adapter (`kvforge fit speed`) records the policy it was trained under: cut, anchors and
+tail. `resolve` applies all of it -- a flag may restate a recorded setting but not change it --
+and runs the adapted weights as a second weight set (`lora.adapted_engine`), so the base engine
+keeps the base model for every other method.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvforge.errors import KvforgeError
+from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.plan import PrefillPlan
+
+if TYPE_CHECKING:
+    from kvforge.engine import Engine
+    from kvforge.fill.lora import LoraAdapter
 
 DEFAULT_CUT = 0.75
 BENCH_CUTS = (0.5, 0.75, 0.875)
@@ -67,6 +78,12 @@ def resolve_cut(value: str | float | int, num_layers: int) -> int:
     if not 1 <= cut <= num_layers:
         raise ValueError(f"cut {text} gives {cut} layers, outside 1..{num_layers} for a {num_layers}-layer model")
     return cut
+
+
+def format_anchors(first: int, rows: tuple[int, ...] = ()) -> str:
+    """The inverse of `parse_anchors`: (1, ()) -> 'bos'; (4, (17,)) -> 'first:4,17'; (0, ()) -> 'none'."""
+    items = (["bos"] if first == 1 else [f"first:{first}"] if first > 1 else []) + [str(r) for r in rows]
+    return ",".join(items) or "none"
 
 
 def parse_anchors(text: str) -> tuple[int, tuple[int, ...]]:
@@ -115,4 +132,78 @@ def speed_plan(prompt_tokens: int, config: SpeedConfig, num_layers: int, total: 
     total = prompt_tokens if total is None else total
     full = torch.ones(total, dtype=torch.bool)
     full[:prompt_tokens] = full_depth_rows(prompt_tokens, config)
+    if bool(full.all()):
+        why = f"SPEED cut {config.cut} is the model's depth" if config.cut == num_layers else (
+            f"every row of the {prompt_tokens}-token prompt is an anchor or in the tail of {config.tail}"
+        )
+        return PrefillPlan.exact(total, num_layers, why)
     return PrefillPlan(torch.where(full, num_layers, config.cut), None, "speed")
+
+
+def resolve_config(
+    num_layers: int, cut: str | int | float | None = None, anchors: str | None = None, tail: int | None = None,
+    lora: LoraAdapter | None = None,
+) -> SpeedConfig:
+    """The SPEED setting from flags (None: not given) and an adapter's recorded policy: a given
+    flag that differs from what the adapter was trained with is a one-line `ArtifactError`;
+    what is not given comes from the adapter, else the defaults (cut 0.75, anchors bos, tail 1)."""
+    trained = dict(lora.info or {}) if lora is not None else {}
+    name = f"adapter {lora.path or ''}".rstrip() if lora is not None else ""
+    layers = resolve_cut(cut, num_layers) if cut is not None else None
+    if "cut" in trained:
+        if layers is not None and layers != int(trained["cut"]):
+            raise ArtifactError(f"{name} was trained for SPEED cut {trained['cut']}, not cut {layers}: pass --cut {trained['cut']} or fit one for this cut")
+        layers = int(trained["cut"])
+    if layers is None:
+        layers = resolve_cut(DEFAULT_CUT, num_layers)
+    first, rows = parse_anchors(anchors) if anchors is not None else (None, None)
+    if "anchors_first" in trained:
+        recorded = (int(trained["anchors_first"]), tuple(int(r) for r in trained.get("anchor_rows", ())))
+        if first is not None and (first, rows) != recorded:
+            raise ArtifactError(
+                f"{name} was trained with SPEED anchors {format_anchors(*recorded)}, not {format_anchors(first, rows)}: "
+                f"pass --anchors {format_anchors(*recorded)} or leave it out"
+            )
+        first, rows = recorded
+    if first is None:
+        first, rows = parse_anchors("bos")
+    if "tail" in trained:
+        if tail is not None and tail != int(trained["tail"]):
+            raise ArtifactError(f"{name} was trained with SPEED tail {trained['tail']}, not {tail}: pass --tail {trained['tail']} or leave it out")
+        tail = int(trained["tail"])
+    config = SpeedConfig(layers, first, rows, 1 if tail is None else tail)
+    config.check(num_layers)
+    return config
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A resolved SPEED setting: its config and the engine it runs on (the adapted weights when
+    an adapter is given, else the engine passed in)."""
+
+    config: SpeedConfig
+    engine: Engine
+    lora: LoraAdapter | None = None
+
+    def plan(self, prompt_tokens: int) -> PrefillPlan:
+        return speed_plan(prompt_tokens, self.config, self.engine.num_layers)
+
+
+def resolve(
+    engine: Engine, cut: str | int | float | None = None, anchors: str | None = None, tail: int | None = None, adapter: str | Path | None = None
+) -> Speed:
+    """SPEED on `engine`: the adapter (if any) loaded, refused for another model, its whole
+    policy applied (see `resolve_config`) and its weights set up beside the base ones."""
+    lora, run_on = None, engine
+    if adapter is not None:
+        from kvforge.fill.lora import LoraAdapter, adapted_engine
+
+        lora = LoraAdapter.load(adapter)
+        lora.check_model(engine.model.name, engine.model.fingerprint, engine.num_layers)
+        method = (lora.info or {}).get("method", "speed")
+        if method != "speed":
+            raise ArtifactError(f"adapter {adapter} was trained for {method}, not SPEED")
+    config = resolve_config(engine.num_layers, cut, anchors, tail, lora)
+    if lora is not None:
+        run_on = adapted_engine(engine, lora)
+    return Speed(config, run_on, lora)

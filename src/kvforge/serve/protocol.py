@@ -1,6 +1,9 @@
 """The OpenAI wire format: request bodies (validated by pydantic), responses, stream chunks and
 errors. kvforge's own per-request options ride in a `kvforge` field (the openai client's
-`extra_body={"kvforge": {...}}`); other unknown fields are ignored, as vLLM does."""
+`extra_body={"kvforge": {...}}`); other unknown fields are ignored, as vLLM does. A response's
+`kvforge` field says what ran: `prefill` (the method asked for, or "exact" with a `reason` when
+its plan computed every row exactly), `filled_rows` and `shallow_rows` (`plan.PrefillReport`),
+the drafter and its acceptance."""
 
 from __future__ import annotations
 

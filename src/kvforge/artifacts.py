@@ -1,0 +1,37 @@
+"""Where fitted artifacts live unless a path is given: one place for every kind.
+
+    maps        $KVFORGE_HOME/maps/<model>-ridgefill.safetensors            (RidgeFill)
+    adapter     $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors     (SPEED LoRA)
+    translator  $KVFORGE_HOME/translators/<source>-to-<target>.safetensors  (KV-Lingo)
+
+`kvforge fit ...` writes there by default; the CLI, the server and the demo look there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvforge.models.loading import kvforge_home
+
+KINDS = ("maps", "adapter", "translator")
+
+
+def artifact_path(kind: str, model: str, *, cut: int | None = None, target: str | None = None) -> Path:
+    """The default path of a `kind` artifact for `model`: an adapter needs the SPEED `cut` it was
+    trained for, a translator its `target` model (`model` is then the source)."""
+    if kind == "maps":
+        return kvforge_home() / "maps" / f"{safe_name(model)}-ridgefill.safetensors"
+    if kind == "adapter":
+        if cut is None:
+            raise ValueError("an adapter's default path needs its SPEED cut")
+        return kvforge_home() / "adapters" / f"{safe_name(model)}-speed-cut{cut}.safetensors"
+    if kind == "translator":
+        if target is None:
+            raise ValueError("a translator's default path needs its target model")
+        return kvforge_home() / "translators" / f"{safe_name(model)}-to-{safe_name(target)}.safetensors"
+    raise ValueError(f"unknown artifact kind {kind!r}: use {', '.join(KINDS)}")
+
+
+def safe_name(model: str) -> str:
+    """A model spec (alias, path or hub id) as one file-name component."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model)

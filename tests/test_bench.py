@@ -1,0 +1,144 @@
+"""The bench machinery: MAC ceilings (tables), the interleaving harness, and the exact and SPEED
+benches on a tiny model (logic and report contents, not timings)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_loaded
+from kvforge.bench.exact import _logit_diff, bench_exact
+from kvforge.bench.flops import _keys_seen, decode_macs, decode_span_macs, exact_macs, prefill_macs
+from kvforge.bench.harness import interleaved_metric_medians, interleaved_samples
+from kvforge.bench.speed import bench_speed
+from kvforge.cli import app
+from kvforge.engine import Engine
+from kvforge.fill.speed import SpeedConfig, speed_plan
+
+T = 40
+
+
+@pytest.mark.parametrize(
+    "present, window, seen",
+    [
+        ([1, 1, 1, 1, 1], None, [1, 2, 3, 4, 5]),  # causal: position + 1
+        ([1, 1, 1, 1, 1], 2, [1, 2, 2, 2, 2]),  # sliding window
+        ([1, 0, 0, 1, 1], None, [1, 1, 1, 2, 3]),  # absent rows are not keys
+        ([1, 0, 0, 1, 1], 2, [1, 1, 0, 1, 2]),
+        ([1, 1, 1], 8, [1, 2, 3]),  # a window longer than the prompt
+    ],
+)
+def test_keys_seen(present, window, seen):
+    assert _keys_seen(torch.tensor(present, dtype=torch.bool), window).tolist() == seen
+
+
+def _by_hand(adapter, depth: torch.Tensor) -> int:
+    """SPEED prefill MACs counted row by row: an active row attends over the active rows up to it."""
+    e, q_dim = adapter.hidden_size, adapter.num_heads * adapter.head_dim
+    kv_dim, ffn = adapter.kv_heads * adapter.head_dim, adapter.config.intermediate_size
+    linear = e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * ffn
+    total = 0
+    for layer in range(adapter.num_layers):
+        rows = [i for i in range(depth.numel()) if depth[i] > layer]
+        for n, _ in enumerate(rows):
+            total += linear + (n + 1) * 2 * q_dim
+    return total + e * adapter.config.vocab_size
+
+
+def test_speed_macs_count_only_the_rows_each_layer_holds():
+    adapter = tiny_loaded("llama").adapter
+    L = adapter.num_layers
+    assert prefill_macs(adapter, speed_plan(T, SpeedConfig(cut=L), L).depth, None, False) == exact_macs(adapter, T)
+    for cut in range(1, L):
+        depth = speed_plan(T, SpeedConfig(cut=cut, first=2, tail=3), L).depth
+        assert prefill_macs(adapter, depth, None, False) == _by_hand(adapter, depth)
+        # identical layers: the ceiling stays under the layer ratio (the head and the deep rows cost)
+        assert 1 < exact_macs(adapter, T) / prefill_macs(adapter, depth, None, False) < L / cut
+
+
+def test_ridgefill_macs_unchanged_where_every_row_is_present():
+    """Filled rows are keys too: a fill plan's attention is the causal count at every layer."""
+    adapter = tiny_loaded("llama").adapter
+    depth = torch.full((T,), adapter.num_layers)
+    depth[2:-4] = 2
+    e, q_dim, kv_dim = adapter.hidden_size, adapter.num_heads * adapter.head_dim, adapter.kv_heads * adapter.head_dim
+    ffn = adapter.config.intermediate_size
+    linear = e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * ffn
+    expected = e * adapter.config.vocab_size
+    for layer in range(adapter.num_layers):
+        active = (depth > layer).nonzero().view(-1)
+        expected += len(active) * linear + int((active + 1).sum()) * 2 * q_dim
+        filled = T - len(active)
+        expected += filled * ((e * e if layer > 2 else 0) + e * 2 * kv_dim)
+    assert prefill_macs(adapter, depth, 2, True) == expected
+
+
+def test_decode_span_macs_sums_the_growing_steps():
+    adapter = tiny_loaded("gemma3").adapter  # sliding-window layers: the window caps what a step reads
+    rows = [30, 30, 5, 5]
+    assert decode_span_macs(adapter, rows, 1) == decode_macs(adapter, rows)
+    assert decode_span_macs(adapter, rows, 4) == sum(decode_macs(adapter, [r + i for r in rows]) for i in range(4))
+    assert decode_span_macs(adapter, rows, 0) == 0
+
+
+def test_interleaving_rotates_and_never_repeats_an_arm_back_to_back():
+    calls = []
+
+    def arm(name):
+        def run():
+            calls.append(name)
+            return {"s": float(len(calls))}
+
+        return run
+
+    samples = interleaved_samples({n: arm(n) for n in "abcd"}, runs=5, warmup=1)
+    assert calls[:8] == list("abcd") + list("bcda")
+    assert all(x != y for x, y in zip(calls, calls[1:]))
+    assert {n: len(s) for n, s in samples.items()} == {n: 5 for n in "abcd"}
+    calls.clear()
+    medians = interleaved_metric_medians({n: arm(n) for n in "ab"}, runs=3, warmup=0)
+    assert calls == list("abbaab") and medians == {"a": {"s": 4.0}, "b": {"s": 3.0}}
+    with pytest.raises(ValueError, match="runs"):
+        interleaved_samples({"a": arm("a")}, runs=0)
+
+
+def test_logit_diff_covers_every_position():
+    ours = torch.zeros(1, 5, 7)
+    theirs = torch.zeros(1, 5, 7)
+    theirs[0, 1, 3] = -0.5  # an early position: missed by a last-position check
+    theirs[0, 4, 0] = 0.25
+    assert _logit_diff(ours, theirs) == {"all": 0.5, "last": 0.25}
+    with pytest.raises(ValueError, match="shape"):
+        _logit_diff(torch.zeros(1, 4, 7), theirs)
+
+
+def test_bench_exact_reports_parity_over_all_positions():
+    engine = Engine(tiny_loaded("llama"))
+    report = bench_exact(engine, [T], runs=1, decode_tokens=2)
+    (row,) = report["results"]
+    assert row["max_abs_logit_diff"] < 1e-3 and row["max_abs_logit_diff_last"] <= row["max_abs_logit_diff"]
+    assert row["kv_bytes"] == row["kv_bytes_expected"]
+    json.dumps(report)
+
+
+def test_bench_speed_ceilings_and_per_round_speedups():
+    engine = Engine(tiny_loaded("llama"))
+    L = engine.num_layers
+    report = bench_speed(engine, [SpeedConfig(cut=2)], [T], runs=2, decode_tokens=3)
+    (row,) = report["results"]
+    assert len(row["ttft_speedup_runs"]) == len(row["tpot_speedup_runs"]) == 2
+    exact_rows = [T] * L
+    speed_rows = engine.prefill([list(range(3, 3 + T))], plan=speed_plan(T, SpeedConfig(cut=2), L))[1].lengths()
+    assert speed_rows == [T, T, 2, 2]
+    expected = decode_span_macs(engine.adapter, exact_rows, 3) / decode_span_macs(engine.adapter, speed_rows, 3)
+    assert row["tpot_ceiling"] == pytest.approx(expected)
+    assert 1 < row["ttft_ceiling"] < L / 2
+    json.dumps(report)
+
+
+def test_bench_exact_json_is_the_last_stdout_line(tiny_model_dir):
+    result = CliRunner().invoke(app, ["bench", "exact", "--model", str(tiny_model_dir), "--tokens", "40", "--runs", "1", "--decode-tokens", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.stdout.strip().splitlines()[-1])
+    assert obj["command"] == "bench exact" and obj["results"][0]["max_abs_logit_diff"] < 1e-3
