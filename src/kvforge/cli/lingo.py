@@ -1,5 +1,4 @@
-"""`kvforge fit lingo`, `handoff`, `eval lingo`, `bench lingo`: KV-Lingo on the command line.
-Registered on the main app by `kvforge.cli`; no algorithm lives here."""
+"""`kvforge fit lingo`, `handoff`, `eval lingo`, `bench lingo`: KV-Lingo on the command line. No algorithm lives here."""
 
 from __future__ import annotations
 
@@ -12,11 +11,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli import (
-    DeviceOpt, JsonOpt, ThreadsOpt, _emit, _load, _parse_lengths, _read_prompt, _safe, _setup, app, bench_app, err, eval_app,
-    fit_app, user_errors,
+from kvforge.cli.common import (
+    DeviceOpt, JsonOpt, ThreadsOpt, app, bench_app, emit_json, err, eval_app, fit_app, load_engine, parse_lengths, read_prompt,
+    safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
+
 
 SourceOpt = typer.Option("gemma3-270m", "--source", help="Model whose cache is translated.")
 TargetOpt = typer.Option("smollm2-135m", "--target", help="Model that decodes from the translated cache.")
@@ -63,13 +63,13 @@ def fit_lingo_cmd(
     from kvforge.translate.fit import LingoFitConfig, fit_lingo
     from kvforge.translate.translator import default_translator_path
 
-    _setup(threads)
+    setup_threads(threads)
     if stage == 2:
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
-    src, tgt = _load(source, device), _load(target, device)
+    src, tgt = load_engine(source, device), load_engine(target, device)
     with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(rows: int) -> None:
@@ -86,7 +86,7 @@ def fit_lingo_cmd(
         "sources": translator.sources, "macs_per_token": translator.macs_per_token(), **translator.info["fit"],
     }
     if json_out:
-        _emit(summary)
+        emit_json(summary)
         return
     err.print(
         f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, {summary['tokens']} rows in "
@@ -108,7 +108,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, validate_every=validate_every, checkpoint_every=validate_every)
     translator = Translator.load(init)
-    src, tgt = _load(source, device), _load(target, device)
+    src, tgt = load_engine(source, device), load_engine(target, device)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
     texts, read = training_texts("fit", config.samples, *lengths)
@@ -132,7 +132,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         best = min(results, key=lambda r: r[1])
         summary = {**common, "lr_sweep": [{"lr": r, "validation_kl": kl} for r, kl in results], "lr_selected": best[0]}
         if json_out:
-            _emit(summary)
+            emit_json(summary)
         else:
             err.print(f"selected lr {best[0]:.2e} (validation KL {best[1]:.4f}) of {[f'{r:.1e}' for r, _ in results]}")
         return
@@ -155,9 +155,9 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation,
                "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
-    summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{_safe(source)}-to-{_safe(target)}.png")
+    summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{safe_name(source)}-to-{safe_name(target)}.png")
     if json_out:
-        _emit(summary)
+        emit_json(summary)
         return
     err.print(f"wrote {path}: {state.step} steps, loss {state.losses[0]:.4f} → {state.losses[-1]:.4f}, validation KL {state.validation}")
 
@@ -186,16 +186,16 @@ def handoff(
     from kvforge.translate.handoff import hand_off
     from kvforge.translate.translator import ModelSide
 
-    _setup(threads)
+    setup_threads(threads)
     if turns is not None:
         if prompt is not None or prompt_file is not None:
             raise KvforgeError("give --turns or a prompt, not both")
         return _handoff_turns(source, target, translator, back_translator, turns, mode, max_new_tokens, temperature, seed, device, json_out)
     if (prompt is None) == (prompt_file is None):
         raise KvforgeError("give exactly one of --prompt or --prompt-file")
-    text = prompt if prompt is not None else _read_prompt(prompt_file)
+    text = prompt if prompt is not None else read_prompt(prompt_file)
     tr = _translator(translator, source, target)
-    src, tgt = _load(source, device), _load(target, device)
+    src, tgt = load_engine(source, device), load_engine(target, device)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt), capture)
     with err.status(f"{source} prefills"):
         h = hand_off(tr, src, tgt, text)
@@ -208,7 +208,7 @@ def handoff(
         "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
     }
     if json_out:
-        _emit(result)
+        emit_json(result)
         return
     sys.stdout.write(out.text + "\n")
     err.print(
@@ -220,7 +220,7 @@ def handoff(
 def _read_turns(path: Path) -> list[str]:
     import json
 
-    text = _read_prompt(path)
+    text = read_prompt(path)
     if text.lstrip().startswith("["):
         try:
             turns = json.loads(text)
@@ -243,7 +243,7 @@ def _handoff_turns(source, target, translator, back_translator, turns_path, mode
     if mode not in MODES:
         raise KvforgeError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     messages = _read_turns(turns_path)
-    src, tgt = _load(source, device), _load(target, device)
+    src, tgt = load_engine(source, device), load_engine(target, device)
     pair = None if mode == "native" else (_translator(translator, source, target), _translator(back_translator, target, source))
     conv = Conversation((src, tgt), pair, mode)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -261,7 +261,7 @@ def _handoff_turns(source, target, translator, back_translator, turns_path, mode
             err.print(f"[dim]turn {row['turn']}: {row['translated_rows']} rows translated of {row['caught_up_rows']} caught up "
                       f"in {row['switch_s']:.3f} s, TTFT {row['ttft_s']:.3f} s[/dim]")
     if json_out:
-        _emit({"command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "mode": mode,
+        emit_json({"command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "mode": mode,
                "tokens": len(conv.parties[(len(messages) - 1) % 2].ids), "turns": results})
 
 
@@ -289,16 +289,16 @@ def eval_lingo_cmd(
     from kvforge.evaluate.lingo import LingoEvalSettings, eval_lingo, plot_cka
     from kvforge.translate.translator import ModelSide, Translator
 
-    _setup(threads)
+    setup_threads(threads)
     tr = Translator.load(translator)
-    src, tgt = _load(tr.source.name, device), _load(tr.target.name, device)
+    src, tgt = load_engine(tr.source.name, device), load_engine(tr.target.name, device)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     others = {}
     for path in compare:
         other = Translator.load(path)
         other.check_pair(ModelSide.of(src), ModelSide.of(tgt))
         others[_label(path, others)] = other
-    name = f"{_safe(tr.source.name)}-to-{_safe(tr.target.name)}"
+    name = f"{safe_name(tr.source.name)}-to-{safe_name(tr.target.name)}"
     report = {
         "command": "eval lingo", "model": tr.target.name, "source": tr.source.name, "target": tr.target.name, "method": "lingo",
         "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
@@ -325,7 +325,7 @@ def eval_lingo_cmd(
         report["multiturn"]["plot"] = plot_turns(report["multiturn"], Path("benchmarks/results") / f"lingo-turns-{name}{stage}.png",
                                                  f"{tr.source.name} and {tr.target.name} alternating, stage-{report['stage']} translators")
     if json_out:
-        _emit(report)
+        emit_json(report)
         return
     _print_eval(report)
 
@@ -377,14 +377,14 @@ def bench_lingo_cmd(
     from kvforge.bench.lingo import bench_lingo
     from kvforge.translate.translator import ModelSide
 
-    _setup(threads)
-    lengths = _parse_lengths(tokens)
+    setup_threads(threads)
+    lengths = parse_lengths(tokens)
     tr = _translator(translator, source, target)
-    src, tgt = _load(source, device), _load(target, device)
+    src, tgt = load_engine(source, device), load_engine(target, device)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if json_out:
-        _emit(report)
+        emit_json(report)
         return
     table = Table("tokens", "re-prefill s", "translate s", "step s", "hand-off s", "speedup", "MAC ceiling")
     for r in report["results"]:

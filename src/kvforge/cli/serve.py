@@ -1,4 +1,4 @@
-"""`kvforge serve` and `kvforge bench serve`. Registered on the main app by `kvforge.cli`."""
+"""`kvforge serve` and `kvforge bench serve`: the OpenAI-compatible server, run and measured."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli import (
-    AnchorsOpt, AttendedOpt, CutOpt, DeviceOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, ThreadsOpt, _emit, _setup, app,
-    bench_app, err, user_errors,
+from kvforge.cli.common import (
+    AnchorsOpt, AttendedOpt, CutOpt, DeviceOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, ThreadsOpt, app, bench_app,
+    emit_json, err, setup_threads, user_errors,
 )
+
 
 RidgeTailOpt = typer.Option(None, "--tail", help="RidgeFill full-depth tail tokens (overrides the preset).")
 SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 1, or the adapter's).")
@@ -46,7 +47,7 @@ def serve(
 
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
-    _setup(threads)
+    setup_threads(threads)
     if max_batch < 1 or queue_size < 1:
         raise ValueError("--max-batch and --queue-size must be >= 1")
     with err.status(f"loading {model}"):
@@ -78,14 +79,14 @@ def bench_serve_cmd(
     """Throughput and TTFT percentiles of a live server at several concurrencies, exact vs each method."""
     from kvforge.bench.serve import bench_serve
 
-    _setup(threads)
+    setup_threads(threads)
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
         raise ValueError("--concurrency, --requests and --max-tokens must be >= 1")
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
                          device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows)
     if json_out:
-        _emit(report)
+        emit_json(report)
         return
     table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s", "filled %", "shallow %", "ran exact", "failed")
     for r in report["results"]:

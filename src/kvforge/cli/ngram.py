@@ -1,0 +1,58 @@
+"""`kvforge bench ngram`: speculative decoding with lossless drafters against plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.cli.common import (
+    BudgetOpt, DeviceOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
+    user_errors,
+)
+from kvforge.errors import KvforgeError
+
+
+@bench_app.command("ngram")
+@user_errors
+def bench_ngram_cmd(
+    model: str = ModelOpt,
+    workload: str = typer.Option("copy", "--workload", help="copy (batch 1, greedy) or rl (G samples per prompt, temperature 1)."),
+    k: int = KOpt,
+    budget: int = BudgetOpt,
+    samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", "-G", help="rl: samples per prompt."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts (default: 4 copy, 3 rl)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Plain vs prompt-lookup vs n-gram drafting (synchronous, prefetch): tokens/s, acceptance, losslessness."""
+    from kvforge.bench.ngram import WORKLOADS, bench_ngram, plot as plot_report
+
+    setup_threads(threads)
+    if workload not in WORKLOADS:
+        raise KvforgeError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
+    if runs < 1 or k < 1 or budget < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
+        raise KvforgeError("--runs, --k, --budget, --samples-per-prompt and --prompts must be >= 1")
+    engine = load_engine(model, device)
+    report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+                          gate=not no_gate)
+    report["model"] = model
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{safe_name(model)}.png"))
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "coverage", "predicted × sync", "measured × sync")
+    for r in report["results"]:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
+        table.add_row(r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
+                      str(r.get("lossless", "—")), fmt("coverage", ".3f"), fmt("predicted_speedup", ".3f"), fmt("speedup_vs_sync", ".3f"))
+    Console().print(table)
+    err.print(f"[dim]{report['workload']}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, budget {budget}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")

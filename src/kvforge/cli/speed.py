@@ -1,0 +1,156 @@
+"""`kvforge fit speed`, `bench speed`, `eval speed`: SPEED adapters, their speed and their quality."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.cli.common import (
+    AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, emit_json, err, eval_app, fit_app,
+    load_engine, parse_lengths, safe_name, setup_threads, user_errors,
+)
+from kvforge.errors import KvforgeError
+
+
+@fit_app.command("speed")
+@user_errors
+def fit_speed_cmd(
+    model: str = ModelOpt,
+    cut: str = typer.Option("0.75", "--cut", help="Layers (e.g. 22) or a fraction of the depth."),
+    steps: int = typer.Option(200, "--steps", help="Optimizer steps."),
+    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
+    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
+    accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
+    anchors: Optional[str] = AnchorsOpt,
+    tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Adapt a model to SPEED: LoRA fine-tuning on the fit split of the chat data under the SPEED mask."""
+    from tqdm import tqdm
+
+    from kvforge.artifacts import artifact_path
+    from kvforge.fill.speed import resolve_config
+    from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed
+
+    setup_threads(threads)
+    config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens)
+    engine = load_engine(model, device)
+    speed = resolve_config(engine.num_layers, cut, anchors, tail)
+    path = out or artifact_path("adapter", model, cut=speed.cut)
+    with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+
+        def progress(step: int, loss: float) -> None:
+            bar.set_postfix(loss=f"{loss:.3f}")
+            bar.update(1)
+
+        lora = fit_speed(engine, speed, config, model, progress)
+    lora.save(path)
+    summary = {"command": "fit speed", "model": model, "method": "speed", "tokens": lora.info["training"]["tokens"], "out": str(path), **lora.info}
+    if json_out:
+        emit_json(summary)
+        return
+    err.print(
+        f"wrote {path}: cut {speed.cut}/{engine.num_layers}, rank {lora_rank}, {steps} steps in {lora.info['seconds']:.0f} s; "
+        f"training loss {lora.info['loss_first']:.3f} → {lora.info['loss_last']:.3f}"
+    )
+
+
+@bench_app.command("speed")
+@user_errors
+def bench_speed_cmd(
+    model: str = ModelOpt,
+    tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
+    cuts: Optional[str] = typer.Option(None, "--cuts", help="Comma-separated cuts, layers or fractions (default 0.5,0.75,0.875, or the adapter's)."),
+    anchors: Optional[str] = AnchorsOpt,
+    tail: Optional[int] = TailOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/speed-<model>.png)."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """TTFT, TPOT and active KV bytes of exact vs SPEED at several cuts, with their ceilings."""
+    from kvforge.bench.speed import bench_speed, plot as plot_report
+    from kvforge.fill import speed
+
+    setup_threads(threads)
+    lengths = parse_lengths(tokens)
+    if decode_tokens < 1:
+        raise KvforgeError("--decode-tokens must be >= 1")
+    engine = load_engine(model, device)
+    # The adapter changes weights, not cost: it is accepted (its policy applied) so a bench runs the served model.
+    spd = speed.resolve(engine, None, anchors, tail, adapter)
+    if cuts is None:
+        cuts = str(spd.config.cut) if adapter is not None else ",".join(map(str, speed.BENCH_CUTS))
+    configs = [speed.resolve_config(engine.num_layers, c, anchors, tail, spd.lora) for c in cuts.split(",") if c.strip()]
+    if not configs:
+        raise KvforgeError("--cuts is empty")
+    report = bench_speed(spd.engine, configs, lengths, runs, decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"speed-{safe_name(model)}.png"))
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("tokens", "cut", "TTFT exact s", "TTFT SPEED s", "TTFT ×", "ceiling", "TPOT exact ms", "TPOT SPEED ms", "TPOT ×", "ceiling", "KV −%")
+    for r in report["results"]:
+        table.add_row(
+            str(r["tokens"]), f"{r['cut']} ({r['cut_fraction']:.2f})", f"{r['exact_ttft_s']:.2f}", f"{r['speed_ttft_s']:.2f}",
+            f"{r['ttft_speedup']:.2f}", f"{r['ttft_ceiling']:.2f}", f"{1000 * r['exact_tpot_s']:.1f}", f"{1000 * r['speed_tpot_s']:.1f}",
+            f"{r['tpot_speedup']:.2f}", f"{r['tpot_ceiling']:.2f}", f"{r['kv_reduction_pct']:.1f}",
+        )
+    Console().print(table)
+    err.print(f"[dim]{report['threads']} thread(s), median of {runs}, {decode_tokens} decoded tokens; plot {report['plot']}[/dim]")
+
+
+@eval_app.command("speed")
+@user_errors
+def eval_speed_cmd(
+    model: str = ModelOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    cut: Optional[str] = CutOpt,
+    anchors: Optional[str] = AnchorsOpt,
+    tail: Optional[int] = TailOpt,
+    samples: int = typer.Option(40, "--samples", help="Held-out conversations (reply loss)."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Prompt + reply tokens per conversation."),
+    needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
+    needle_tokens: int = typer.Option(1024, "--needle-tokens"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Exact vs SPEED (training-free and, with --adapter, adapted) on held-out replies and needles."""
+    from kvforge.evaluate.speed import SpeedEvalSettings, eval_speed, summary
+    from kvforge.fill.speed import resolve
+
+    setup_threads(threads)
+    if samples < 2 or needles < 0 or max_tokens < 32:
+        raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
+    base = load_engine(model, device)
+    spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
+    speed, adapted = spd.config, (spd.engine if adapter is not None else None)
+    settings = SpeedEvalSettings(samples=samples, max_tokens=max_tokens, needles=needles, needle_tokens=needle_tokens)
+    report = eval_speed(base, adapted, speed, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    out = summary(report, model, speed, base.num_layers, str(adapter) if adapter else None)
+    if json_out:
+        emit_json(out)
+        return
+    table = Table("arm", "reply nats/token", "ppl gap vs exact [95 % CI]", "needles %")
+    for name, nll in out["nll"].items():
+        gap = "—" if name == "exact" else f"{out['ppl_gap_pct'][name]:+.2f} % [{out['ppl_gap_ci'][name][0]:+.2f}, {out['ppl_gap_ci'][name][1]:+.2f}]"
+        needle = out["needle"].get(name)
+        table.add_row(name, f"{nll:.4f}", gap, "—" if needle is None else f"{needle:.0f}")
+    Console().print(table)
+    for name, gap in out["policy_gap_pct"].items():
+        low, high = out["policy_gap_ci"][name]
+        Console().print(f"SPEED vs full depth, {name.replace('_', '-')}: {gap:+.2f} % [{low:+.2f}, {high:+.2f}]")
