@@ -65,7 +65,7 @@ def setup_threads(threads: Optional[int]) -> None:
     """Apply `--threads` to torch (None: leave torch's choice)."""
     import torch
 
-    if threads:
+    if threads is not None:
         if threads < 1:
             raise KvforgeError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
