@@ -349,7 +349,7 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * 64 * 32
 
 
-def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path, monkeypatch):
     out, ckpt = tmp_path / "t2.safetensors", tmp_path / "ckpt.pt"
     result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
                   "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--plot", tmp_path / "kl.png", "--json")
@@ -360,6 +360,13 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     from kvforge.translate.translator import Translator
 
     assert Translator.load(out).info["stage"] == 2
+    # Without --out: beside stage 1's default, the model paths made file-safe (the run resumes the finished checkpoint).
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+    default = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                   "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--plot", tmp_path / "kl.png", "--json")
+    assert default.exit_code == 0, default.output
+    written = Path(_last_json(default)["out"])
+    assert written.parent == tmp_path / "home" / "translators" and written.name.endswith("-stage2.safetensors") and written.is_file()
     bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
     assert bad.exit_code == 2 and "needs --init" in bad.stderr
 

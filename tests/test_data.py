@@ -8,6 +8,12 @@ import pytest
 from kvforge.data.sharegpt import Conversation, base_id, conversations, iter_json_array, render, split_of, text_digest
 
 
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path, monkeypatch):
+    """The split's per-file answer is cached under $KVFORGE_HOME: keep the fixtures' out of the user's."""
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+
+
 def _write(tmp_path, items, cut=0):
     text = json.dumps(items, indent=2)
     path = tmp_path / "data.json"

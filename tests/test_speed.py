@@ -8,7 +8,7 @@ from conftest import tiny_loaded
 from kvforge.data.replies import ReplySample
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
-from kvforge.fill.lora import LoraAdapter
+from kvforge.fill.lora import LoraAdapter, adapted_engine
 from kvforge.fill.speed import SpeedConfig, parse_anchors, resolve_cut, speed_plan
 from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed, reply_nll, sample_plan
 from kvforge.generation import GenerationConfig
@@ -155,7 +155,7 @@ def _lora(engine, seed=0):
     return lora
 
 
-def test_adapter_round_trip_and_merge_equals_applied(tmp_path):
+def test_adapter_round_trip_and_the_adapted_engine_equals_applied(tmp_path):
     engine = Engine(tiny_loaded("llama"))
     lora = _lora(engine)
     lora.info = {"method": "speed", "cut": 2}
@@ -170,8 +170,10 @@ def test_adapter_round_trip_and_merge_equals_applied(tmp_path):
         applied = engine.prefill([prompt])[0]
     assert torch.equal(engine.prefill([prompt])[0], base)  # restored after the block
     assert (applied - base).abs().max() > 1e-3
-    loaded.merge_into(engine.adapter)
-    assert (engine.prefill([prompt])[0] - applied).abs().max() < 1e-4
+    adapted = adapted_engine(engine, loaded)  # a second weight set: the base engine keeps the base weights
+    assert (adapted.prefill([prompt])[0] - applied).abs().max() < 1e-4
+    assert torch.equal(engine.prefill([prompt])[0], base)
+    assert adapted.model.fingerprint != engine.model.fingerprint  # base-model artifacts are refused for it
 
 
 def test_adapter_refuses_another_model_and_damaged_files(tmp_path):

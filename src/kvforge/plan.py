@@ -118,6 +118,7 @@ class PrefillReport:
         return cls(plan.method, tokens, below if plan.fill is not None else 0, 0 if plan.fill is not None else below)
 
     def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (what CLI and server responses carry)."""
         return asdict(self)
 
 

@@ -73,8 +73,10 @@ class Trainer:
         return total
 
     def state_dict(self) -> dict:
+        """Optimizer and schedule state: tensors, numbers and lists only (weights-only loadable)."""
         return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned, so training resumes bit for bit."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])

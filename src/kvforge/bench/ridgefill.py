@@ -15,7 +15,7 @@ from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
-from kvforge.plan import final_depth
+from kvforge.plan import PrefillReport, final_depth
 
 
 def bench_ridgefill(
@@ -38,11 +38,13 @@ def bench_ridgefill(
         _, cache = engine.prefill([prompt], plan=plan)
         exact_kv = engine.prefill([prompt])[1].nbytes
         depth = final_depth(cache, tokens)  # after the attention-chosen rows
+        ran = PrefillReport.of(plan, cache, tokens).as_dict()
         ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
         results.append(
             {
                 "tokens": tokens,
                 "method": "ridgefill",
+                **{key: ran[key] for key in ("prefill", "reason", "filled_rows")},  # "exact" and why, when nothing was filled
                 "split": config.split,
                 "tail": config.tail,
                 "exact_ttft_s": timings["exact"],

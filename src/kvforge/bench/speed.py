@@ -26,7 +26,7 @@ from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.speed import SpeedConfig, speed_plan
-from kvforge.plan import PrefillPlan
+from kvforge.plan import PrefillPlan, PrefillReport
 
 
 def bench_speed(
@@ -49,12 +49,14 @@ def bench_speed(
         for config in configs:
             name, plan = f"cut {config.cut}", plans[f"cut {config.cut}"]
             cache = engine.prefill([prompt], plan=plan)[1]
+            ran = PrefillReport.of(plan, cache, tokens).as_dict()
             kv = cache.nbytes
             t = timings[name]
             results.append(
                 {
                     "tokens": tokens,
                     "method": "speed",
+                    **{key: ran[key] for key in ("prefill", "reason", "shallow_rows")},  # "exact" and why, when no row was shallow
                     "cut": config.cut,
                     "cut_fraction": config.fraction(num_layers),
                     "exact_ttft_s": exact["ttft"],

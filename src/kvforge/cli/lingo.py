@@ -24,9 +24,10 @@ TranslatorOpt = typer.Option(None, "--translator", help="Translator from `kvforg
 
 
 def _translator(path: Optional[Path], source: str, target: str):
-    from kvforge.translate.translator import Translator, default_translator_path
+    from kvforge.artifacts import artifact_path
+    from kvforge.translate.translator import Translator
 
-    return Translator.load(path or default_translator_path(source, target))
+    return Translator.load(path or artifact_path("translator", source, target=target))
 
 
 @fit_app.command("lingo")
@@ -60,8 +61,8 @@ def fit_lingo_cmd(
     """Stage 1: closed-form KV-cache translator from SOURCE to TARGET (float64 moments, eigen-solve)."""
     from tqdm import tqdm
 
+    from kvforge.artifacts import artifact_path
     from kvforge.translate.fit import LingoFitConfig, fit_lingo
-    from kvforge.translate.translator import default_translator_path
 
     setup_threads(threads)
     if stage == 2:
@@ -77,7 +78,7 @@ def fit_lingo_cmd(
             bar.update(1)
 
         translator = fit_lingo(src, tgt, config, progress)
-    path = translator.save(out or default_translator_path(source, target))
+    path = translator.save(out or artifact_path("translator", source, target=target))
     r2 = translator.info["r2_fit"]
     summary = {
         "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo",
@@ -102,7 +103,8 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
     from kvforge.translate.samples import training_texts
-    from kvforge.translate.translator import ModelSide, Translator, default_translator_path
+    from kvforge.artifacts import artifact_path
+    from kvforge.translate.translator import ModelSide, Translator
 
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
@@ -149,7 +151,8 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         started = time.perf_counter()
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
         seconds = time.perf_counter() - started
-    path = translator.save(out or default_translator_path(source, target).with_name(f"{source}-to-{target}-stage2.safetensors"))
+    default = artifact_path("translator", source, target=target)  # model names made file-safe, as stage 1's
+    path = translator.save(out or default.with_name(f"{default.stem}-stage2.safetensors"))
     from kvforge.translate.distill import plot_distill
 
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],

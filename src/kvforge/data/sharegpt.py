@@ -59,6 +59,7 @@ def split_of(conversation_id: str) -> str:
 
 
 def text_digest(turns: tuple[tuple[str, str], ...]) -> str:
+    """A chunk's identity by content: the SHA-256 of its (role, text) turns."""
     return hashlib.sha256(json.dumps(turns, ensure_ascii=False).encode()).hexdigest()
 
 

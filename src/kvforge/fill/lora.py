@@ -6,9 +6,10 @@ A LoRA pair (A (r, E), B (O, r)) per layer and target adds (alpha / r) * B @ A t
 weight. Targets are the fused q/k/v projection (`qkv`) and the fused MLP gate/up projection
 (`gate_up`): the two matmuls every row runs in every layer, held by the family adapter. Training
 swaps in W + delta for the duration of a forward (`applied`), so gradients reach A and B only;
-inference merges the delta into the weights once (`merge_into`), so an adapted model runs at the
-base model's speed. The artifact names the base model and its fingerprint, and what the adapter
-was trained for (SPEED: the cut and anchors), so loading it onto another model is refused.
+inference runs a second weight set with the delta added once (`adapted_engine`), so an adapted
+model runs at the base model's speed and the base engine keeps the base weights. The artifact
+names the base model and its fingerprint, and what the adapter was trained for (SPEED: the cut,
+anchors and tail), so loading it onto another model is refused.
 """
 
 from __future__ import annotations
@@ -79,13 +80,6 @@ class LoraAdapter:
         finally:
             for target in TARGETS:
                 getattr(adapter, target)[:] = saved[target]
-
-    @torch.no_grad()
-    def merge_into(self, adapter) -> None:
-        """Add every delta to the weights in place (the transformers modules share that storage)."""
-        for target in TARGETS:
-            for layer, (weight, _) in enumerate(getattr(adapter, target)):
-                weight.add_(self.delta(layer, target).to(weight))
 
     def check_model(self, model: str, fingerprint: str, num_layers: int) -> None:
         if fingerprint != self.fingerprint or num_layers != self.num_layers:

@@ -132,7 +132,7 @@ def speed_plan(prompt_tokens: int, config: SpeedConfig, num_layers: int, total: 
     total = prompt_tokens if total is None else total
     full = torch.ones(total, dtype=torch.bool)
     full[:prompt_tokens] = full_depth_rows(prompt_tokens, config)
-    if bool(full.all()):
+    if config.cut == num_layers or bool(full.all()):
         why = f"SPEED cut {config.cut} is the model's depth" if config.cut == num_layers else (
             f"every row of the {prompt_tokens}-token prompt is an anchor or in the tail of {config.tail}"
         )
@@ -186,6 +186,7 @@ class Speed:
     lora: LoraAdapter | None = None
 
     def plan(self, prompt_tokens: int) -> PrefillPlan:
+        """The SPEED plan for a prompt of `prompt_tokens` rows on this engine."""
         return speed_plan(prompt_tokens, self.config, self.engine.num_layers)
 
 

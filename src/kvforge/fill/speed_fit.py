@@ -116,10 +116,3 @@ def _fit_samples(engine: Engine, config: SpeedFitConfig) -> list[ReplySample]:
     if not samples:
         raise ValueError(f"no fit conversation fits in {config.max_tokens} tokens: raise --max-tokens")
     return samples
-
-
-def default_adapter_path(model: str, cut: int):
-    """$KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors (`artifacts.artifact_path`)"""
-    from kvforge.artifacts import artifact_path
-
-    return artifact_path("adapter", model, cut=cut)

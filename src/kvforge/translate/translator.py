@@ -150,9 +150,3 @@ class Translator:
                 source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
                 json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]),
             )
-
-def default_translator_path(source: str, target: str) -> Path:
-    """Where `kvforge fit lingo` writes by default and the demo looks: $KVFORGE_HOME/translators."""
-    from kvforge.artifacts import artifact_path
-
-    return artifact_path("translator", source, target=target)
