@@ -135,5 +135,6 @@ class RidgeMaps:
         if fingerprint != self.fingerprint or num_layers != self.num_layers:
             raise ArtifactError(
                 f"maps {self.path or ''} were fitted for {self.model} ({self.num_layers} layers, fingerprint "
-                f"{self.fingerprint[:12]}), not for {model_name} ({num_layers} layers, fingerprint {fingerprint[:12]})"
+                f"{self.fingerprint[:12]}), not for {model_name} ({num_layers} layers, fingerprint {fingerprint[:12]}); "
+                f"other weights (or maps fitted before whole-tensor fingerprints): refit with `kvforge fit ridgefill`"
             )
