@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from kvforge.errors import PromptError
+from kvforge.plan import PrefillReport
 from kvforge.sampling import SamplingParams, sample
 
 
@@ -50,6 +51,7 @@ class Generation:
     ttft_s: float  # request start to first token
     decode_s: float  # first token to last token
     stop_matched: str | None = None
+    prefill: PrefillReport | None = None  # what the prompt's prefill ran (one planned prompt)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -72,10 +74,10 @@ class SequenceState:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
 
-    def result(self, start: float) -> Generation:
+    def result(self, start: float, prefill: PrefillReport | None = None) -> Generation:
         """The finished sequence; `start`: when its request started (for the time to first token)."""
         return Generation(self.token_ids, self.text, self.finish_reason, self.prompt_tokens, self.first_token_at - start,
-                          self.last_token_at - self.first_token_at, self.stop_matched)
+                          self.last_token_at - self.first_token_at, self.stop_matched, prefill)
 
 
 def generate(
@@ -105,6 +107,7 @@ def generate(
 
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
+    report = planned_report(plan, cache, prompts, cached[0])
     positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
@@ -127,7 +130,14 @@ def generate(
 
     for seq in seqs:
         flush_text(seq, on_text)
-    return [seq.result(start) for seq in seqs]
+    return [seq.result(start, report) for seq in seqs]
+
+
+def planned_report(plan, cache, prompts: list[list[int]], start: int = 0) -> PrefillReport | None:
+    """What a planned prefill of one prompt ran, read off its cache (None without a plan)."""
+    if plan is None or len(prompts) != 1:
+        return None
+    return PrefillReport.of(plan, cache, len(prompts[0]), start)
 
 
 def check_prompts(prompts: list[list[int]], context: int, cached: list[int] | None = None) -> int:

@@ -106,6 +106,7 @@ def generate(
     stream = None if json_out else (lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush()))
     outputs, stats = generate_group(engine, ids, 1, config, drafting, on_text=stream, plan=plan)
     out = outputs[0]
+    ran = out.prefill or ran  # read off the cache: the rows an attended-row chooser picked are known now
     if json_out:
         emit_json(
             {

@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
-from kvforge.generation import Generation, GenerationConfig, SequenceState, check_prompts, eos_token_ids, flush_text
+from kvforge.generation import (
+    Generation, GenerationConfig, SequenceState, check_prompts, eos_token_ids, flush_text, planned_report,
+)
 from kvforge.sampling import sample
 from kvforge.speculative.ngram import Drafter
 from kvforge.speculative.prefetch import Prefetcher
@@ -51,6 +53,7 @@ def speculative_generate(
 
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, plan=plan)
+    report = planned_report(plan, cache, prompts)
     first = sample(logits, config.sampling, generator).tolist()
     now = time.perf_counter()
     for r, token in zip(requests, first):
@@ -61,7 +64,7 @@ def speculative_generate(
         active, cache = _drop_finished(active, cache)
     for r in requests:
         flush_text(r.seq, on_text)
-    return [r.seq.result(start) for r in requests], stats
+    return [r.seq.result(start, report) for r in requests], stats
 
 
 def _drop_finished(requests: list[SpecRequest], cache):
