@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvforge.models.loading import kvforge_home
+from kvforge.paths import kvforge_home, safe_name
 
 KINDS = ("maps", "adapter", "translator")
 
@@ -31,7 +31,3 @@ def artifact_path(kind: str, model: str, *, cut: int | None = None, target: str 
         return kvforge_home() / "translators" / f"{safe_name(model)}-to-{safe_name(target)}.safetensors"
     raise ValueError(f"unknown artifact kind {kind!r}: use {', '.join(KINDS)}")
 
-
-def safe_name(model: str) -> str:
-    """A model spec (alias, path or hub id) as one file-name component."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model)

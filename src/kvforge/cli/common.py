@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from kvforge.errors import KvforgeError
+from kvforge.paths import safe_name  # noqa: F401  (re-exported to the command modules)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Forge KV caches instead of computing them in full.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: methods side by side in one process.")
@@ -106,7 +107,3 @@ def parse_lengths(text: str) -> list[int]:
         raise KvforgeError(f"--tokens must list positive lengths, got {text!r}")
     return lengths
 
-
-def safe_name(name: str) -> str:
-    """A model name or path made safe for a file name (benchmark plots)."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

