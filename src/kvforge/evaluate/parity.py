@@ -6,20 +6,23 @@ decoding (up to `max_new_tokens`, or EOS) gives the same tokens as transformers'
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from kvforge.data.prompts import held_out_conversations
+from kvforge.data.sharegpt import conversations
 from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
 from kvforge.prompting import encode_prompt
 
 
 def parity_prompts(tokenizer, count: int) -> list[list[int]]:
-    """The first user turn of `count` held-out conversations (200–2000 characters), as chat
-    prompts when the model has a template."""
+    """The first `count` held-out first user turns of 200–2000 characters (the turn itself, so
+    no prompt is a one-word greeting), as chat prompts when the model has a template."""
     chat = bool(getattr(tokenizer, "chat_template", None))
-    convs = held_out_conversations(count, min_chars=200, max_chars=2000)
-    return [encode_prompt(tokenizer, conv.turns[0][1], chat=chat) for conv in convs]
+    turns = (conv.turns[0][1] for conv in conversations("held_out") if conv.turns[0][0] == "user")
+    chosen = itertools.islice((t for t in turns if 200 <= len(t) <= 2000), count)
+    return [encode_prompt(tokenizer, text, chat=chat) for text in chosen]
 
 
 def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, progress=None) -> dict:
