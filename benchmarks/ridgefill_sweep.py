@@ -6,7 +6,10 @@ maps' own retrieval; exact answers are memoised by prompt and shared), then TTFT
 setting and exact interleaved in one process at one prompt length, with the MAC ceiling. Writes
 benchmarks/results/ridgefill-sweep-<model>.json and prints a Markdown table.
 
-    python benchmarks/ridgefill_sweep.py --maps MAPS [--model smollm2-135m] [--tokens 4096]
+    python benchmarks/ridgefill_sweep.py --maps MAPS [--model smollm2-135m] [--tokens 4096] [--part quality|speed]
+
+`--part quality` writes the quality rows alone (it can share the CPU with other quality jobs);
+`--part speed` times the settings of that file later, on an idle machine, and completes it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--needles", type=int, default=10)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quality part")
+    ap.add_argument("--part", choices=["all", "quality", "speed"], default="all", help="run one half (speed reads the quality file)")
     ap.add_argument("--timing-threads", type=int, default=1, help="torch threads while timing (one was the stable setting here)")
     args = ap.parse_args()
     if args.threads:
@@ -51,12 +55,21 @@ def main() -> None:
     maps.check_model(args.model, engine.model.fingerprint, engine.num_layers)
     configs = [RidgeFillConfig(split=s, tail=t, attended_rows=a) for s, t, a in SETTINGS if maps.has_split(s)]
     settings = EvalSettings(samples=args.samples, needles=args.needles)
-    memo: dict = {}
-    rows = []
-    for c in configs:
-        print(f"quality: split {c.split}, tail {c.tail}, attended {c.attended_rows}", file=sys.stderr, flush=True)
-        q = eval_ridgefill(engine, maps, c, settings, memo=memo)
-        rows.append({"config": asdict(c), "quality": q})
+    path = Path("benchmarks/results") / f"ridgefill-sweep-{args.model}.json"
+    if args.part == "speed":
+        rows = json.loads(path.read_text())["rows"]
+        if [r["config"] for r in rows] != json.loads(json.dumps([asdict(c) for c in configs])):
+            sys.exit(f"error: {path} holds other settings than this sweep; run --part quality first")
+    else:
+        memo: dict = {}
+        rows = []
+        for c in configs:
+            print(f"quality: split {c.split}, tail {c.tail}, attended {c.attended_rows}", file=sys.stderr, flush=True)
+            q = eval_ridgefill(engine, maps, c, settings, memo=memo)
+            rows.append({"config": asdict(c), "quality": q})
+    if args.part == "quality":
+        write(path, {"model": args.model, "maps": str(args.maps), **environment(), "settings": asdict(settings), "rows": rows})
+        return
 
     torch.set_num_threads(args.timing_threads)
     prompt = held_out_text_tokens(engine.model.tokenizer, args.tokens)
@@ -75,10 +88,7 @@ def main() -> None:
             "ceiling": exact_macs(engine.adapter, args.tokens) / prefill_macs(engine.adapter, depth, c.split, True),
             "filled_fraction": float((depth < engine.num_layers).float().mean()),
         }
-    out = {"model": args.model, "maps": str(args.maps), "exact_ttft_s": times["exact"], **environment(), "settings": asdict(settings), "rows": rows}
-    path = Path("benchmarks/results") / f"ridgefill-sweep-{args.model}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str))
+    write(path, {"model": args.model, "maps": str(args.maps), "exact_ttft_s": times["exact"], **environment(), "settings": asdict(settings), "rows": rows})
     print(f"| split | tail | attended rows | TTFT speedup @{args.tokens} (ceiling) | novel ppl gap [95 % CI] | all-token ppl gap [95 % CI] | key ppl gap | "
           "needle (exact) | needle in filled rows, no attended rows | identity novel gap | identity needle |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -94,6 +104,11 @@ def main() -> None:
             f"{needle['answered_in_filled'][unrescued]}/{needle['filled'][unrescued]} | {ident['ppl_gap_novel_pct']:+.1f} % | {needle['identity']:.0f} % |"
         )
     print(f"wrote {path}", file=sys.stderr)
+
+
+def write(path: Path, out: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":
