@@ -47,10 +47,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the quality part")
     ap.add_argument("--part", choices=["all", "quality", "speed"], default="all", help="run one half (speed reads the quality file)")
     ap.add_argument("--timing-threads", type=int, default=1, help="torch threads while timing (one was the stable setting here)")
+    ap.add_argument("--dtype", default="auto", help="auto (fp32 on CPU), fp32, bf16 or fp16")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_model(args.model, dtype=args.dtype))
     maps = RidgeMaps.load(args.maps)
     maps.check_model(args.model, engine.model.fingerprint, engine.num_layers)
     configs = [RidgeFillConfig(split=s, tail=t, attended_rows=a) for s, t, a in SETTINGS if maps.has_split(s)]

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from kvforge.models.adapters import adapter_for
-from kvforge.models.loading import LoadedModel
+from kvforge.models.loading import LoadedModel, model_fingerprint
 
 torch.set_num_threads(1)
 
@@ -78,9 +78,16 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def tiny_loaded(family: str, seed: int = 0) -> LoadedModel:
+def tiny_loaded(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A tiny model ready for the engine; in a lower `dtype` it is the fp32 weights cast (as
+    `load_model` casts them), before the adapter fuses its projections, with the fp32 fingerprint."""
     model = tiny_hf_model(family, seed)
-    return LoadedModel(f"tiny-{family}", "test", model, char_tokenizer(), adapter_for(model), torch.device("cpu"), torch.float32)
+    fingerprint = model_fingerprint(model) if dtype != torch.float32 else None
+    model.to(dtype)
+    loaded = LoadedModel(f"tiny-{family}", "test", model, char_tokenizer(), adapter_for(model), torch.device("cpu"), dtype)
+    if fingerprint is not None:
+        vars(loaded)["fingerprint"] = fingerprint
+    return loaded
 
 
 @pytest.fixture(params=FAMILIES)

@@ -33,3 +33,15 @@ def test_grouped_attention_bf16_close_to_fp32():
     # bf16 keeps 8 bits of mantissa: inputs, scores' operands and weights each round once.
     assert (ours - ref).abs().max() < 0.05
     assert not torch.equal(ours, ref)
+
+
+def test_low_precision_linear_rows_do_not_depend_on_the_row_count():
+    # The shape where oneDNN's one-row bf16 kernel rounded apart from the batched one here.
+    from kvforge.models.adapters import linear
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, 9, 1536, generator=g).bfloat16()
+    together = linear(x, w)
+    one_by_one = torch.cat([linear(x[:, i : i + 1], w) for i in range(9)], dim=1)
+    assert torch.equal(together, one_by_one)

@@ -144,3 +144,40 @@ def test_bench_exact_json_is_the_last_stdout_line(tiny_model_dir):
     assert result.exit_code == 0, result.output
     obj = json.loads(result.stdout.strip().splitlines()[-1])
     assert obj["command"] == "bench exact" and obj["results"][0]["max_abs_logit_diff"] < 1e-3
+
+
+def test_bench_peers_rows_for_every_engine_dtype_and_length(monkeypatch):
+    import sys
+
+    import kvforge.bench.peers as peers
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec then says: not installed, even where it is
+    loaded = []
+    report = peers.bench_peers(
+        "tiny-llama", [12, 20], decode_tokens=3, runs=1, copy_new_tokens=4,
+        load_engine=lambda dtype: loaded.append(dtype) or Engine(tiny_loaded("llama", dtype=dtype)),
+        copy_prompt_ids=[[5, 6, 7, 8], [9, 10, 11]],
+    )
+    assert loaded == [torch.float32, torch.bfloat16]
+    assert report["skipped"] == [{"engine": "vllm", "dtype": d, "reason": "vllm not installed"} for d in ("fp32", "bf16")]
+    keys = {(r["engine"], r["dtype"], r["tokens"]) for r in report["results"]}
+    assert keys == {(e, d, t) for e in ("kvforge", "transformers") for d in ("fp32", "bf16") for t in (12, 20)}
+    assert report["copy_workload"]["generated_tokens"] == {"kvforge": 8, "transformers": 8}
+    for row in report["results"]:
+        for figure in ("prefill_tokens_per_s", "decode_tokens_per_s", "copy_tokens_per_s"):
+            assert row[figure] > 0, (row, figure)
+        if row["engine"] == "kvforge":
+            assert row["ratio_to_vllm"] is None and set(row["ratio_to_transformers"]) == {"prefill", "decode", "copy"}
+        else:
+            assert "ratio_to_vllm" not in row
+    assert report["command"] == "bench peers" and report["threads"] >= 1 and report["vllm"] is None
+    table = peers.markdown_table(report)
+    assert table.count("\n") == 1 + 4 and "prefill tok/s @20" in table
+    json.dumps(report)
+
+
+def test_bench_peers_rejects_a_bad_dtype_with_one_line():
+    result = CliRunner().invoke(app, ["bench", "peers", "--dtypes", "fp32,fp8", "--tokens", "16"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--dtypes" in lines[0] and "'fp8'" in lines[0], result.stderr

@@ -207,6 +207,37 @@ def test_bench_and_eval_speed_json(tiny_model_dir, tiny_adapter, tmp_path):
     assert set(obj["policy_gap_pct"]) == {"training_free", "adapted"}
 
 
+ENGINE_COMMANDS = [["generate"], ["rollout"], ["demo"], ["bench", "exact"], ["eval", "exact"], ["fit", "ridgefill"], ["bench", "ridgefill"],
+                   ["eval", "ridgefill"], ["fit", "speed"], ["bench", "speed"], ["eval", "speed"], ["bench", "ngram"], ["fit", "lingo"],
+                   ["handoff"], ["eval", "lingo"], ["bench", "lingo"], ["serve"], ["bench", "serve"]]
+
+
+def test_every_command_that_builds_an_engine_takes_dtype():
+    for args in ENGINE_COMMANDS:
+        assert "--dtype" in _run(*args, "--help").stdout, args
+
+
+def test_dtype_bf16_runs_fp32_artifacts_and_is_recorded(tiny_model_dir, tiny_maps, tiny_adapter):
+    """fp32 stays the CPU default; bf16 loads maps and adapters fitted in fp32; JSON says which ran."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 2
+    base = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 4, "--json")
+    assert _last_json(_run(*base))["dtype"] == "float32"
+    for extra in ((), ("--method", "ridgefill", "--maps", tiny_maps, "--split", 2, "--tail", 8), ("--method", "speed", "--adapter", tiny_adapter),
+                  ("--draft", "ngram")):
+        result = _run(*base, "--dtype", "bf16", *extra)
+        assert result.exit_code == 0, (extra, result.output)
+        obj = _last_json(result)
+        assert obj["dtype"] == "bfloat16" and len(obj["token_ids"]) == 4, extra
+        if extra:
+            assert obj["prefill"] == (extra[1] if extra[0] == "--method" else "exact"), extra
+    bench = _run("bench", "exact", "--model", tiny_model_dir, "--tokens", 40, "--runs", 1, "--decode-tokens", 2, "--dtype", "bfloat16", "--json")
+    assert bench.exit_code == 0, bench.output
+    obj = _last_json(bench)
+    assert obj["dtype"] == "bfloat16" and obj["results"][0]["kv_bytes"] == obj["results"][0]["kv_bytes_expected"]
+    assert obj["results"][0]["max_abs_logit_diff"] < 0.1  # against transformers in bf16 too
+    _assert_one_line_errors([(("generate", "--model", tiny_model_dir, "--prompt", "hi", "--dtype", "int8"), "unknown dtype 'int8'")])
+
+
 def test_generate_with_ngram_drafting_equals_plain_greedy(tiny_model_dir):
     args = ("generate", "--model", tiny_model_dir, "--prompt", "abcabcabcabcabc abcabc", "-n", 20, "--json")
     plain = _last_json(_run(*args))

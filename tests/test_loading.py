@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_hf_model, tiny_loaded
-from kvforge.errors import DeviceError, MissingPackageError, UnknownModelError
-from kvforge.models import load_model, resolve_device
+from kvforge.errors import DeviceError, KvforgeError, MissingPackageError, UnknownModelError
+from kvforge.models import load_model, parse_dtype, resolve_device
 from kvforge.models import loading
 from kvforge.models.loading import model_fingerprint
 from kvforge.models.registry import PackagedModel
@@ -19,6 +19,47 @@ def test_load_local_directory_gives_the_same_model(tiny_model_dir):
         assert torch.allclose(loaded.hf(ids).logits, reference(ids).logits, atol=1e-6)
     assert loaded.adapter.family == "llama"
     assert loaded.fingerprint == model_fingerprint(reference)
+
+
+def test_bf16_load_keeps_the_fp32_fingerprint(tiny_model_dir):
+    """Artifacts fitted on the fp32 model must load on its bf16 cast: same id, bf16 weights that
+    round exactly as transformers' own bf16 load does, and an adapter fused from the bf16 weights."""
+    from transformers import AutoModelForCausalLM
+
+    fp32 = load_model(str(tiny_model_dir), dtype="fp32")
+    bf16 = load_model(str(tiny_model_dir), dtype="bf16")
+    assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert {p.dtype for p in bf16.hf.parameters()} == {torch.bfloat16}
+    assert bf16.adapter.qkv[0][0].dtype == torch.bfloat16
+    assert bf16.fingerprint == fp32.fingerprint == model_fingerprint(fp32.hf)
+    assert model_fingerprint(bf16.hf) != fp32.fingerprint  # what the fp32-first load avoids
+    direct = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
+    for (name, p), q in zip(bf16.hf.named_parameters(), direct.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_parse_dtype_names():
+    assert parse_dtype("bf16") is parse_dtype("bfloat16") is torch.bfloat16
+    assert parse_dtype("FP32") is parse_dtype("float32") is torch.float32
+    assert parse_dtype("fp16") is torch.float16
+    assert parse_dtype("auto") is None and parse_dtype(None) is None
+    assert parse_dtype(torch.bfloat16) is torch.bfloat16
+    with pytest.raises(KvforgeError, match="unknown dtype 'int8'"):
+        parse_dtype("int8")
+    with pytest.raises(KvforgeError, match="floating-point"):
+        parse_dtype(torch.int8)
+
+
+def test_bf16_on_a_cpu_without_it_warns_once(monkeypatch, capsys, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags : fpu sse2 avx2\n")
+    monkeypatch.setattr(loading, "_CPUINFO", cpuinfo)
+    monkeypatch.setattr(loading, "_warned", set())
+    for _ in range(2):
+        loading._warn_if_emulated(torch.device("cpu"), torch.bfloat16)
+    assert capsys.readouterr().err.count("no native bfloat16 support") == 1
+    loading._warn_if_emulated(torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().err == ""
 
 
 def test_fingerprint_tells_models_apart():

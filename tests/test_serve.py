@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from conftest import char_tokenizer, tiny_hf_model
@@ -123,7 +124,8 @@ def _library(model_dir, prompt, max_tokens, chat=False):
 
 def test_models_health_and_metrics(server, client, dirs):
     assert {m.id for m in client.models.list().data} == {str(d) for d in dirs}
-    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["dtype"] == {str(d): "float32" for d in dirs}  # fp32: the CPU default
     text = httpx.get(f"{server}/metrics").text
     for name in ("kvforge_time_to_first_token_seconds", "kvforge_tokens_per_second", "kvforge_kv_cache_bytes", "kvforge_prefetch_hits"):
         assert name in text
@@ -247,6 +249,25 @@ def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):
     row = bench_serve(str(dirs[0]), artifacts["maps"], ["ridgefill"], [1], 1, 2, 60)["results"][0]
     assert row["filled_share"] == 0 and row["ran_exact"] == row["requests"] == 1
     assert "no longer than RidgeFill's exact rows" in row["ran_exact_reasons"][0]
+
+
+def test_a_bf16_server_runs_every_method_from_fp32_artifacts(dirs, artifacts):
+    """`--dtype bf16`: the maps and adapter fitted on the fp32 model load (same fingerprint) and
+    each prefill method answers; /health reports the dtype."""
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    model = str(dirs[0])
+    served = build_served(ServeConfig(model, maps=artifacts["maps"], adapter=artifacts["adapter"], max_batch=2, queue_size=4, dtype="bf16",
+                                      tail=8, attended_rows=0))
+    assert {s.engine.dtype for s in served[model].schedulers} == {torch.bfloat16}
+    with TestClient(create_app(served)) as http:
+        assert http.get("/health").json()["dtype"] == {model: "bfloat16"}
+        for prefill in ("exact", "ridgefill", "speed"):
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "kvforge": {"prefill": prefill}}
+            out = http.post("/v1/completions", json=body).json()
+            assert out["kvforge"]["prefill"] == prefill and out["usage"]["completion_tokens"] == 4, out
 
 
 def test_sampling_with_a_seed_is_reproducible(client, dirs):

@@ -1,3 +1,4 @@
 from kvforge.cli import main
 
-main()
+if __name__ == "__main__":  # spawned workers (vLLM's engine core) re-import this module
+    main()

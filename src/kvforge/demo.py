@@ -122,7 +122,7 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
     partner = PARTNERS.get(engine.model.name)
     if partner is None:
         return DemoRow("handoff (no packaged partner for this model)", len(prompt_ids), 0.0, 0.0, "")
-    source = Engine(load_model(partner, device=str(engine.device)))
+    source = Engine(load_model(partner, device=str(engine.device), dtype=engine.dtype))
     path = artifact_path("translator", partner, target=engine.model.name)
     if not path.is_file():
         fit_lingo(source, engine, LingoFitConfig(conversations=DEMO_LINGO_CONVERSATIONS)).save(path)

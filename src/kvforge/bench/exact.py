@@ -32,18 +32,18 @@ def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens
         if progress:
             progress(f"{tokens} tokens: parity")
         ours_logits, cache = engine.prefill(ids, logits="all")  # (1, T, V), untimed
-        diff = _logit_diff(ours_logits, _hf_prefill(hf, ids, logits_to_keep=0)[1].logits)
+        diff = _logit_diff(ours_logits, hf_prefill(hf, ids, logits_to_keep=0)[1].logits)
         del ours_logits
 
         if progress:
             progress(f"{tokens} tokens: prefill x{runs}")
         prefill = interleaved_medians(
-            {"ours": lambda: engine.prefill(ids), "hf": lambda: _hf_prefill(hf, ids)}, runs=runs
+            {"ours": lambda: engine.prefill(ids), "hf": lambda: hf_prefill(hf, ids)}, runs=runs
         )
         if progress:
             progress(f"{tokens} tokens: decode {decode_tokens} x{runs}")
         decode = interleaved_medians(
-            {"ours": lambda: _ours_decode(engine, ids, decode_tokens), "hf": lambda: _hf_decode(hf, ids, decode_tokens)},
+            {"ours": lambda: ours_decode(engine, ids, decode_tokens), "hf": lambda: hf_decode(hf, ids, decode_tokens)},
             runs=runs,
         )
         ours_tps, hf_tps = decode_tokens / decode["ours"], decode_tokens / decode["hf"]
@@ -71,12 +71,12 @@ def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens
         "tokens": lengths,
         "runs": runs,
         "decode_tokens": decode_tokens,
-        **environment(),
+        **environment(engine),
         "results": results,
     }
 
 
-def _hf_prefill(hf, ids, logits_to_keep: int = 1):
+def hf_prefill(hf, ids, logits_to_keep: int = 1):
     """transformers' prefill as `generate` runs it: its DynamicCache, last-position logits
     (logits_to_keep=0: every position's)."""
     from transformers import DynamicCache
@@ -97,7 +97,7 @@ def _logit_diff(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, float]:
         return {"all": float(ours.max()), "last": float(ours[:, -1].max())}
 
 
-def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
+def ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
     """Seconds for `steps` greedy decode steps after a prefill (the prefill is not timed)."""
     logits, cache = engine.prefill(ids)
     token = logits.argmax(-1)
@@ -112,9 +112,10 @@ def _ours_decode(engine: Engine, ids: torch.Tensor, steps: int) -> float:
     return timed(loop)[0]
 
 
-def _hf_decode(hf, ids: torch.Tensor, steps: int) -> float:
+def hf_decode(hf, ids: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` greedy decode steps of transformers' model after its prefill (not timed)."""
     with torch.inference_mode():
-        cache, out = _hf_prefill(hf, ids)
+        cache, out = hf_prefill(hf, ids)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
 
         def loop():

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from kvforge.models.loading import dtype_name
+
 
 def synchronize() -> None:
     """Wait for queued GPU work, so a clock read after it counts that work (no-op on CPU)."""
@@ -73,6 +75,9 @@ def interleaved_samples(
     return samples
 
 
-def environment() -> dict:
-    """What a timing depends on, reported beside it."""
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__}
+def environment(engine=None) -> dict:
+    """What a timing depends on, reported beside it (with an engine: the dtype it runs in)."""
+    env = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    if engine is not None:
+        env["dtype"] = dtype_name(engine.dtype)
+    return env

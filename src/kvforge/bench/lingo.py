@@ -83,6 +83,6 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
         "method": "handoff",
         "tokens": [r["tokens"] for r in results],
         "runs": runs,
-        **environment(),
+        **environment(target),
         "results": results,
     }

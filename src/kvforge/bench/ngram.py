@@ -102,7 +102,7 @@ def bench_ngram(
         "budget": budget,
         "gate": gate,
         "runs": runs,
-        **environment(),
+        **environment(engine),
         "results": results,
         "coverage_vs_budget": _coverage_curve(per_run["ngram-prefetch"]),
         "accept_hist": _accept_hist(per_run["ngram"]),

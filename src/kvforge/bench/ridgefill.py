@@ -73,7 +73,7 @@ def bench_ridgefill(
         "maps_resident_bytes": maps.resident_bytes(config.split),
         "maps_streamed_bytes": maps.layer_bytes(),
         "runs": runs,
-        **environment(),
+        **environment(engine),
         "results": results,
     }
 

@@ -125,7 +125,7 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
 
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
-                attended_rows: int | None = None) -> dict:
+                attended_rows: int | None = None, dtype: str = "auto") -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows)."""
     from kvforge.artifacts import artifact_path
@@ -136,7 +136,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
     if "ridgefill" in methods and maps is None:
         maps = artifact_path("maps", model)
-    served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device,
+    served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device, dtype=dtype,
                                       preset=preset, tail=tail, attended_rows=attended_rows))
     tokenizer = served[model].engine.model.tokenizer
     texts = plain_texts("held_out", max(levels) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
@@ -160,5 +160,5 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     return {
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
         "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
-        "ridgefill_attended_rows": attended_rows, **environment(), "results": results,
+        "ridgefill_attended_rows": attended_rows, **environment(served[model].engine), "results": results,
     }

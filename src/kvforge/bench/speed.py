@@ -88,7 +88,7 @@ def bench_speed(
         "tail": configs[0].tail if configs else 1,
         "decode_tokens": decode_tokens,
         "runs": runs,
-        **environment(),
+        **environment(engine),
         "results": results,
     }
 

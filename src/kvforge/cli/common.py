@@ -31,6 +31,10 @@ err = Console(stderr=True)
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Alias, HF directory, .gguf file or hub id.")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option(
+    "auto", "--dtype",
+    help="Weights and KV cache: auto (fp32 on CPU, the parity default; bf16 on GPU), fp32, bf16 or fp16. Maps and adapters fitted in fp32 load in any.",
+)
 ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last line of stdout.")
 MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: the cached ones).")
@@ -72,13 +76,21 @@ def setup_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def load_engine(model: str, device: str):
-    """Load `model` (alias, directory, .gguf or hub id) into an `Engine`, with a status line on stderr."""
+def load_engine(model: str, device: str, dtype: str = "auto"):
+    """Load `model` (alias, directory, .gguf or hub id) into an `Engine` in `dtype` (a `--dtype`
+    name), with a status line on stderr."""
     from kvforge.engine import Engine
     from kvforge.models import load_model
 
     with err.status(f"loading {model}"):
-        return Engine(load_model(model, device=device))
+        return Engine(load_model(model, device=device, dtype=dtype))
+
+
+def dtype_of(engine) -> str:
+    """The dtype an engine runs in, as JSON reports record it ("float32", "bfloat16")."""
+    from kvforge.models.loading import dtype_name
+
+    return dtype_name(engine.dtype)
 
 
 def emit_json(obj: dict) -> None:

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, eval_app, load_engine, parse_lengths, setup_threads,
+    DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err, eval_app, load_engine, parse_lengths,
+    setup_threads,
     user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -23,6 +24,7 @@ def bench_exact_cmd(
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     decode_tokens: int = typer.Option(64, "--decode-tokens"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -36,7 +38,7 @@ def bench_exact_cmd(
     import transformers  # noqa: F401  (the interpreter-wide import is not part of loading a model)
 
     start = time.perf_counter()
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     load_s = time.perf_counter() - start
     report = bench_exact(engine, lengths, runs=runs, decode_tokens=decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["load_s"] = load_s  # includes a GGUF conversion only when none was cached
@@ -61,6 +63,7 @@ def eval_exact_cmd(
     prompts: int = typer.Option(5, "--prompts", help="Held-out prompts to compare."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -70,8 +73,9 @@ def eval_exact_cmd(
     setup_threads(threads)
     if prompts < 1 or max_new_tokens < 1:
         raise KvforgeError("--prompts and --max-new-tokens must be >= 1")
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     report = eval_parity(engine, prompts, max_new_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["dtype"] = dtype_of(engine)
     if json_out:
         emit_json(report)
         return

@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AdapterOpt, AnchorsOpt, AttendedOpt, BudgetOpt, CutOpt, DeviceOpt, DraftOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PrefetchOpt,
-    PresetOpt, SplitOpt, TailOpt, ThreadsOpt, app, emit_json, err, load_engine, read_prompt, setup_threads, user_errors,
+    AdapterOpt, AnchorsOpt, AttendedOpt, BudgetOpt, CutOpt, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PrefetchOpt,
+    PresetOpt, SplitOpt, TailOpt, ThreadsOpt, app, dtype_of, emit_json, err, load_engine, read_prompt, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -67,6 +67,7 @@ def generate(
     k: int = KOpt,
     budget: int = BudgetOpt,
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -91,7 +92,7 @@ def generate(
     if adapter is not None and method != "speed":
         raise KvforgeError(f"--adapter is a SPEED adapter: use it with --method speed, not {method}")
     drafting = DraftConfig(draft, k, prefetch, budget)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
     plan, setting = None, None
     if method == "ridgefill":
@@ -113,6 +114,7 @@ def generate(
                 "command": "generate",
                 "model": model,
                 "method": method,
+                "dtype": dtype_of(engine),
                 **{key: value for key, value in ran.as_dict().items() if key != "prompt_tokens"},  # what the prefill ran
                 "setting": setting,
                 "tokens": out.prompt_tokens,
@@ -163,6 +165,7 @@ def rollout(
     no_gate: bool = typer.Option(False, "--no-gate", help="Draft every step (no DraftGate pausing rejected drafters)."),
     out: Path = typer.Option(Path("rollouts.jsonl"), "--out", "-o", help="JSONL of rollouts, one line per sample."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -179,7 +182,7 @@ def rollout(
     texts = _read_prompts(prompts)
     drafting = DraftConfig(draft, k, prefetch, budget, gate=not no_gate)
     config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
     tokens, accepted, steps, start = 0, 0, 0, time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +201,7 @@ def rollout(
         "command": "rollout",
         "model": model,
         "method": draft,
+        "dtype": dtype_of(engine),
         "gate": drafting.gate,
         "tokens": tokens,
         "prompts": len(encoded),
@@ -241,6 +245,7 @@ def demo(
     model: str = ModelOpt,
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -249,7 +254,7 @@ def demo(
     from kvforge.demo import PARTNERS, run_demo
 
     setup_threads(threads)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     maps = artifact_path("maps", engine.model.name)
     if not maps.is_file():
         err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {maps}[/dim]")
@@ -265,6 +270,7 @@ def demo(
                 "command": "demo",
                 "model": model,
                 "method": ",".join(r.method for r in rows),
+                "dtype": dtype_of(engine),
                 "tokens": rows[0].prompt_tokens,
                 "results": [r.__dict__ for r in rows],
             }

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, JsonOpt, ThreadsOpt, app, bench_app, emit_json, err, eval_app, fit_app, load_engine, parse_lengths, read_prompt,
-    safe_name, setup_threads, user_errors,
+    DeviceOpt, DtypeOpt, JsonOpt, ThreadsOpt, app, bench_app, dtype_of, emit_json, err, eval_app, fit_app, load_engine, parse_lengths,
+    read_prompt, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -55,6 +55,7 @@ def fit_lingo_cmd(
     lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -66,11 +67,11 @@ def fit_lingo_cmd(
 
     setup_threads(threads)
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
-    src, tgt = load_engine(source, device), load_engine(target, device)
+    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(rows: int) -> None:
@@ -81,7 +82,7 @@ def fit_lingo_cmd(
     path = translator.save(out or artifact_path("translator", source, target=target))
     r2 = translator.info["r2_fit"]
     summary = {
-        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo",
+        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "dtype": dtype_of(tgt),
         "tokens": translator.info["fit"]["tokens"], "out": str(path), "seconds": translator.info["seconds"],
         "r2_fit_keys_mean": sum(r2["k"]) / len(r2["k"]), "r2_fit_values_mean": sum(r2["v"]) / len(r2["v"]),
         "sources": translator.sources, "macs_per_token": translator.macs_per_token(), **translator.info["fit"],
@@ -98,7 +99,7 @@ def fit_lingo_cmd(
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -110,7 +111,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, validate_every=validate_every, checkpoint_every=validate_every)
     translator = Translator.load(init)
-    src, tgt = load_engine(source, device), load_engine(target, device)
+    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
     texts, read = training_texts("fit", config.samples, *lengths)
@@ -124,7 +125,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
         validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
     from kvforge.translate.distill import validation_kl
 
-    common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2,
+    common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
               "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
               "validation_samples": len(validation)}
     if lr_sweep:
@@ -181,6 +182,7 @@ def handoff(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -193,19 +195,19 @@ def handoff(
     if turns is not None:
         if prompt is not None or prompt_file is not None:
             raise KvforgeError("give --turns or a prompt, not both")
-        return _handoff_turns(source, target, translator, back_translator, turns, mode, max_new_tokens, temperature, seed, device, json_out)
+        return _handoff_turns(source, target, translator, back_translator, turns, mode, max_new_tokens, temperature, seed, device, dtype, json_out)
     if (prompt is None) == (prompt_file is None):
         raise KvforgeError("give exactly one of --prompt or --prompt-file")
     text = prompt if prompt is not None else read_prompt(prompt_file)
     tr = _translator(translator, source, target)
-    src, tgt = load_engine(source, device), load_engine(target, device)
+    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt), capture)
     with err.status(f"{source} prefills"):
         h = hand_off(tr, src, tgt, text)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out = tgt.generate([h.pending], config, cache=h.cache)[0]
     result = {
-        "command": "handoff", "model": target, "source": source, "target": target, "method": "handoff",
+        "command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "dtype": dtype_of(tgt),
         "tokens": len(h.target_ids), "source_tokens": len(h.source_ids), "translate_s": h.translate_s,
         "ttft_s": h.translate_s + out.ttft_s, "decode_tokens_per_s": out.decode_tokens_per_s,
         "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -239,14 +241,14 @@ def _read_turns(path: Path) -> list[str]:
     return turns
 
 
-def _handoff_turns(source, target, translator, back_translator, turns_path, mode, max_new_tokens, temperature, seed, device, json_out):
+def _handoff_turns(source, target, translator, back_translator, turns_path, mode, max_new_tokens, temperature, seed, device, dtype, json_out):
     from kvforge.generation import GenerationConfig
     from kvforge.translate.session import MODES, Conversation
 
     if mode not in MODES:
         raise KvforgeError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     messages = _read_turns(turns_path)
-    src, tgt = load_engine(source, device), load_engine(target, device)
+    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     pair = None if mode == "native" else (_translator(translator, source, target), _translator(back_translator, target, source))
     conv = Conversation((src, tgt), pair, mode)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -264,7 +266,7 @@ def _handoff_turns(source, target, translator, back_translator, turns_path, mode
             err.print(f"[dim]turn {row['turn']}: {row['translated_rows']} rows translated of {row['caught_up_rows']} caught up "
                       f"in {row['switch_s']:.3f} s, TTFT {row['ttft_s']:.3f} s[/dim]")
     if json_out:
-        emit_json({"command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "mode": mode,
+        emit_json({"command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "mode": mode, "dtype": dtype_of(tgt),
                "tokens": len(conv.parties[(len(messages) - 1) % 2].ids), "turns": results})
 
 
@@ -284,6 +286,7 @@ def eval_lingo_cmd(
     back_translator: Optional[Path] = typer.Option(None, "--back-translator", help="Multi-turn: the TARGET → SOURCE translator (default: the cached one)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="CKA PNG (default: benchmarks/results/lingo-cka-<source>-to-<target>.png)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -294,7 +297,7 @@ def eval_lingo_cmd(
 
     setup_threads(threads)
     tr = Translator.load(translator)
-    src, tgt = load_engine(tr.source.name, device), load_engine(tr.target.name, device)
+    src, tgt = load_engine(tr.source.name, device, dtype), load_engine(tr.target.name, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     others = {}
     for path in compare:
@@ -304,7 +307,7 @@ def eval_lingo_cmd(
     name = f"{safe_name(tr.source.name)}-to-{safe_name(tr.target.name)}"
     report = {
         "command": "eval lingo", "model": tr.target.name, "source": tr.source.name, "target": tr.target.name, "method": "lingo",
-        "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
+        "dtype": dtype_of(tgt), "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
         "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), "compared": {label: str(p) for label, p in zip(others, compare)},
     }
     tick = lambda what: (lambda i, n: err.print(f"[dim]{what} {i}/{n}[/dim]"))  # noqa: E731
@@ -373,6 +376,7 @@ def bench_lingo_cmd(
     tokens: str = typer.Option("512,2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -383,7 +387,7 @@ def bench_lingo_cmd(
     setup_threads(threads)
     lengths = parse_lengths(tokens)
     tr = _translator(translator, source, target)
-    src, tgt = load_engine(source, device), load_engine(target, device)
+    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if json_out:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    BudgetOpt, DeviceOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
+    BudgetOpt, DeviceOpt, DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
     user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -30,6 +30,7 @@ def bench_ngram_cmd(
     no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>.png)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -41,7 +42,7 @@ def bench_ngram_cmd(
         raise KvforgeError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
     if runs < 1 or k < 1 or budget < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
         raise KvforgeError("--runs, --k, --budget, --samples-per-prompt and --prompts must be >= 1")
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                           gate=not no_gate)
     report["model"] = model

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, emit_json, err, eval_app, fit_app,
-    load_engine, parse_lengths, safe_name, setup_threads, user_errors,
+    DeviceOpt, DtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
+    eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -28,6 +28,7 @@ def fit_ridgefill_cmd(
     int8: bool = typer.Option(False, "--int8", help="Store maps as int8 per output channel; reports the error."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -41,7 +42,7 @@ def fit_ridgefill_cmd(
     from kvforge.fill.ridgefill import parse_splits
 
     setup_threads(threads)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     splits = parse_splits(split, engine.num_layers)
     config = CalibrationConfig(tuple(splits), calib_tokens, seq_len, lam=lam, int8=int8)
     path = out or artifact_path("maps", model)
@@ -54,6 +55,7 @@ def fit_ridgefill_cmd(
         "command": "fit ridgefill",
         "model": model,
         "method": "ridgefill",
+        "dtype": dtype_of(engine),
         "tokens": maps.info["calibration"]["fit_rows"] + maps.info["calibration"]["held_out_rows"],
         "out": str(path),
         "splits": maps.splits,
@@ -88,6 +90,7 @@ def bench_ridgefill_cmd(
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ridgefill-<model>.png)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -98,7 +101,7 @@ def bench_ridgefill_cmd(
 
     setup_threads(threads)
     lengths = parse_lengths(tokens)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     streamed = RidgeMaps.load(resident.path, streamed=True)
     report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
@@ -132,6 +135,7 @@ def eval_ridgefill_cmd(
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     prompt_tokens: int = typer.Option(2048, "--prompt-tokens"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -142,11 +146,12 @@ def eval_ridgefill_cmd(
     setup_threads(threads)
     if samples < 2 or needles < 0:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap) and --needles >= 0")
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
     report = eval_ridgefill(engine, resident, config, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, config, prompt_tokens)
+    out["dtype"] = dtype_of(engine)
     arms = report["arms"]
     if json_out:
         emit_json(out)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AnchorsOpt, AttendedOpt, CutOpt, DeviceOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, ThreadsOpt, app, bench_app,
+    AnchorsOpt, AttendedOpt, CutOpt, DeviceOpt, DtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, ThreadsOpt, app, bench_app,
     emit_json, err, setup_threads, user_errors,
 )
 
@@ -39,6 +39,7 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching)."),
     queue_size: int = typer.Option(64, "--queue-size", help="Waiting requests before 429."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
 ):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
@@ -52,7 +53,7 @@ def serve(
         raise ValueError("--max-batch and --queue-size must be >= 1")
     with err.status(f"loading {model}"):
         served = build_served(ServeConfig(
-            model, maps, adapter, translator, target, max_batch, queue_size, device, preset=preset, split=split, tail=tail,
+            model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
             attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail,
         ))
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1", highlight=False)
@@ -73,6 +74,7 @@ def bench_serve_cmd(
     max_tokens: int = typer.Option(64, "--max-tokens"),
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -84,7 +86,8 @@ def bench_serve_cmd(
     if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
         raise ValueError("--concurrency, --requests and --max-tokens must be >= 1")
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
-                         device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows)
+                         device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows,
+                         dtype=dtype)
     if json_out:
         emit_json(report)
         return

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, emit_json, err, eval_app, fit_app,
-    load_engine, parse_lengths, safe_name, setup_threads, user_errors,
+    AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
+    eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -31,6 +31,7 @@ def fit_speed_cmd(
     tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -43,7 +44,7 @@ def fit_speed_cmd(
 
     setup_threads(threads)
     config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens)
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)
     with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
@@ -54,7 +55,8 @@ def fit_speed_cmd(
 
         lora = fit_speed(engine, speed, config, model, progress)
     lora.save(path)
-    summary = {"command": "fit speed", "model": model, "method": "speed", "tokens": lora.info["training"]["tokens"], "out": str(path), **lora.info}
+    summary = {"command": "fit speed", "model": model, "method": "speed", "dtype": dtype_of(engine), "tokens": lora.info["training"]["tokens"],
+               "out": str(path), **lora.info}
     if json_out:
         emit_json(summary)
         return
@@ -77,6 +79,7 @@ def bench_speed_cmd(
     decode_tokens: int = typer.Option(64, "--decode-tokens"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/speed-<model>.png)."),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -88,7 +91,7 @@ def bench_speed_cmd(
     lengths = parse_lengths(tokens)
     if decode_tokens < 1:
         raise KvforgeError("--decode-tokens must be >= 1")
-    engine = load_engine(model, device)
+    engine = load_engine(model, device, dtype)
     # The adapter changes weights, not cost: it is accepted (its policy applied) so a bench runs the served model.
     spd = speed.resolve(engine, None, anchors, tail, adapter)
     if cuts is None:
@@ -126,6 +129,7 @@ def eval_speed_cmd(
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     needle_tokens: int = typer.Option(1024, "--needle-tokens"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -136,12 +140,13 @@ def eval_speed_cmd(
     setup_threads(threads)
     if samples < 2 or needles < 0 or max_tokens < 32:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
-    base = load_engine(model, device)
+    base = load_engine(model, device, dtype)
     spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
     speed, adapted = spd.config, (spd.engine if adapter is not None else None)
     settings = SpeedEvalSettings(samples=samples, max_tokens=max_tokens, needles=needles, needle_tokens=needle_tokens)
     report = eval_speed(base, adapted, speed, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, speed, base.num_layers, str(adapter) if adapter else None)
+    out["dtype"] = dtype_of(base)
     if json_out:
         emit_json(out)
         return

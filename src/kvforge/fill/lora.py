@@ -7,7 +7,8 @@ weight. Targets are the fused q/k/v projection (`qkv`) and the fused MLP gate/up
 (`gate_up`): the two matmuls every row runs in every layer, held by the family adapter. Training
 swaps in W + delta for the duration of a forward (`applied`), so gradients reach A and B only;
 inference runs a second weight set with the delta added once (`adapted_engine`), so an adapted
-model runs at the base model's speed and the base engine keeps the base weights. The artifact
+model runs at the base model's speed and the base engine keeps the base weights. A and B are
+fp32 whatever the model's dtype; the merged weights take the model's (bf16 included). The artifact
 names the base model and its fingerprint, and what the adapter was trained for (SPEED: the cut,
 anchors and tail), so loading it onto another model is refused.
 """
@@ -75,7 +76,7 @@ class LoraAdapter:
             for target in TARGETS:
                 fused = getattr(adapter, target)
                 for layer, (weight, bias) in enumerate(saved[target]):
-                    fused[layer] = (weight + self.delta(layer, target).to(weight), bias)
+                    fused[layer] = (merged(weight, self.delta(layer, target)), bias)
             yield
         finally:
             for target in TARGETS:
@@ -132,7 +133,7 @@ def adapted_engine(engine, lora: LoraAdapter):
     adapter = copy.copy(engine.adapter)
     for target in TARGETS:
         base = getattr(engine.adapter, target)
-        setattr(adapter, target, [(weight + lora.delta(layer, target).to(weight), bias) for layer, (weight, bias) in enumerate(base)])
+        setattr(adapter, target, [(merged(weight, lora.delta(layer, target)), bias) for layer, (weight, bias) in enumerate(base)])
     model = copy.copy(engine.model)  # keeps the base fingerprint already computed
     model.adapter = adapter
     h = hashlib.sha256(f"{engine.model.fingerprint}+lora{lora.rank}:{lora.alpha};".encode())
@@ -140,6 +141,12 @@ def adapted_engine(engine, lora: LoraAdapter):
         h.update(lora.tensors[key].detach().float().cpu().numpy().tobytes())
     vars(model)["fingerprint"] = h.hexdigest()[:16]  # over the cached base id (a cached_property)
     return Engine(model, engine.chunk_size)
+
+
+def merged(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """W + delta in W's dtype and device: the fp32 LoRA delta is added in fp32 and rounded once,
+    so a bf16 model runs bf16 weights (its activations' dtype) that are as close as bf16 allows."""
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
 def _key(layer: int, target: str, part: str) -> str:

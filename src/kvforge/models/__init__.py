@@ -1,7 +1,7 @@
 """Model loading, packaged aliases and family adapters."""
 
 from kvforge.models.adapters import Gemma3Adapter, LlamaAdapter, ModelAdapter, Qwen3Adapter, adapter_for
-from kvforge.models.loading import LoadedModel, kvforge_home, load_model, resolve_device
+from kvforge.models.loading import LoadedModel, dtype_name, kvforge_home, load_model, parse_dtype, resolve_device
 from kvforge.models.registry import DEFAULT_MODEL, PACKAGED_MODELS, PackagedModel
 
 __all__ = [
@@ -14,7 +14,9 @@ __all__ = [
     "PackagedModel",
     "Qwen3Adapter",
     "adapter_for",
+    "dtype_name",
     "kvforge_home",
     "load_model",
+    "parse_dtype",
     "resolve_device",
 ]

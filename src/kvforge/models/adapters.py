@@ -75,7 +75,7 @@ class LlamaAdapter:
         x = self.layers[layer].input_layernorm(h)
         b, t, _ = x.shape
         weight, bias = self.qkv[layer]
-        out = F.linear(x, weight[start:], None if bias is None else bias[start:])
+        out = linear(x, weight[start:], None if bias is None else bias[start:])
         return out.view(b, t, -1, self.head_dim).transpose(1, 2)
 
     def _rotate_key(self, layer: int, k: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -122,7 +122,8 @@ class LlamaAdapter:
 
     def _output_projection(self, layer: int, o: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = o.shape
-        return self.layers[layer].self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        o_proj = self.layers[layer].self_attn.o_proj
+        return linear(o.transpose(1, 2).reshape(b, t, -1), o_proj.weight, o_proj.bias)
 
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
@@ -132,12 +133,14 @@ class LlamaAdapter:
         """The gated MLP with gate and up projections as one matmul."""
         mlp = self.layers[layer].mlp
         weight, bias = self.gate_up[layer]
-        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+        gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        down = mlp.down_proj
+        return linear(mlp.act_fn(gate) * up, down.weight, down.bias)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h (B, T, E) -> logits (B, T, V)."""
-        logits = self.model.lm_head(self.body.norm(h))
+        head = self.model.lm_head
+        logits = linear(self.body.norm(h), head.weight, head.bias)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -215,6 +218,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many rows are computed at once.
+
+    In bf16 on CPU, oneDNN picks another kernel for a single row of some shapes (here the
+    1536 -> 576 down projection), which rounds differently from the same row inside a larger
+    matmul; one-token decode steps and (k+1)-token verification forwards then disagree in the
+    last bits, near-ties flip, and greedy speculative decoding stops being token-identical to
+    plain decoding (5 of 7 prompts diverged). A single low-precision row is therefore computed
+    as two (a broadcast view, no copy of the weights), which costs the same when the weights'
+    memory traffic dominates. Measured bit-identical rows for 1..16 rows on this machine's
+    oneDNN; fp32 keeps the plain call (its width differences are ~1e-6 and exactness is against
+    transformers)."""
+    if x.dtype == torch.float32 or x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.reshape(1, -1).expand(2, -1), weight, bias)[:1]
+    return out.view(*x.shape[:-1], -1)
 
 
 def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

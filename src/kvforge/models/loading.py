@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.errors import DeviceError, UnknownModelError
+from kvforge.errors import DeviceError, KvforgeError, UnknownModelError
 from kvforge.paths import kvforge_home
 from kvforge.models.adapters import ModelAdapter, adapter_for
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
@@ -79,24 +80,88 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load `spec` (alias, HF directory, .gguf file or hub id) on `device`."""
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """`--dtype` as a torch dtype: fp32/float32, bf16/bfloat16, fp16/float16, or None for "auto"
+    (and None), which `load_model` resolves to the device's default."""
+    if isinstance(name, torch.dtype) and not name.is_floating_point:
+        raise KvforgeError(f"unsupported dtype {name}: use a floating-point one (fp32, bf16 or fp16)")
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    key = str(name).strip().lower()
+    if key == "auto":
+        return None
+    if key not in DTYPES:
+        raise KvforgeError(f"unknown dtype {name!r}: use auto, fp32, bf16 or fp16")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the form JSON reports record."""
+    return str(dtype).removeprefix("torch.")
+
+
+# CPU flags (Linux /proc/cpuinfo; `bf16`/`fphp` are arm64's) of native low-precision matmuls.
+_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"}, torch.float16: {"avx512_fp16", "amx_fp16", "fphp"}}
+_CPUINFO = Path("/proc/cpuinfo")
+_warned: set[torch.dtype] = set()
+
+
+def _warn_if_emulated(device: torch.device, dtype: torch.dtype) -> None:
+    """One stderr line per process when a CPU lacks native `dtype` math: it runs, but slowly."""
+    if device.type != "cpu" or dtype not in _NATIVE_CPU_FLAGS or dtype in _warned:
+        return
+    try:
+        flags = set(_CPUINFO.read_text().split())
+    except OSError:
+        return  # not Linux: nothing cheap to check
+    if not flags & _NATIVE_CPU_FLAGS[dtype]:
+        _warned.add(dtype)
+        print(f"warning: this CPU has no native {dtype_name(dtype)} support; it runs emulated and may be "
+              "slower than fp32", file=sys.stderr)
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load `spec` (alias, HF directory, .gguf file or hub id) on `device` in `dtype` (a torch
+    dtype or a `parse_dtype` name; None or "auto": fp32 on CPU, bf16 elsewhere).
+
+    A lower-precision model is loaded in fp32, fingerprinted, then cast, so its fingerprint is
+    the fp32 model's and artifacts fitted in fp32 load on it. The cast comes before the family
+    adapter is built: the adapter fuses weight tensors at construction.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     dev = resolve_device(device)
-    dtype = dtype or default_dtype(dev)
+    dtype = parse_dtype(dtype) or default_dtype(dev)
+    _warn_if_emulated(dev, dtype)
+    lower = torch.finfo(dtype).bits < 32
     hf_dir, source = _resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), dtype=torch.float32 if lower else dtype, attn_implementation="sdpa"
+        )
     except OSError as exc:
         raise UnknownModelError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
+    fingerprint = None
+    if lower:
+        fingerprint = model_fingerprint(model)
+        model.to(dtype)  # rounds as from_pretrained(dtype=...) would
     model.to(dev).eval()
     model.requires_grad_(False)
-    return LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype)
+    loaded = LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype)
+    if fingerprint is not None:
+        vars(loaded)["fingerprint"] = fingerprint  # the cached_property's slot
+    return loaded
 
 
 def _resolve(spec: str) -> tuple[str | Path, str]:

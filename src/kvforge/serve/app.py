@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvforge.generation import GenerationConfig
+from kvforge.models.loading import dtype_name
 from kvforge.plan import PrefillReport
 from kvforge.prompting import encode_prompt
 from kvforge.serve.metrics import ServerMetrics
@@ -48,6 +49,7 @@ class ServeConfig:
     max_batch: int = 16
     queue_size: int = 64
     device: str = "cpu"
+    dtype: str = "auto"  # a `--dtype` name: every served model's weights and caches
     # RidgeFill (with maps): the preset and its overrides
     preset: str = "fast"
     split: int | None = None
@@ -93,7 +95,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
 
     if (config.translator is None) != (config.target is None):
         raise ValueError("--translator and --target go together")
-    load = lambda spec: Engine(load_model(spec, device=config.device))  # noqa: E731
+    load = lambda spec: Engine(load_model(spec, device=config.device, dtype=config.dtype))  # noqa: E731
     engine = load(config.model)
     base = {"exact": planned_prefiller(engine, lambda ids: None)}
     groups = [(engine, base)]
@@ -178,7 +180,7 @@ def create_app(served: dict[str, Served]) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": list(served)}
+        return {"status": "ok", "models": list(served), "dtype": {name: dtype_name(s.engine.dtype) for name, s in served.items()}}
 
     @app.get("/metrics")
     async def metrics():

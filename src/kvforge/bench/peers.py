@@ -1,0 +1,330 @@
+"""`kvforge bench peers`: kvforge's exact engine against its peers on the same token ids, at the
+same thread count: transformers (the very model object kvforge loaded, its own `DynamicCache`,
+sdpa) and vLLM's offline `LLM` (when `import vllm` works; otherwise a `skipped` entry).
+
+Per (engine, dtype, prompt length), arms interleaved over `runs` after a warm-up:
+  - prefill tokens/s: the last-position logits of the whole prompt from an empty cache;
+  - decode tokens/s: `decode_tokens` greedy steps, batch 1, from that prefilled cache.
+Per (engine, dtype), the copy workload: `bench ngram`'s four copy prompts, batch 1, greedy,
+`copy_new_tokens` new tokens each with end of sequence ignored, prefill included, through each
+engine's own generate call (`Engine.generate`, transformers' `generate`, `LLM.generate`):
+generated tokens / wall time, put on every row of that engine and dtype as `copy_tokens_per_s`.
+
+vLLM is timed through its public API only: prefill = a generate call with max_tokens=1; decode =
+(median time with max_tokens=1+decode_tokens minus the prefill median) / decode_tokens. Its
+engine core runs where vLLM puts it (its own process by default), pinned to as many cores as
+torch has threads through `VLLM_CPU_OMP_THREADS_BIND` unless that is already set. Each dtype's
+models are loaded once and freed before the next dtype's: at most two are alive (kvforge's,
+which the transformers arms share, and vLLM's).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kvforge.bench.exact import hf_decode, hf_prefill, ours_decode
+from kvforge.bench.harness import environment, interleaved_medians, interleaved_metric_medians, timed
+from kvforge.data.prompts import held_out_text_tokens
+from kvforge.engine import Engine
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENGINES = ("kvforge", "transformers", "vllm")
+_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def parse_choices(text: str, allowed: Sequence[str], option: str) -> list[str]:
+    """A comma-separated `option` value as a list of names from `allowed`, in the given order
+    without repeats; anything else is a one-line ValueError."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        what = f"unknown {', '.join(repr(b) for b in bad)}" if bad else "nothing given"
+        raise ValueError(f"{option} takes a comma-separated list of {', '.join(allowed)}: {what} in {text!r}")
+    return names
+
+
+def bench_peers(
+    model: str,
+    lengths: list[int],
+    dtypes: Sequence[str] = ("fp32", "bf16"),
+    engines: Sequence[str] = ENGINES,
+    decode_tokens: int = 64,
+    runs: int = 3,
+    copy_new_tokens: int = 128,
+    device: str = "cpu",
+    load_engine: Callable[[torch.dtype], Engine] | None = None,
+    copy_prompt_ids: list[list[int]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Every (engine, dtype, length) row, plus the `skipped` engines with their reasons.
+
+    `load_engine(torch_dtype)` builds kvforge's engine for one dtype (default: `load_model(model,
+    device, dtype)`); `copy_prompt_ids` replaces the copy prompts (default: `copy_prompts` of the
+    model's tokenizer). Both exist so tests can run the bench on tiny in-memory models."""
+    for name in dtypes:
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}: use {' or '.join(DTYPES)}")
+    for name in engines:
+        if name not in ENGINES:
+            raise ValueError(f"unknown engine {name!r}: use {', '.join(ENGINES)}")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"prompt lengths must be positive, got {lengths}")
+    for value, what in ((decode_tokens, "decode tokens"), (runs, "runs"), (copy_new_tokens, "copy new tokens")):
+        if value < 1:
+            raise ValueError(f"{what} must be >= 1, got {value}")
+    if load_engine is None:
+        from kvforge.models import load_model
+
+        def load_engine(dtype: torch.dtype) -> Engine:
+            return Engine(load_model(model, device=device, dtype=dtype))
+
+    vllm_reason = _vllm_missing() if "vllm" in engines else None
+    settings = dict(lengths=lengths, engines=engines, decode_tokens=decode_tokens, runs=runs,
+                    copy_new_tokens=copy_new_tokens, progress=progress or (lambda message: None))
+    results, skipped, load_s, copy_workload, name = [], [], {}, None, model
+    for dtype in dtypes:
+        if vllm_reason is not None:
+            skipped.append({"engine": "vllm", "dtype": dtype, "reason": vllm_reason})
+        out = _bench_dtype(dtype, load_engine, copy_prompt_ids, vllm_reason is None and "vllm" in engines, **settings)
+        results += out["rows"]
+        skipped += out["skipped"]
+        load_s[dtype] = out["load_s"]
+        copy_workload, name = out["copy_workload"], out["model"]
+        gc.collect()  # this dtype's models go before the next dtype's load
+    _add_ratios(results)
+    return {
+        "command": "bench peers",
+        "model": name,
+        "method": "exact",
+        "tokens": lengths,
+        "dtypes": list(dtypes),
+        "engines": list(engines),
+        "runs": runs,
+        "decode_tokens": decode_tokens,
+        "copy_workload": copy_workload,
+        **environment(),
+        **_versions(vllm_reason is None and "vllm" in engines),
+        "load_s": load_s,
+        "results": results,
+        "skipped": skipped,
+    }
+
+
+def markdown_table(report: dict) -> str:
+    """One Markdown row per (engine, dtype): prefill and decode tokens/s at each length, copy
+    tokens/s, and kvforge's ratios (prefill / decode) to transformers and to vLLM at each length."""
+    lengths = report["tokens"]
+    header = (["engine", "dtype"] + [f"prefill tok/s @{t}" for t in lengths] + [f"decode tok/s @{t}" for t in lengths]
+              + ["copy tok/s"] + [f"×{peer} prefill/decode @{t}" for peer in ("transformers", "vllm") for t in lengths])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    pairs = list(dict.fromkeys((r["engine"], r["dtype"]) for r in report["results"]))
+    for engine, dtype in pairs:
+        rows = {r["tokens"]: r for r in report["results"] if (r["engine"], r["dtype"]) == (engine, dtype)}
+        cells = [engine, dtype] + [_num(rows[t]["prefill_tokens_per_s"]) for t in lengths]
+        cells += [_num(rows[t]["decode_tokens_per_s"]) for t in lengths] + [_num(rows[lengths[0]]["copy_tokens_per_s"])]
+        for peer in ("transformers", "vllm"):
+            for t in lengths:
+                ratio = rows[t].get(f"ratio_to_{peer}")
+                cells.append(f"{_num(ratio['prefill'], 2)} / {_num(ratio['decode'], 2)}" if ratio else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, lengths, engines, decode_tokens, runs,
+                 copy_new_tokens, progress) -> dict:
+    """The rows of one dtype. Its models live only in this call's frame."""
+    progress(f"{dtype}: loading kvforge's model")
+    start = time.perf_counter()
+    engine = load_engine(DTYPES[dtype])
+    load_s = {"kvforge": time.perf_counter() - start}
+    tokenizer, context = engine.model.tokenizer, engine.model.context_length
+    if max(lengths) + decode_tokens >= context:
+        raise ValueError(f"{max(lengths)} + {decode_tokens} tokens exceed the context of {context}")
+    if copy_prompt_ids is None:
+        from kvforge.bench.ngram import copy_prompts
+
+        copy_prompt_ids = copy_prompts(tokenizer)
+    if max(len(p) for p in copy_prompt_ids) + copy_new_tokens >= context:
+        raise ValueError(f"a copy prompt of {max(len(p) for p in copy_prompt_ids)} + {copy_new_tokens} tokens exceeds the context of {context}")
+
+    skipped, llm = [], None
+    if with_vllm:
+        max_len = max(max(lengths) + decode_tokens, max(len(p) for p in copy_prompt_ids) + copy_new_tokens) + 16
+        progress(f"{dtype}: loading vLLM (max_model_len {max_len})")
+        start = time.perf_counter()
+        llm, reason = _load_vllm(engine.model.hf, dtype, max_len)
+        if llm is None:
+            skipped.append({"engine": "vllm", "dtype": dtype, "reason": reason})
+        else:
+            load_s["vllm"] = time.perf_counter() - start
+    names = [e for e in engines if e != "vllm" or llm is not None]
+    hf = engine.model.hf
+
+    measured: dict[tuple[str, int], dict] = {}
+    for tokens in lengths:
+        ids_list = held_out_text_tokens(tokenizer, tokens)
+        ids = torch.tensor([ids_list], device=engine.device)
+        prefill_arms = {
+            "kvforge": lambda: engine.prefill(ids),
+            "transformers": lambda: hf_prefill(hf, ids),
+            "vllm": lambda: _vllm_generate(llm, [ids_list], 1),
+        }
+        decode_arms = {
+            "kvforge": lambda: ours_decode(engine, ids, decode_tokens),
+            "transformers": lambda: hf_decode(hf, ids, decode_tokens),
+            "vllm": lambda: _vllm_generate(llm, [ids_list], 1 + decode_tokens),  # wall time; the prefill is taken off below
+        }
+        progress(f"{dtype}, {tokens} tokens: prefill x{runs}")
+        prefill = interleaved_medians({e: prefill_arms[e] for e in names}, runs=runs)
+        progress(f"{dtype}, {tokens} tokens: decode {decode_tokens} x{runs}")
+        decode = interleaved_medians({e: decode_arms[e] for e in names}, runs=runs)
+        if "vllm" in decode:
+            decode["vllm"] -= prefill["vllm"]
+        for e in names:
+            measured[e, tokens] = {
+                "prefill_s": prefill[e],
+                "prefill_tokens_per_s": tokens / prefill[e],
+                "decode_tokens_per_s": decode_tokens / decode[e] if decode[e] > 0 else None,
+            }
+
+    copy_arms = {
+        "kvforge": lambda prompts, n: _kvforge_copy(engine, prompts, n),
+        "transformers": lambda prompts, n: _hf_copy(hf, prompts, n),
+        "vllm": lambda prompts, n: sum(len(o.outputs[0].token_ids) for p in prompts for o in _vllm_generate(llm, [p], n)),
+    }
+    progress(f"{dtype}: copy workload ({len(copy_prompt_ids)} prompts x {copy_new_tokens} tokens) x{runs}")
+    for e in names:  # warm-up: a couple of tokens each, so no arm pays first-call costs in a timed run
+        copy_arms[e](copy_prompt_ids[:1], 2)
+    copy = interleaved_metric_medians(
+        {e: _rate(copy_arms[e], copy_prompt_ids, copy_new_tokens) for e in names}, runs=runs, warmup=0
+    )
+    rows = [
+        {"engine": e, "dtype": dtype, "tokens": tokens, "arm": f"{e} {dtype}", **measured[e, tokens],
+         "copy_tokens_per_s": copy[e]["tokens_per_s"]}
+        for e in names for tokens in lengths
+    ]
+    if llm is not None:
+        _close_vllm(llm)
+    workload = {"prompts": len(copy_prompt_ids), "prompt_tokens": [len(p) for p in copy_prompt_ids],
+                "new_tokens": copy_new_tokens, "generated_tokens": {e: int(copy[e]["tokens"]) for e in names}}
+    return {"rows": rows, "skipped": skipped, "load_s": load_s, "copy_workload": workload, "model": engine.model.name}
+
+
+def _rate(generate: Callable[[list[list[int]], int], int], prompts: list[list[int]], new_tokens: int):
+    def run() -> dict[str, float]:
+        seconds, tokens = timed(lambda: generate(prompts, new_tokens))
+        return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+
+    return run
+
+
+def _kvforge_copy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> int:
+    from kvforge.generation import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)  # greedy
+    return sum(len(g.token_ids) for p in prompts for g in engine.generate(p, config))
+
+
+def _hf_copy(hf, prompts: list[list[int]], new_tokens: int) -> int:
+    """transformers' own `generate`, greedy; min_new_tokens keeps it from stopping at EOS (its
+    generation config fills an unset eos_token_id back in from the model's)."""
+    generated = 0
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=hf.device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False)
+            generated += out.shape[1] - ids.shape[1]
+    return generated
+
+
+# --- vLLM ----------------------------------------------------------------------------------------
+def _vllm_missing() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm not installed"
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # a broken install: record it, measure the others
+        return f"vllm import failed: {_first_line(exc)}"
+    return None
+
+
+def _load_vllm(hf, dtype: str, max_model_len: int):
+    """(vLLM's LLM over the Hugging Face directory kvforge loaded from, None) or (None, why not)."""
+    source = getattr(hf, "name_or_path", "")  # what from_pretrained was given: the converted directory or hub id
+    if not source or (source.startswith((".", "/", "~")) and not Path(source).expanduser().is_dir()):
+        return None, "no Hugging Face directory to give vLLM (the model was not loaded from one)"
+    n = torch.get_num_threads()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if n == 1 else f"0-{n - 1}")
+    try:
+        from vllm import LLM
+
+        llm = LLM(model=str(source), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, max_model_len=max_model_len,
+                  enable_prefix_caching=False)
+    except Exception as exc:  # vLLM refuses this model or dtype: record why, measure the others
+        return None, f"vllm failed to load {dtype}: {_first_line(exc)}"
+    return llm, None
+
+
+def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def _close_vllm(llm) -> None:
+    """Stop vLLM's engine core now rather than at exit, so the next dtype's engine has the memory."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _versions(with_vllm: bool) -> dict:
+    import transformers
+
+    versions = {"transformers": transformers.__version__, "vllm": None}
+    if with_vllm:
+        import vllm
+
+        versions["vllm"] = getattr(vllm, "__version__", "unknown")
+    versions["vllm_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if with_vllm else None
+    return versions
+
+
+# --- report --------------------------------------------------------------------------------------
+def _add_ratios(rows: list[dict]) -> None:
+    """kvforge rows get ratio_to_<peer> = {prefill, decode, copy}: kvforge's rate over the peer's
+    at the same dtype and length (> 1: kvforge is faster), or None where the peer was not measured."""
+    by_key = {(r["engine"], r["dtype"], r["tokens"]): r for r in rows}
+    for row in rows:
+        if row["engine"] != "kvforge":
+            continue
+        for peer in ("transformers", "vllm"):
+            other = by_key.get((peer, row["dtype"], row["tokens"]))
+            row[f"ratio_to_{peer}"] = None if other is None else {
+                figure: _ratio(row[f"{figure}_tokens_per_s"], other[f"{figure}_tokens_per_s"])
+                for figure in ("prefill", "decode", "copy")
+            }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

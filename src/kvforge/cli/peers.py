@@ -1,0 +1,44 @@
+"""`kvforge bench peers`: the exact engine against transformers and vLLM on the same token ids."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from kvforge.cli.common import DeviceOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, parse_lengths, setup_threads, user_errors
+
+
+@bench_app.command("peers")
+@user_errors
+def bench_peers_cmd(
+    model: str = ModelOpt,
+    tokens: str = typer.Option("1024,4096", "--tokens", help="Comma-separated prompt lengths."),
+    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="Comma-separated dtypes: fp32, bf16 (each loaded once)."),
+    engines: str = typer.Option("kvforge,transformers,vllm", "--engines", help="Comma-separated engines: kvforge, transformers, vllm."),
+    decode_tokens: int = typer.Option(64, "--decode-tokens"),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    copy_new_tokens: int = typer.Option(128, "--copy-new-tokens", help="New tokens per copy-workload prompt."),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """kvforge vs transformers vs vLLM, same token ids and threads: prefill and decode tok/s per length and dtype, copy-workload tok/s."""
+    from kvforge.bench.peers import DTYPES, ENGINES, bench_peers, markdown_table, parse_choices
+
+    lengths = parse_lengths(tokens)
+    dtype_names = parse_choices(dtypes, list(DTYPES), "--dtypes")
+    engine_names = parse_choices(engines, ENGINES, "--engines")
+    setup_threads(threads)
+    report = bench_peers(
+        model, lengths, dtype_names, engine_names, decode_tokens=decode_tokens, runs=runs, copy_new_tokens=copy_new_tokens,
+        device=device,
+        progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+    )
+    for skip in report["skipped"]:
+        err.print(f"[yellow]skipped {skip['engine']} {skip['dtype']}:[/yellow] {skip['reason']}", highlight=False)
+    if json_out:
+        emit_json(report)
+        return
+    print(markdown_table(report))
+    err.print(f"[dim]{report['threads']} thread(s), median of {runs} runs after a warm-up; ratios are kvforge's rate over the peer's (prefill / decode)[/dim]")
