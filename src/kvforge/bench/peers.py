@@ -9,6 +9,9 @@ Per (engine, dtype), the copy workload: `bench ngram`'s four copy prompts, batch
 `copy_new_tokens` new tokens each with end of sequence ignored, prefill included, through each
 engine's own generate call (`Engine.generate`, transformers' `generate`, `LLM.generate`):
 generated tokens / wall time, put on every row of that engine and dtype as `copy_tokens_per_s`.
+kvforge rows also carry `step_cost`: what a wider step costs over a one-token decode step at
+that context, `verify_9` (one sequence, 9 new rows: a k = 8 speculative verification) and
+`batch_16` (16 sequences, one new row each), from the prefilled prompt's cache (copied 16 times).
 
 vLLM is timed through its public API only: prefill = a generate call with max_tokens=1; decode =
 (median time with max_tokens=1+decode_tokens minus the prefill median) / decode_tokens. Its
@@ -134,6 +137,10 @@ def markdown_table(report: dict) -> str:
                 ratio = rows[t].get(f"ratio_to_{peer}")
                 cells.append(f"{_num(ratio['prefill'], 2)} / {_num(ratio['decode'], 2)}" if ratio else "–")
         lines.append("| " + " | ".join(cells) + " |")
+    widths = [(r["dtype"], r["tokens"], r["step_cost"]) for r in report["results"] if "step_cost" in r]
+    if widths:
+        lines += ["", "| kvforge dtype | context | one-token step ms | 9-row verify / one | 16-sequence step / one |", "|---|---|---|---|---|"]
+        lines += [f"| {d} | {t} | {c['one_s'] * 1e3:.1f} | {c['verify_9']:.2f} | {c['batch_16']:.2f} |" for d, t, c in widths]
     return "\n".join(lines)
 
 
@@ -193,6 +200,9 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
                 "prefill_tokens_per_s": tokens / prefill[e],
                 "decode_tokens_per_s": decode_tokens / decode[e] if decode[e] > 0 else None,
             }
+        if "kvforge" in names:
+            progress(f"{dtype}, {tokens} tokens: step widths x{runs}")
+            measured["kvforge", tokens]["step_cost"] = step_cost(engine, ids_list, runs)
 
     copy_arms = {
         "kvforge": lambda prompts, n: _kvforge_copy(engine, prompts, n),
@@ -215,6 +225,30 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
     workload = {"prompts": len(copy_prompt_ids), "prompt_tokens": [len(p) for p in copy_prompt_ids],
                 "new_tokens": copy_new_tokens, "generated_tokens": {e: int(copy[e]["tokens"]) for e in names}}
     return {"rows": rows, "skipped": skipped, "load_s": load_s, "copy_workload": workload, "model": engine.model.name}
+
+
+@torch.inference_mode()
+def step_cost(engine: Engine, prompt: list[int], runs: int = 3) -> dict[str, float]:
+    """Median time of a 9-row step of one sequence and of a one-row step of 16 sequences, each
+    over a one-row step of one sequence, all after `prompt`'s cache (rows rolled back after each
+    step, so every step sees the same context)."""
+    _, cache = engine.prefill([prompt])
+    batch = cache.select_batch(torch.zeros(16, dtype=torch.long))
+    last = torch.tensor(prompt[-9:], device=engine.device)
+    start = len(prompt)
+
+    def step(c, ids: torch.Tensor) -> None:
+        b, t = ids.shape
+        positions = torch.arange(start, start + t, device=engine.device).expand(b, t)
+        engine.forward(ids, positions, c, "all" if t > 1 else "last")  # verification reads every row's logits
+        c.trim(t)
+
+    times = interleaved_medians({
+        "one": lambda: step(cache, last[:1].view(1, 1)),
+        "verify_9": lambda: step(cache, last.view(1, 9)),
+        "batch_16": lambda: step(batch, last[:1].expand(16, 1).contiguous()),
+    }, runs=max(runs, 5))
+    return {"one_s": times["one"], "verify_9": times["verify_9"] / times["one"], "batch_16": times["batch_16"] / times["one"]}
 
 
 def _rate(generate: Callable[[list[list[int]], int], int], prompts: list[list[int]], new_tokens: int):
