@@ -2,6 +2,7 @@
 official `openai` client (and raw HTTP for malformed requests)."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -63,9 +64,9 @@ def _cli(*args):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _start(args, port):
+def _start(args, port, env=None):
     proc = subprocess.Popen([sys.executable, "-m", "kvforge", "serve", *map(str, args), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -217,7 +218,7 @@ def test_serve_refuses_settings_that_contradict_the_adapter(dirs, artifacts):
 def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     """A rendered chat template holds its BOS: the hand-off serves the request's one tokenization
     (no second BOS), and that is what the context check and usage count."""
-    from kvforge.serve.app import ServeConfig, _make_request, build_served
+    from kvforge.serve.app import ServeConfig, _make_group, build_served
     from kvforge.serve.protocol import ChatCompletionRequest
 
     llama, target = str(dirs[0]), str(_save(tmp_path / "gemma-bos", "gemma3", 4, bos=True))
@@ -230,7 +231,7 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     expected = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
     assert expected[0] == 1 and expected.count(1) == 1  # one BOS, from the template
     body = ChatCompletionRequest(model=target, messages=messages, max_tokens=2, kvforge={"prefill": "handoff"})
-    request = _make_request(served, body, None, chat=True)
+    (request,) = _make_group(served, body, chat=True)
     assert request.prompt_ids == expected
     logits, cache = served.routes["handoff"].prefillers["handoff"](request)
     assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
@@ -275,10 +276,103 @@ def test_sampling_with_a_seed_is_reproducible(client, dirs):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+# fp32 log-probabilities: the server's decode steps against the library's (see test_logprobs.TOL)
+TOL = 1e-5
+
+
+def test_logprobs_in_openai_shapes_streamed_or_not(client, dirs):
+    """Completions `logprobs` and chat `logprobs` / `top_logprobs`, parsed by the openai client:
+    the values are the library's (the model distribution, greedy), streaming carries the same
+    entries spread over its chunks, and `logprobs_of: sampling` reports the one-hot greedy draws."""
+    from kvforge.engine import Engine
+    from kvforge.generation import GenerationConfig
+    from kvforge.models import load_model
+
+    model = str(dirs[0])
+    engine = Engine(load_model(model))
+    ids = engine.model.tokenizer(PROMPTS[0]).input_ids
+    expected = engine.generate(ids, GenerationConfig(max_new_tokens=8, logprobs=True))[0].logprobs
+    out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.model for e in expected], abs=TOL)
+    assert lp.tokens == [engine.model.tokenizer.decode([e.token]) for e in expected]
+    assert all(len(top) == 2 and max(top, key=top.get) == token for top, token in zip(lp.top_logprobs, lp.tokens))  # greedy: the likeliest
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2, stream=True))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=TOL)
+
+    kw = dict(model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(**kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert all(c.bytes == list(c.token.encode()) and c.logprob < 0 for c in content)
+    pieces = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [(e.token, e.logprob) for c in pieces if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [t for t, _ in streamed] == [c.token for c in content]
+    assert [v for _, v in streamed] == pytest.approx([c.logprob for c in content], abs=TOL)
+    sampled = client.chat.completions.create(**kw, extra_body={"kvforge": {"logprobs_of": "sampling"}})
+    assert [c.token for c in sampled.choices[0].logprobs.content] == [c.token for c in content]
+    assert all(c.logprob == 0.0 and [t.logprob for t in c.top_logprobs] == [0.0, -9999.0, -9999.0] for c in sampled.choices[0].logprobs.content)
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("options", [{}, {"draft": "ngram"}])
+def test_n_choices_sample_apart_and_a_seed_reproduces_them(client, dirs, options):
+    """n = 3 with a seed: three different samples, the same three again, streamed or not, with
+    the n-gram drafter (one cache for the three) or without; choice 0 samples with the seed
+    itself, so it is the n = 1 answer when nothing drafts."""
+    model = str(dirs[0])
+    kw = dict(model=model, prompt=PROMPTS[3], max_tokens=10, temperature=1.0, seed=11, n=3, logprobs=0, extra_body={"kvforge": options})
+    first, again = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and [c.text for c in again.choices] == texts
+    assert len(set(texts)) == 3
+    assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
+    assert first.usage.prompt_tokens == len(PROMPTS[3])  # once, not per choice
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)] == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    if not options:
+        assert client.completions.create(**{**kw, "n": 1}).choices[0].text == texts[0]
+    assert client.completions.create(**{**kw, "seed": 12}).choices[0].text != texts[0]
+
+
+def test_an_api_key_guards_every_route_but_health_and_is_never_logged(dirs):
+    """KVFORGE_API_KEY: without `Authorization: Bearer KEY` (missing, wrong, another scheme)
+    every route but /health answers 401 with an OpenAI error body; the openai client with the
+    key is served; nothing the server prints holds the key."""
+    key = "kvf-" + "0123456789abcdef" * 2
+    model = str(dirs[0])
+    proc, url = _start(["--model", model, "--max-batch", 2, "--threads", 1], free_port(), env={**os.environ, "KVFORGE_API_KEY": key})
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        body = {"model": model, "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}x"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
+            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
+                r = httpx.request(method, url + path, headers=headers, json=body)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and key not in r.text, (headers, path)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).completions.create(**body)
+        served = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        assert served.completions.create(**body, temperature=0).usage.completion_tokens >= 1
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    finally:
+        proc.terminate()
+        out, errors = proc.communicate(timeout=30)
+    assert "API key required" in errors
+    assert key not in out and key not in errors
+
+
 def test_bad_requests_get_openai_errors_and_the_server_lives(server, client, dirs):
     model, target = str(dirs[0]), str(dirs[1])
     raw = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    raw = httpx.post(f"{server}/v1/completions", content=b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % model.encode(),
+                     headers={"content-type": "application/json"})  # Python's json reads NaN; the openai client will not send it
+    assert raw.status_code == 400 and "temperature: Input should be a finite number" in raw.json()["error"]["message"]
     cases = [
         (dict(model=model, prompt="hi", max_tokens="many"), "max_tokens"),
         (dict(model=model, prompt="  "), "empty prompt"),
@@ -287,6 +381,9 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server, client, dir
         (dict(model=target, prompt="hi", extra_body={"kvforge": {"prefill": "ridgefill"}}), "start the server with --maps"),
         (dict(model=model, prompt="hi", extra_body={"kvforge": {"prefill": "handoff"}}), "not available"),
         (dict(model=model, prompt="hi", extra_body={"kvforge": {"prefetch": True}}), "prefetch needs draft"),
+        (dict(model=model, prompt="hi", n=17), "n = 17 is more than this server decodes together (--max-batch 16)"),
+        (dict(model=model, prompt="hi", logprobs=21), "logprobs: Input should be less than or equal to 20"),
+        (dict(model=model, prompt=[5, 97]), "prompt token id 97 is outside the vocabulary (0 to 96)"),
     ]
     for kwargs, message in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -296,6 +393,13 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server, client, dir
         client.completions.create(model="no-such-model", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="no chat template|role"):
         client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
+    hi = [{"role": "user", "content": "hi"}]
+    for kwargs, message in ((dict(logprobs=True, top_logprobs=21), "top_logprobs: Input should be less than or equal to 20"),
+                            (dict(top_logprobs=2), "top_logprobs needs logprobs: true"),
+                            (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "type 'image_url' are not served")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**{"model": model, "messages": hi, **kwargs})
+        assert message in info.value.body["message"], (kwargs, info.value.body)
     assert httpx.get(f"{server}/health").status_code == 200
 
 
@@ -378,17 +482,19 @@ def tiny_engine():
     return Engine(tiny_loaded("llama"))
 
 
-def _schedule(engine, requests, draft=None, setup=lambda scheduler: None):
-    """Run `requests` through a Scheduler, admitted into one batch; returns the scheduler."""
+def _schedule(engine, items, draft=None, setup=lambda scheduler: None, prefill=None):
+    """Run `items` (requests, or groups of them: the choices of one request) through a
+    Scheduler, admitted into one batch; returns the scheduler."""
     from kvforge.serve.scheduler import Scheduler
 
     done = threading.Semaphore(0)
+    requests = [r for item in items for r in (item if isinstance(item, list) else [item])]
     for r in requests:
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(engine, {"exact": lambda r: engine.prefill([r.prompt_ids])}, max_batch=8, draft=draft)
+    scheduler = Scheduler(engine, {"exact": prefill or (lambda r: engine.prefill([r.prompt_ids]))}, max_batch=8, draft=draft)
     setup(scheduler)
-    for r in requests:
-        scheduler.submit(r)
+    for item in items:
+        scheduler.submit(item)
     scheduler.start()
     try:
         for _ in requests:
@@ -459,3 +565,42 @@ def test_the_scheduler_batches_greedy_drafted_and_seeded_requests(tiny_engine):
         assert r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
     assert batch[2].seq.token_ids == alone.seq.token_ids
     assert scheduler.stats.steps > 0 and scheduler.stats.drafted > 0
+
+
+def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngram_cache(tiny_engine, monkeypatch):
+    """The n choices of one request: one prefill, every verification forward holds all of them
+    (they joined the batch together), their drafters share one n-gram cache, and greedy choices
+    commit plain decoding's tokens; a seeded group samples the same tokens when run again."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import ServeRequest
+
+    engine = tiny_engine
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prefills, widths = [], []
+    forward = engine.forward
+
+    def spy_forward(ids, positions, cache, logits="last"):
+        if logits == "all":
+            widths.append(ids.shape[0])
+        return forward(ids, positions, cache, logits)
+
+    def prefill(r):
+        prefills.append(r)
+        return engine.prefill([r.prompt_ids])
+
+    monkeypatch.setattr(engine, "forward", spy_forward)
+    group = [ServeRequest(prompt, greedy, draft="ngram") for _ in range(3)]
+    scheduler = _schedule(engine, [group], prefill=prefill)
+    assert len(prefills) == 1 and widths and set(widths) == {3}
+    assert len({id(r.state.drafter.cache) for r in group}) == 1 and scheduler.stats.accepted > 0
+    plain = engine.generate(prompt, greedy)[0].token_ids
+    assert all(r.seq.token_ids == plain for r in group)
+
+    def seeded():
+        configs = [GenerationConfig(max_new_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+        choices = [ServeRequest(prompt, c, draft="ngram") for c in configs]
+        _schedule(engine, [ServeRequest(prompt, greedy), choices], prefill=prefill)  # batched with another request
+        return [r.seq.token_ids for r in choices]
+
+    assert seeded() == seeded()

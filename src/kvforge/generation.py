@@ -3,7 +3,8 @@
 A batch of prompts of different lengths is left-padded and decoded in lockstep; a finished
 sequence leaves the batch (its cache rows are dropped) so the others do not pay for it.
 Streaming hands each sequence's new text to a callback, holding back what may still become a
-stop string or an incomplete UTF-8 character.
+stop string or an incomplete UTF-8 character. With `logprobs`, each committed token's
+log-probabilities are recorded from the logits it was chosen from (`sampling.token_logprobs`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from kvforge.errors import PromptError
 from kvforge.plan import PrefillReport
-from kvforge.sampling import SamplingParams, sample
+from kvforge.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,29 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     chunk_size: int | None = None  # prefill chunk; None: the engine's default
+    # Record each token's log-probabilities (`Generation.logprobs`), with the `top_logprobs`
+    # likeliest tokens per position under `logprobs_of`: "model" (the raw distribution, what
+    # OpenAI reports) or "sampling" (after temperature, top-k, top-p).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logprobs_of: str = "model"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.top_logprobs < 0 or self.logprobs_of not in ("model", "sampling"):
+            raise ValueError(f"top_logprobs must be >= 0 and logprobs_of 'model' or 'sampling', got {self.top_logprobs}, {self.logprobs_of!r}")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The log-probabilities to record for `tokens` chosen from logits (N, V); None when not asked."""
+        if not self.logprobs:
+            return None
+        return token_logprobs(logits, tokens, self.sampling, self.top_logprobs, self.logprobs_of)
 
 
 @dataclass
@@ -52,6 +67,7 @@ class Generation:
     decode_s: float  # first token to last token
     stop_matched: str | None = None
     prefill: PrefillReport | None = None  # what the prompt's prefill ran (one planned prompt)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, with `GenerationConfig.logprobs`
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -73,11 +89,13 @@ class SequenceState:
     stop_matched: str | None = None
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id when recorded
 
     def result(self, start: float, prefill: PrefillReport | None = None) -> Generation:
         """The finished sequence; `start`: when its request started (for the time to first token)."""
         return Generation(self.token_ids, self.text, self.finish_reason, self.prompt_tokens, self.first_token_at - start,
-                          self.last_token_at - self.first_token_at, self.stop_matched, prefill)
+                          self.last_token_at - self.first_token_at, self.stop_matched, prefill,
+                          self.logprobs or None)
 
 
 def generate(
@@ -112,9 +130,10 @@ def generate(
     active = list(range(len(seqs)))
     while True:
         tokens = sample(logits, params, generator)
+        logprobs = config.token_logprobs(logits, tokens.tolist())
         now = time.perf_counter()
         for row, index in enumerate(active):
-            commit_token(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text)
+            commit_token(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text, logprobs[row] if logprobs else None)
             if seqs[index].finish_reason is None and positions[row] + 1 >= context:
                 seqs[index].finish_reason = "length"
         keep = [row for row, index in enumerate(active) if seqs[index].finish_reason is None]
@@ -165,12 +184,17 @@ def eos_token_ids(model) -> set[int]:
     return ids
 
 
-def commit_token(seq: SequenceState, token: int, now: float, tokenizer, eos: set[int], config: GenerationConfig, on_text) -> None:
-    """Append one token: finish on EOS (kept in the ids), a stop string (cut from the text) or
+def commit_token(
+    seq: SequenceState, token: int, now: float, tokenizer, eos: set[int], config: GenerationConfig, on_text, logprob: TokenLogprob | None = None
+) -> None:
+    """Append one token (and its `logprob`, recorded before any text is streamed, so a reader of
+    the stream finds it): finish on EOS (kept in the ids), a stop string (cut from the text) or
     max tokens; stream the text that can no longer change to `on_text(seq.index, delta)`."""
     if not seq.token_ids:
         seq.first_token_at = now
     seq.last_token_at = now
+    if logprob is not None:
+        seq.logprobs.append(logprob)
     if token in eos:
         seq.token_ids.append(token)
         seq.finish_reason = "stop"

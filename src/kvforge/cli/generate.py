@@ -163,13 +163,20 @@ def rollout(
     k: int = KOpt,
     budget: int = BudgetOpt,
     no_gate: bool = typer.Option(False, "--no-gate", help="Draft every step (no DraftGate pausing rejected drafters)."),
-    out: Path = typer.Option(Path("rollouts.jsonl"), "--out", "-o", help="JSONL of rollouts, one line per sample."),
+    model_logprobs: bool = typer.Option(
+        False, "--model-logprobs",
+        help="Also write model_logprobs: each token's log-probability under the unmodified model distribution (temperature 1, no top-p).",
+    ),
+    out: Path = typer.Option(Path("rollouts.jsonl"), "--out", "-o", help="JSONL of rollouts, one line per sample, with sampling_logprobs."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """RL-style rollouts: G samples per prompt, decoded together, plain or with a lossless drafter."""
+    """RL-style rollouts: G samples per prompt, decoded together, plain or with a lossless drafter.
+    Each JSONL line holds a sample's token ids, text and sampling_logprobs: each token's
+    log-probability under the distribution it was sampled from (after temperature and top-p;
+    0.0 when greedy), plus model_logprobs with --model-logprobs."""
     import time
 
     from kvforge.generation import GenerationConfig
@@ -181,7 +188,7 @@ def rollout(
         raise KvforgeError("--samples-per-prompt must be >= 1")
     texts = _read_prompts(prompts)
     drafting = DraftConfig(draft, k, prefetch, budget, gate=not no_gate)
-    config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed)
+    config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True)
     engine = load_engine(model, device, dtype)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
     tokens, accepted, steps, start = 0, 0, 0, time.perf_counter()
@@ -191,8 +198,7 @@ def rollout(
             err.print(f"[dim]prompt {index + 1}/{len(encoded)}: {len(ids)} tokens x{samples_per_prompt}[/dim]")
             outputs, stats = generate_group(engine, ids, samples_per_prompt, config, drafting)
             for sample, g in enumerate(outputs):
-                record = {"prompt_index": index, "sample": sample, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason}
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(_rollout_record(index, sample, g, model_logprobs)) + "\n")
                 tokens += len(g.token_ids)
             if stats:
                 accepted, steps = accepted + stats.accepted, steps + stats.request_steps
@@ -215,6 +221,16 @@ def rollout(
         emit_json(summary)
         return
     err.print(f"wrote {len(encoded) * samples_per_prompt} rollouts to {out}: {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s)")
+
+
+def _rollout_record(prompt_index: int, sample: int, g, model_logprobs: bool) -> dict:
+    """One JSONL line: `sampling_logprobs` are under the distribution each token was drawn from
+    (what an importance ratio needs), `model_logprobs` under the raw model distribution."""
+    record = {"prompt_index": prompt_index, "sample": sample, "text": g.text, "token_ids": g.token_ids, "finish_reason": g.finish_reason,
+              "sampling_logprobs": [lp.sampling for lp in g.logprobs]}
+    if model_logprobs:
+        record["model_logprobs"] = [lp.model for lp in g.logprobs]
+    return record
 
 
 def _read_prompts(path: Path) -> list[str]:

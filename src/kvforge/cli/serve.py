@@ -38,6 +38,11 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching)."),
     queue_size: int = typer.Option(64, "--queue-size", help="Waiting requests before 429."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="KVFORGE_API_KEY", show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every route but /health (prefer the environment variable: a flag shows in ps).",
+    ),
+    metrics_public: bool = typer.Option(False, "--metrics-public", help="With --api-key: serve /metrics without the key."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -51,13 +56,17 @@ def serve(
     setup_threads(threads)
     if max_batch < 1 or queue_size < 1:
         raise ValueError("--max-batch and --queue-size must be >= 1")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
     with err.status(f"loading {model}"):
         served = build_served(ServeConfig(
             model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
             attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail,
         ))
-    err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1", highlight=False)
-    uvicorn.run(create_app(served), host=host, port=port, log_level="warning")
+    guard = " (API key required)" if api_key else ""
+    err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)
+    # log_level warning: no access log lines (they would hold request paths, never headers or keys)
+    uvicorn.run(create_app(served, api_key, metrics_public), host=host, port=port, log_level="warning")
 
 
 @bench_app.command("serve")

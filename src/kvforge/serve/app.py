@@ -9,13 +9,21 @@ does. The base weights serve every method but SPEED with an adapter, whose LoRA 
 second weight set beside them (`lora.adapted_engine`): a batch runs one set of weights, so those
 requests have their own scheduler. A response says what its prefill ran (`PrefillReport`: the
 method, or exact with the reason, and the rows filled or left shallow).
+
+A request for `n` choices is a group of n scheduler requests (`Scheduler.submit`): choice i
+samples with its own seed, derived from the request's `seed` and i (`choice_seed`).
+
+With an API key every route but /health (and /metrics when it is public) needs
+`Authorization: Bearer KEY`; the key is compared in constant time and never logged or echoed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -28,7 +36,9 @@ from kvforge.models.loading import dtype_name
 from kvforge.plan import PrefillReport
 from kvforge.prompting import encode_prompt
 from kvforge.serve.metrics import ServerMetrics
-from kvforge.serve.protocol import ChatCompletionRequest, CompletionRequest, completion_body, error_body, new_id, usage
+from kvforge.serve.protocol import (
+    ChatCompletionRequest, CompletionRequest, choice_body, completion_body, error_body, logprobs_body, new_id, usage,
+)
 from kvforge.serve.scheduler import QueueFull, Scheduler, ServeRequest
 from kvforge.translate.align import Tokenized, tokenize
 
@@ -68,6 +78,7 @@ class AppRequest(ServeRequest):
 
     tokens: Tokenized | None = None
     report: PrefillReport | None = None
+    index: int = 0  # the choice this request is, of its API request's n
 
 
 class Served:
@@ -147,8 +158,13 @@ def handoff_prefiller(translator, source, target):
     return prefill
 
 
-def create_app(served: dict[str, Served]) -> FastAPI:
+def create_app(served: dict[str, Served], api_key: str | None = None, metrics_public: bool = False) -> FastAPI:
+    """The app over `served`; with `api_key`, every route but /health (and /metrics when
+    `metrics_public`) answers 401 without `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="kvforge", description="OpenAI-compatible server with forged KV caches.")
+    if api_key:
+        open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        app.middleware("http")(_require_key(api_key, open_paths))
 
     @app.on_event("startup")
     async def _start():
@@ -193,118 +209,218 @@ def create_app(served: dict[str, Served]) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        try:
-            text = body.text()
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "prompt") from exc
-        return await _serve(http, body, text, chat=False)
+        return await _serve(http, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
-        return await _serve(http, body, None, chat=True)
+        return await _serve(http, body, chat=True)
 
-    async def _serve(http: Request, body, text: str | None, chat: bool):
+    async def _serve(http: Request, body, chat: bool):
         s = served.get(body.model)
         if s is None:
             raise ApiError(404, f"the model `{body.model}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
-        request = _make_request(s, body, text, chat)
+        group = _make_group(s, body, chat)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        request.emit = lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        for r in group:
+            r.emit = lambda kind, payload, i=r.index: loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
         try:
-            s.routes[request.prefill].submit(request)
+            s.routes[group[0].prefill].submit(group)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
         rid = new_id("chatcmpl" if chat else "cmpl")
+        reply = _Reply(s.engine.model.tokenizer, group, chat, body.kvforge.logprobs_of)
         if body.stream:
-            return StreamingResponse(_stream(http, s.name, request, events, rid, chat), media_type="text/event-stream")
-        text_out = []
-        while True:
+            return StreamingResponse(_stream(s.name, group, events, rid, reply), media_type="text/event-stream")
+        finished = 0
+        while finished < len(group):
             try:
-                kind, payload = await asyncio.wait_for(events.get(), timeout=0.5)
+                _, kind, _payload = await asyncio.wait_for(events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
-                    request.cancelled.set()
+                    for r in group:
+                        r.cancelled.set()
                     return Response(status_code=499)
                 continue
-            if kind == "text":
-                text_out.append(payload)
-            else:
-                break
-        if request.error is not None:
-            raise ApiError(500, f"generation failed: {request.error}", kind="server_error")
-        return completion_body(rid, s.name, "".join(text_out), request.seq.finish_reason, chat, _extra(request))
+            finished += kind == "done"
+        failed = next((r.error for r in group if r.error is not None), None)
+        if failed is not None:
+            raise ApiError(500, f"generation failed: {failed}", kind="server_error")
+        choices = [choice_body(r.index, r.seq.text, r.seq.finish_reason, chat, reply.logprobs(r)) for r in group]
+        return completion_body(rid, s.name, choices, chat, _extra(group))
 
-    async def _stream(http: Request, model: str, request: AppRequest, events: asyncio.Queue, rid: str, chat: bool):
+    async def _stream(model: str, group: list[AppRequest], events: asyncio.Queue, rid: str, reply: "_Reply"):
+        """Chunks as the choices produce text, each with the log-probabilities of the tokens its
+        choice committed since its last chunk; a choice's last chunk has its finish reason, and
+        the last of all carries usage and what ran."""
+        finished = 0
         try:
-            while True:
-                kind, payload = await events.get()
+            while finished < len(group):
+                i, kind, payload = await events.get()
+                r = group[i]
                 if kind == "text":
-                    yield f"data: {json.dumps(completion_body(rid, model, payload, None, chat, stream=True))}\n\n"
+                    delta = choice_body(i, payload, None, reply.chat, reply.logprobs(r, new=True), stream=True)
+                    yield f"data: {json.dumps(completion_body(rid, model, [delta], reply.chat, stream=True))}\n\n"
                     continue
-                if request.error is not None:
-                    yield f"data: {json.dumps(error_body(f'generation failed: {request.error}', 'server_error'))}\n\n"
-                else:
-                    final = completion_body(rid, model, "", request.seq.finish_reason, chat, _extra(request), stream=True)
-                    yield f"data: {json.dumps(final)}\n\n"
-                yield "data: [DONE]\n\n"
-                return
+                finished += 1
+                if r.error is not None:
+                    yield f"data: {json.dumps(error_body(f'generation failed: {r.error}', 'server_error'))}\n\n"
+                    break
+                last = _extra(group) if finished == len(group) else None
+                final = choice_body(i, "", r.seq.finish_reason, reply.chat, reply.logprobs(r, new=True), stream=True)
+                yield f"data: {json.dumps(completion_body(rid, model, [final], reply.chat, last, stream=True))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            request.cancelled.set()  # a no-op when finished; frees the slot when the client went away
+            for r in group:
+                r.cancelled.set()  # a no-op when finished; frees the slots when the client went away
 
     return app
 
 
-def _make_request(s: Served, body, text: str | None, chat: bool) -> AppRequest:
-    """The request, its prompt tokenized once: the ids checked against the context are the ids
-    served (a hand-off keeps them, with their character spans, for the alignment)."""
+def _require_key(api_key: str, open_paths: set[str]):
+    """The middleware that answers 401 without the key. Both sides are hashed before the
+    constant-time comparison, so not even the key's length leaks through timing."""
+    expected = hashlib.sha256(api_key.encode()).digest()
+
+    async def require_key(request: Request, call_next):
+        if request.url.path in open_paths:
+            return await call_next(request)
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
+            return await call_next(request)
+        message = "invalid API key" if given else "missing API key: send the header `Authorization: Bearer <key>`"
+        return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401)
+
+    return require_key
+
+
+class _Reply:
+    """How a group's choices are written back: chat or completion shape, and their
+    log-probabilities (None when not asked for) in OpenAI's shape, under `logprobs_of`."""
+
+    def __init__(self, tokenizer, group: list[AppRequest], chat: bool, logprobs_of: str):
+        self.tokenizer, self.chat, self.logprobs_of = tokenizer, chat, logprobs_of
+        self.sent = [0] * len(group)  # per choice: log-probability entries already sent (streaming)
+        self.offset = [0] * len(group)  # per choice: characters of token text before them
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs(self, r: AppRequest, new: bool = False) -> dict | None:
+        """The choice's log-probabilities: all of them, or (`new`) those committed since the
+        last call; the scheduler records a token's before streaming its text."""
+        if not r.config.logprobs:
+            return None
+        start = self.sent[r.index] if new else 0
+        entries = r.seq.logprobs[start:]
+        body = logprobs_body(entries, self.token_text, self.logprobs_of, self.chat, self.offset[r.index] if new else 0)
+        if new:
+            self.sent[r.index] += len(entries)
+            self.offset[r.index] += sum(len(self.token_text(e.token)) for e in entries)
+        return body
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice 0 samples with the request's seed (n = 1 is unchanged); choice i > 0 with a seed
+    hashed from (seed, i), so no choice repeats another request's seed + i."""
+    if seed is None or choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # in [0, 2**63): a valid torch seed
+
+
+def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
+    """The request's n choices, its prompt tokenized once: the ids checked against the context
+    are the ids served (a hand-off keeps them, with their character spans, for the alignment)."""
     engine, options = s.engine, body.kvforge
-    tokenizer = engine.model.tokenizer
     if options.prefill not in s.routes:
         hint = {"ridgefill": "start the server with --maps", "handoff": "start the server with --translator and --target, and ask the target model"}
         raise ApiError(400, f"prefill {options.prefill!r} is not available for {s.name}: {hint.get(options.prefill, 'not loaded')}", "kvforge.prefill")
     if options.prefetch and options.draft != "ngram":
         raise ApiError(400, "prefetch needs draft 'ngram': it reads the n-gram cache", "kvforge.prefetch")
-    tokens = None
+    refused = body.unsupported()
+    if refused:
+        raise ApiError(400, refused)
+    n, limit = body.choices(), s.routes[options.prefill].max_batch
+    if n > limit:
+        raise ApiError(400, f"n = {n} is more than this server decodes together (--max-batch {limit}): ask for at most {limit} choices", "n")
+    try:
+        top = body.top_logprobs_wanted()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "top_logprobs") from exc
+    ids, text, tokens = _prompt_ids(s, body, chat)
+    context = engine.model.context_length
+    if len(ids) >= context:
+        raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
+    max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    max_tokens = max_tokens or (context - len(ids) - 1 if chat else 16)
+    try:
+        config = GenerationConfig(
+            max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stops(),
+            logprobs=top is not None, top_logprobs=top or 0, logprobs_of=options.logprobs_of,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return [
+        AppRequest(ids, replace(config, seed=choice_seed(body.seed, i)), text, options.prefill, options.draft, options.prefetch,
+                   tokens=tokens, index=i)
+        for i in range(n)
+    ]
+
+
+def _prompt_ids(s: Served, body, chat: bool) -> tuple[list[int], str | None, Tokenized | None]:
+    """The prompt's token ids, its text (None when given as ids) and, for a hand-off, the
+    target's tokenization with character spans."""
+    tokenizer, prefill = s.engine.model.tokenizer, body.kvforge.prefill
     try:
         if chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise ApiError(400, f"{s.name} has no chat template: use /v1/completions")
-            messages = [m.model_dump() for m in body.messages]
-            if not any(m["content"].strip() for m in messages):
+            if not any(m.text().strip() for m in body.messages):
                 raise ApiError(400, "empty prompt: the messages hold no text", "messages")
+            messages = [m.for_template() for m in body.messages]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if options.prefill == "handoff":
+        else:
+            prompt = body.prompt_value()
+            if not isinstance(prompt, str):
+                return _checked_ids(s, prompt, prefill), None, None
+            text = prompt
+        if prefill == "handoff":
             if not text.strip():
                 raise ApiError(400, "empty prompt: give some text", "prompt")
             # The rendered template holds its special tokens already; plain text gets them.
             tokens = tokenize(tokenizer, text, add_special_tokens=not chat)
-            ids = tokens.ids
-        elif chat:
-            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-        else:
-            ids = encode_prompt(tokenizer, text)
+            return tokens.ids, text, tokens
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids) if chat else encode_prompt(tokenizer, text)
+        return ids, text, None
     except ApiError:
         raise
     except Exception as exc:
         raise ApiError(400, str(exc).splitlines()[0], "prompt") from exc
-    context = engine.model.context_length
-    if len(ids) >= context:
-        raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
-    max_tokens = body.max_tokens or (16 if not chat else context - len(ids) - 1)
-    try:
-        config = GenerationConfig(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops())
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-    return AppRequest(ids, config, text, options.prefill, options.draft, options.prefetch, tokens=tokens)
 
 
-def _extra(r: AppRequest) -> dict:
-    ran = r.report.as_dict() if r.report is not None else {"prefill": r.prefill}
+def _checked_ids(s: Served, ids: list[int], prefill: str) -> list[int]:
+    """A prompt given as token ids, served as given once each id is in the vocabulary."""
+    if prefill == "handoff":
+        raise ApiError(400, "prefill 'handoff' needs the prompt as text (both models tokenize it)", "prompt")
+    vocab = s.engine.model.config.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0 to {vocab - 1})", "prompt")
+    return list(ids)
+
+
+def _extra(group: list[AppRequest]) -> dict:
+    """Usage over every choice (the prompt counted once) and what ran."""
+    first = group[0]
+    ran = first.report.as_dict() if first.report is not None else {"prefill": first.prefill}
     ran.pop("prompt_tokens", None)  # in usage
+    steps = sum(r.steps for r in group)
+    mean_accept_len = sum(r.state.accepted for r in group if r.state is not None) / steps if steps else 0.0  # per choice and step
     return {
-        "usage": usage(len(r.prompt_ids), len(r.seq.token_ids)),
+        "usage": usage(len(first.prompt_ids), sum(len(r.seq.token_ids) for r in group)),
         "kvforge": {
-            **ran, "draft": r.draft, "prefetch": r.prefetch, "ttft_s": r.ttft_s,
-            "mean_accept_len": r.mean_accept_len if r.draft != "none" else None, "steps": r.steps,
+            **ran, "draft": first.draft, "prefetch": first.prefetch, "ttft_s": max(r.ttft_s for r in group),
+            "mean_accept_len": mean_accept_len if first.draft != "none" else None, "steps": max(r.steps for r in group),
         },
     }

@@ -13,7 +13,7 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 class ServerMetrics:
     def __init__(self, kv_bytes=lambda: 0, queued=lambda: 0, running=lambda: 0):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvforge_requests", "Finished requests by outcome.", ["prefill", "draft", "outcome"], registry=r)
+        self.requests = Counter("kvforge_requests", "Finished requests (each choice of an n > 1 request) by outcome.", ["prefill", "draft", "outcome"], registry=r)
         self.ttft = Histogram("kvforge_time_to_first_token_seconds", "Request arrival to first token.", ["prefill"], buckets=LATENCY_BUCKETS, registry=r)
         self.per_token = Histogram("kvforge_time_per_output_token_seconds", "Decode step time per committed token.", buckets=TOKEN_BUCKETS, registry=r)
         self.generated = Counter("kvforge_generated_tokens", "Tokens generated.", registry=r)
@@ -28,9 +28,12 @@ class ServerMetrics:
         Gauge("kvforge_running_requests", "Requests in the running batch.", registry=r).set_function(running)
         self._window: list[tuple[float, int]] = []
 
-    def observe_ttft(self, request) -> None:
+    def observe_ttft(self, request, prefilled: bool = True) -> None:
+        """A request's first token; `prefilled`: its prompt was prefilled for it (the choices of
+        one request after the first share that prefill)."""
         self.ttft.labels(request.prefill).observe(request.ttft_s)
-        self.prompt.inc(len(request.prompt_ids))
+        if prefilled:
+            self.prompt.inc(len(request.prompt_ids))
         self._tokens(1)
 
     def observe_step(self, committed: int, step_s: float, accepted: int | None) -> None:

@@ -11,8 +11,16 @@ streaming), the cache rolled back per request. A plain request is a speculative 
 draft: one mechanism. Finished or cancelled requests (a client that disconnected) leave the
 batch and free their cache rows.
 
-Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving);
-sampling with a seed is reproducible per request because each request has its own generator.
+The `n` choices of one API request are a group: queued as one item, admitted together when the
+batch has room for all of them, prefilled once (the cache copied per choice), and drafting from
+one n-gram cache of the prompt that only they write (`new_drafters`; a store of earlier rollouts
+of the prompt would hand its cache in there). Each choice has its own generator.
+
+Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
+Sampling with a seed is reproducible per request, batched with anything, because each request
+has its own generator and its group's drafts depend only on the group's own tokens; with
+prefetch, which draft is verified depends on what the prefetcher learned from every request, so
+seeded sampling is reproducible in distribution only.
 """
 
 from __future__ import annotations
@@ -81,7 +89,8 @@ class Scheduler:
         its drafter and whether it is prefetched."""
         self.engine, self.prefillers, self.max_batch = engine, prefillers, max_batch
         self.draft = draft or DraftConfig()
-        self.queue: queue.Queue[ServeRequest] = queue.Queue(maxsize=queue_size)
+        self.queue: queue.Queue[list[ServeRequest]] = queue.Queue(maxsize=queue_size)
+        self._next: list[ServeRequest] | None = None  # a group taken off the queue that waits for room
         self.metrics = metrics
         self.tokenizer = engine.model.tokenizer
         self.eos = eos_token_ids(engine.model)
@@ -104,11 +113,17 @@ class Scheduler:
         self.thread.join(timeout=10)
         self.prefetcher.close()
 
-    def submit(self, request: ServeRequest) -> None:
-        self._ids += 1
-        request.id, request.submitted_at = self._ids, time.perf_counter()
+    def submit(self, request: ServeRequest | list[ServeRequest]) -> None:
+        """Queue a request, or a group (the choices of one request, same prompt and method)."""
+        group = [request] if isinstance(request, ServeRequest) else list(request)
+        if not 1 <= len(group) <= self.max_batch:
+            raise ValueError(f"a group of {len(group)} requests does not fit a batch of {self.max_batch}")
+        now = time.perf_counter()
+        for r in group:
+            self._ids += 1
+            r.id, r.submitted_at = self._ids, now
         try:
-            self.queue.put_nowait(request)
+            self.queue.put_nowait(group)
         except queue.Full as exc:
             raise QueueFull(f"the request queue is full ({self.queue.maxsize} waiting)") from exc
 
@@ -131,38 +146,57 @@ class Scheduler:
                 self.active, self.cache = [], None
 
     def _admit(self) -> None:
-        while len(self.active) < self.max_batch:
-            try:
-                request = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if request.cancelled.is_set():
-                self._finish(request, error="cancelled")
+        while True:
+            if self._next is None:
+                try:
+                    self._next = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
+                except queue.Empty:
+                    return
+            group = self._next
+            if len(self.active) + len(group) > self.max_batch:
+                return  # the group joins when there is room for all of it
+            self._next = None
+            if any(r.cancelled.is_set() for r in group):
+                for r in group:
+                    self._finish(r, error="cancelled")
                 continue
             try:
                 with torch.inference_mode():
-                    self._start(request)
+                    self._start(group)
             except Exception as exc:
-                self._finish(request, error=f"{type(exc).__name__}: {exc}")
+                for r in group:
+                    self._finish(r, error=f"{type(exc).__name__}: {exc}")
 
-    def _start(self, r: ServeRequest) -> None:
-        logits, cache = self.prefillers[r.prefill](r)  # a hand-off may re-tokenize the prompt
-        params = r.config.sampling
-        generator = params.generator(self.engine.device)
-        (drafter,), ngram = new_drafters(dataclasses.replace(self.draft, draft=r.draft, prefetch=r.prefetch), r.prompt_ids)
-        r.state = SpecRequest(
-            r.id, SequenceState(0, len(r.prompt_ids)), list(r.prompt_ids), r.config, drafter, generator,
-            set() if r.config.ignore_eos else self.eos, lambda _index, delta: r.emit("text", delta), ngram if r.prefetch else None,
-        )
-        commit(r.state, [int(sample(logits, params, generator)[0])], self.tokenizer, self.context)
-        r.ttft_s = time.perf_counter() - r.submitted_at
-        if self.metrics is not None:
-            self.metrics.observe_ttft(r)
-        if r.state.finished:
-            self._finish(r)
-            return
-        self.active.append(r)
-        self.cache = cache if self.cache is None else KVCache.concat_batch([self.cache, cache])
+    def _start(self, group: list[ServeRequest]) -> None:
+        """Prefill the group's prompt once, commit each choice's first token, and join the batch
+        with the choices still running (all or none of them: an error leaves the batch as it was)."""
+        first = group[0]
+        logits, cache = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
+        prompt = first.prompt_ids
+        drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
+        drafters, ngram = new_drafters(drafting, prompt, len(group))
+        running = []
+        for r, drafter in zip(group, drafters):
+            r.prompt_ids = prompt
+            generator = r.config.sampling.generator(self.engine.device)
+            r.state = SpecRequest(
+                r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, generator,
+                set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
+            )
+            commit(r.state, [int(sample(logits, r.config.sampling, generator)[0])], self.tokenizer, self.context, logits=logits)
+            r.ttft_s = time.perf_counter() - r.submitted_at
+            if self.metrics is not None:
+                self.metrics.observe_ttft(r, prefilled=r is first)
+            if not r.state.finished:
+                running.append(r)
+        if running:
+            if len(running) > 1:  # one copy of the prompt's rows per choice
+                cache = cache.select_batch(torch.zeros(len(running), dtype=torch.long))
+            self.cache = cache if self.cache is None else KVCache.concat_batch([self.cache, cache])
+            self.active.extend(running)
+        for r in group:
+            if r.state.finished:
+                self._finish(r)
 
     def _step(self) -> None:
         start = time.perf_counter()

@@ -56,8 +56,8 @@ def speculative_generate(
     report = planned_report(plan, cache, prompts)
     first = sample(logits, config.sampling, generator).tolist()
     now = time.perf_counter()
-    for r, token in zip(requests, first):
-        commit(r, [token], engine.model.tokenizer, context_limit, now)
+    for row, (r, token) in enumerate(zip(requests, first)):
+        commit(r, [token], engine.model.tokenizer, context_limit, now, logits[row : row + 1])
     active, cache = _drop_finished(requests, cache)
     while active:
         speculative_step(engine, cache, active, k, gate, prefetcher, stats)

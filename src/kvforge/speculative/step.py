@@ -10,6 +10,10 @@ the committed rows (per request: requests accept different lengths). The bonus b
 pending token. A request without a drafter verifies an empty draft: plain decoding is the same
 step. Drafters, the gate and the prefetcher only decide what is verified, so the committed
 tokens are plain decoding's: the same tokens greedy, the same distribution when sampling.
+A committed token's log-probabilities (when its request records them) are read off the row of
+the verification logits it was chosen at, the row plain decoding would have computed: a bonus
+drawn after a rejection still reports its probability under the model's sampling distribution,
+not under the residual it was resampled from (its marginal is that distribution).
 
 With a `Prefetcher`, the next step's drafts are built on a worker thread while the model
 verifies; after verification one probe per request finds the draft for its outcome (accept
@@ -58,11 +62,14 @@ class DraftConfig:
             raise ValueError("--prefetch needs --draft ngram: it reads the n-gram cache")
 
 
-def new_drafters(config: DraftConfig, prompt: list[int], samples: int = 1) -> tuple[list[Drafter], NgramCache | None]:
+def new_drafters(
+    config: DraftConfig, prompt: list[int], samples: int = 1, shared: NgramCache | None = None
+) -> tuple[list[Drafter], NgramCache | None]:
     """`samples` drafters for one prompt, and the n-gram cache they share (None unless the draft
-    is 'ngram'): sibling samples draft from what each other wrote."""
+    is 'ngram'): sibling samples draft from what each other wrote. `shared`: the prompt's cache
+    when one is kept already (a store of earlier rollouts of the prompt); else a new one."""
     if config.draft == "ngram":
-        shared = NgramCache(prompt, config.n_min, config.n_max)
+        shared = shared if shared is not None else NgramCache(prompt, config.n_min, config.n_max)
         return [NgramDrafter(shared, prompt) for _ in range(samples)], shared
     if config.draft == "prompt-lookup":
         return [PromptLookupDrafter(config.n_min, config.n_max) for _ in range(samples)], None
@@ -192,13 +199,17 @@ class StepOutcome:
     prefetch_hit: bool | None  # None: not probed
 
 
-def commit(request: SpecRequest, tokens: list[int], tokenizer, context_limit: int, now: float | None = None) -> list[int]:
+def commit(
+    request: SpecRequest, tokens: list[int], tokenizer, context_limit: int, now: float | None = None, logits: torch.Tensor | None = None
+) -> list[int]:
     """Commit `tokens` in order until the request finishes (EOS, a stop string, max tokens, the
-    context's end); the drafter observes what was committed. Returns the committed tokens."""
+    context's end); the drafter observes what was committed. `logits` (len(tokens), V): the rows
+    the tokens were chosen from, for their log-probabilities. Returns the committed tokens."""
     now = time.perf_counter() if now is None else now
+    logprobs = request.config.token_logprobs(logits, tokens) if logits is not None else None
     committed = []
-    for token in tokens:
-        commit_token(request.seq, token, now, tokenizer, request.eos, request.config, request.on_text)
+    for i, token in enumerate(tokens):
+        commit_token(request.seq, token, now, tokenizer, request.eos, request.config, request.on_text, logprobs[i] if logprobs else None)
         request.context.append(token)
         committed.append(token)
         if request.finished:
@@ -281,7 +292,7 @@ def speculative_step(
             counts.prefetched += prefetched[row]
         if gate is not None:
             gate.record(r.key, len(d), j)
-        committed = commit(r, d[:j] + [bonus[row]], tokenizer, context_limit, now)
+        committed = commit(r, d[:j] + [bonus[row]], tokenizer, context_limit, now, logits[row, : j + 1])
         hit = None
         if r.key in branches:
             r.ready = prefetcher.probe(r.key, branches[r.key], j, bonus[row])
