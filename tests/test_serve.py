@@ -319,11 +319,12 @@ def test_logprobs_in_openai_shapes_streamed_or_not(client, dirs):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
-@pytest.mark.parametrize("options", [{}, {"draft": "ngram"}])
+@pytest.mark.parametrize("options", [{}, {"draft": "ngram", "history": False}])
 def test_n_choices_sample_apart_and_a_seed_reproduces_them(client, dirs, options):
     """n = 3 with a seed: three different samples, the same three again, streamed or not, with
-    the n-gram drafter (one cache for the three) or without; choice 0 samples with the seed
-    itself, so it is the n = 1 answer when nothing drafts."""
+    the n-gram drafter (one cache for the three; no rollout history, whose drafts would come from
+    the earlier requests and change which random numbers are drawn) or without; choice 0 samples
+    with the seed itself, so it is the n = 1 answer when nothing drafts."""
     model = str(dirs[0])
     kw = dict(model=model, prompt=PROMPTS[3], max_tokens=10, temperature=1.0, seed=11, n=3, logprobs=0, extra_body={"kvforge": options})
     first, again = client.completions.create(**kw), client.completions.create(**kw)

@@ -49,6 +49,12 @@ DraftOpt = typer.Option("none", "--draft", help="Speculative drafter: none, prom
 PrefetchOpt = typer.Option(False, "--prefetch", help="n-gram: build the next drafts while the model verifies.")
 KOpt = typer.Option(8, "--k", help="Draft tokens per step.")
 BudgetOpt = typer.Option(16, "--budget", help="Prefetch candidates per request per step.")
+KMinOpt = typer.Option(
+    None, "--k-min", help="Length-aware draft budget (DAS): a sample that has produced t tokens drafts up to min(k, k_min + t // 16) tokens (default: always k).",
+)
+HistoryEntriesOpt = typer.Option(
+    500_000, "--history-entries", help="Rollout history bound: (n-gram, successor) pairs held in memory over all prompts (~400 bytes each), least recently used prompts evicted.",
+)
 
 
 def user_errors(fn):

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AdapterOpt, AnchorsOpt, AttendedOpt, BudgetOpt, CutOpt, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PrefetchOpt,
+    AdapterOpt, AnchorsOpt, AttendedOpt, BudgetOpt, CutOpt, DeviceOpt, DraftOpt, DtypeOpt, HistoryEntriesOpt, JsonOpt, KMinOpt, KOpt, MapsOpt,
+    ModelOpt, PrefetchOpt,
     PresetOpt, SplitOpt, TailOpt, ThreadsOpt, app, dtype_of, emit_json, err, load_engine, read_prompt, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -163,6 +164,12 @@ def rollout(
     k: int = KOpt,
     budget: int = BudgetOpt,
     no_gate: bool = typer.Option(False, "--no-gate", help="Draft every step (no DraftGate pausing rejected drafters)."),
+    history: Optional[Path] = typer.Option(
+        None, "--history",
+        help="Per-prompt rollout history directory (one file per prompt; needs --draft ngram): the next call drafts from these rollouts.",
+    ),
+    history_entries: int = HistoryEntriesOpt,
+    k_min: Optional[int] = KMinOpt,
     model_logprobs: bool = typer.Option(
         False, "--model-logprobs",
         help="Also write model_logprobs: each token's log-probability under the unmodified model distribution (temperature 1, no top-p).",
@@ -176,18 +183,25 @@ def rollout(
     """RL-style rollouts: G samples per prompt, decoded together, plain or with a lossless drafter.
     Each JSONL line holds a sample's token ids, text and sampling_logprobs: each token's
     log-probability under the distribution it was sampled from (after temperature and top-p;
-    0.0 when greedy), plus model_logprobs with --model-logprobs."""
+    0.0 when greedy), plus model_logprobs with --model-logprobs. With --draft ngram each prompt's
+    n-gram cache is its rollout history: kept across the prompts of this call, and with --history
+    across calls."""
     import time
 
     from kvforge.generation import GenerationConfig
     from kvforge.prompting import encode_prompt
+    from kvforge.speculative.history import RolloutHistory
     from kvforge.speculative.rollout import DraftConfig, generate_group
 
     setup_threads(threads)
     if samples_per_prompt < 1:
         raise KvforgeError("--samples-per-prompt must be >= 1")
     texts = _read_prompts(prompts)
-    drafting = DraftConfig(draft, k, prefetch, budget, gate=not no_gate)
+    drafting = DraftConfig(draft, k, prefetch, budget, gate=not no_gate, k_min=k_min)
+    if history is not None and draft != "ngram":
+        raise KvforgeError("--history needs --draft ngram: the history is the prompts' n-gram caches")
+    store = RolloutHistory(drafting.n_min, drafting.n_max, history_entries, history,
+                           warn=lambda m: err.print(f"[yellow]warning:[/yellow] {m}", highlight=False, soft_wrap=True))
     config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True)
     engine = load_engine(model, device, dtype)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
@@ -196,7 +210,7 @@ def rollout(
     with open(out, "w", encoding="utf-8") as f:
         for index, ids in enumerate(encoded):
             err.print(f"[dim]prompt {index + 1}/{len(encoded)}: {len(ids)} tokens x{samples_per_prompt}[/dim]")
-            outputs, stats = generate_group(engine, ids, samples_per_prompt, config, drafting)
+            outputs, stats = generate_group(engine, ids, samples_per_prompt, config, drafting, history=store)
             for sample, g in enumerate(outputs):
                 f.write(json.dumps(_rollout_record(index, sample, g, model_logprobs)) + "\n")
                 tokens += len(g.token_ids)
@@ -209,6 +223,8 @@ def rollout(
         "method": draft,
         "dtype": dtype_of(engine),
         "gate": drafting.gate,
+        "k_min": k_min,
+        "history": str(history) if history is not None else None,
         "tokens": tokens,
         "prompts": len(encoded),
         "samples_per_prompt": samples_per_prompt,

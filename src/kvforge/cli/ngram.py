@@ -1,4 +1,5 @@
-"""`kvforge bench ngram`: speculative decoding with lossless drafters against plain decoding."""
+"""`kvforge bench ngram` and `bench rollout`: speculative decoding with lossless drafters against plain
+decoding, offline and as RL rollout epochs through the server."""
 
 from __future__ import annotations
 
@@ -57,3 +58,44 @@ def bench_ngram_cmd(
                       str(r.get("lossless", "—")), fmt("coverage", ".3f"), fmt("predicted_speedup", ".3f"), fmt("speedup_vs_sync", ".3f"))
     Console().print(table)
     err.print(f"[dim]{report['workload']}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, budget {budget}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")
+
+
+@bench_app.command("rollout")
+@user_errors
+def bench_rollout_cmd(
+    model: str = ModelOpt,
+    workload: str = typer.Option("rl", "--workload", help="rl: the held-out chat prompts of `bench ngram --workload rl`."),
+    n: int = typer.Option(8, "--n", help="Samples per prompt: one request with n choices."),
+    epochs: int = typer.Option(2, "--epochs", help="Rollout epochs over the same prompts; epoch e drafts from epochs 1..e-1."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm and epoch (median reported)."),
+    prompts: int = typer.Option(3, "--prompts", help="Prompts per epoch."),
+    max_tokens: int = typer.Option(96, "--max-tokens", help="New tokens per sample."),
+    k: int = KOpt,
+    k_min: int = typer.Option(2, "--k-min", help="The ngram-ramp arm's length-aware budget: min(k, k_min + t // 16) after t tokens (0: no such arm)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rollout-<model>.png)."),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """RL rollout epochs through the server (n samples per request, temperature 1, logprobs on): plain vs n-gram
+    drafting, the second epoch from the first's rollout history; tokens/s, acceptance, losslessness."""
+    from kvforge.bench.rollout import bench_rollout, plot as plot_report
+
+    setup_threads(threads)
+    if workload != "rl":
+        raise KvforgeError(f"unknown workload {workload!r}: bench rollout runs rl")
+    if k_min < 0 or k < 1 or k_min > k:
+        raise KvforgeError(f"need 0 <= --k-min <= --k and --k >= 1, got {k_min}, {k}")
+    report = bench_rollout(model, n, epochs, runs, prompts, max_tokens, k, k_min or None, device, dtype, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"rollout-{safe_name(model)}.png"))
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("epoch", "arm", "tokens/s", "× plain", "mean accept", "lossless")
+    for r in report["results"]:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
+        table.add_row(str(r["epoch"]), r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
+                      str(r["lossless"]) if r["lossless"] is not None else "—")
+    Console().print(table)
+    err.print(f"[dim]{report['prompts']} prompts x{n}, {max_tokens} tokens, k {k}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")

@@ -38,6 +38,10 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching)."),
     queue_size: int = typer.Option(64, "--queue-size", help="Waiting requests before 429."),
+    history_entries: int = typer.Option(
+        500_000, "--history-entries",
+        help="Rollout history for n-gram requests: (n-gram, successor) pairs kept over all prompts (~400 bytes each; LRU; 0: no history).",
+    ),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="KVFORGE_API_KEY", show_envvar=True,
         help="Require `Authorization: Bearer KEY` on every route but /health (prefer the environment variable: a flag shows in ps).",
@@ -54,14 +58,14 @@ def serve(
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     setup_threads(threads)
-    if max_batch < 1 or queue_size < 1:
-        raise ValueError("--max-batch and --queue-size must be >= 1")
+    if max_batch < 1 or queue_size < 1 or history_entries < 0:
+        raise ValueError("--max-batch and --queue-size must be >= 1, --history-entries >= 0")
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
     with err.status(f"loading {model}"):
         served = build_served(ServeConfig(
             model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
-            attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail,
+            attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail, history_entries=history_entries,
         ))
     guard = " (API key required)" if api_key else ""
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)

@@ -11,7 +11,9 @@ requests have their own scheduler. A response says what its prefill ran (`Prefil
 method, or exact with the reason, and the rows filled or left shallow).
 
 A request for `n` choices is a group of n scheduler requests (`Scheduler.submit`): choice i
-samples with its own seed, derived from the request's `seed` and i (`choice_seed`).
+samples with its own seed, derived from the request's `seed` and i (`choice_seed`). Each scheduler
+keeps a rollout history (`--history-entries`, 0: off): n-gram requests with the same prompt tokens
+draft from every earlier request's choices (`speculative.history`).
 
 With an API key every route but /health (and /metrics when it is public) needs
 `Authorization: Bearer KEY`; the key is compared in constant time and never logged or echoed.
@@ -40,6 +42,8 @@ from kvforge.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, choice_body, completion_body, error_body, logprobs_body, new_id, usage,
 )
 from kvforge.serve.scheduler import QueueFull, Scheduler, ServeRequest
+from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
+from kvforge.speculative.step import DraftConfig
 from kvforge.translate.align import Tokenized, tokenize
 
 
@@ -69,6 +73,7 @@ class ServeConfig:
     cut: str | None = None
     anchors: str | None = None
     speed_tail: int | None = None
+    history_entries: int = DEFAULT_MAX_ENTRIES  # per scheduler, (n-gram, successor) pairs; 0: no history
 
 
 @dataclass
@@ -85,9 +90,12 @@ class Served:
     """One served model: its engine, the prefill methods it has artifacts for, and a scheduler
     per weight set (`groups`: (engine, prefillers) pairs; the first is the base model's)."""
 
-    def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int):
+    def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES):
         self.name, self.engine = name, groups[0][0]
-        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size) for engine, prefillers in groups]
+        draft = DraftConfig()
+        history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
+        # one history per scheduler: each is read and written by its own scheduler thread only
+        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history()) for engine, prefillers in groups]
         self.routes = {method: s for s in self.schedulers for method in s.prefillers}
         every = self.schedulers
         self.metrics = ServerMetrics(
@@ -119,7 +127,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
     if config.maps is not None:
         rf, maps = ridgefill.resolve(engine, config.maps, config.preset, config.split, config.tail, config.attended_rows)
         base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps))
-    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size)}
+    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries)}
     if config.translator is not None:
         from kvforge.translate.translator import ModelSide, Translator
 
@@ -127,7 +135,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         target = load(config.target)
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
         target_prefillers = {"exact": planned_prefiller(target, lambda ids: None), "handoff": handoff_prefiller(translator, engine, target)}
-        served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size)
+        served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries)
     return served
 
 
@@ -363,7 +371,7 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
         raise ApiError(400, str(exc)) from exc
     return [
         AppRequest(ids, replace(config, seed=choice_seed(body.seed, i)), text, options.prefill, options.draft, options.prefetch,
-                   tokens=tokens, index=i)
+                   options.history, tokens=tokens, index=i)
         for i in range(n)
     ]
 

@@ -39,6 +39,8 @@ class KvforgeOptions(BaseModel):
     prefill: Literal["exact", "ridgefill", "speed", "handoff"] = "exact"
     draft: Literal["none", "ngram", "prompt-lookup"] = "none"
     prefetch: bool = False
+    # with draft "ngram": draft from (and add to) the server's history of this prompt's earlier rollouts
+    history: bool = True
     # which distribution log-probabilities are reported under (see the module docstring)
     logprobs_of: Literal["model", "sampling"] = "model"
 

@@ -13,14 +13,18 @@ batch and free their cache rows.
 
 The `n` choices of one API request are a group: queued as one item, admitted together when the
 batch has room for all of them, prefilled once (the cache copied per choice), and drafting from
-one n-gram cache of the prompt that only they write (`new_drafters`; a store of earlier rollouts
-of the prompt would hand its cache in there). Each choice has its own generator.
+one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the default in the app)
+that cache is the prompt's history: a later request with the same prompt tokens drafts from every
+earlier request's choices too, and requests with the same prompt running at once share it. The
+history is settled (its bound enforced) as each choice finishes; a request opts out with
+`history=False`. Each choice has its own generator.
 
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
 Sampling with a seed is reproducible per request, batched with anything, because each request
 has its own generator and its group's drafts depend only on the group's own tokens; with
-prefetch, which draft is verified depends on what the prefetcher learned from every request, so
-seeded sampling is reproducible in distribution only.
+prefetch, which draft is verified depends on what the prefetcher learned from every request, and
+with the history on what earlier requests of the prompt wrote, so seeded sampling is then
+reproducible in distribution only (under sampling the draft decides which random numbers are drawn).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from kvforge.cache import KVCache
 from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
 from kvforge.sampling import sample
+from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.step import DraftConfig, DraftGate, SpecRequest, SpecStats, commit, new_drafters, speculative_step
 
@@ -55,6 +60,7 @@ class ServeRequest:
     prefill: str = "exact"
     draft: str = "none"
     prefetch: bool = False
+    history: bool = True  # with draft "ngram": use the scheduler's rollout history of the prompt
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the scheduler
@@ -83,12 +89,14 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine, prefillers: dict[str, Prefiller], max_batch: int = 16, queue_size: int = 64,
-                 draft: DraftConfig | None = None, metrics=None):
+                 draft: DraftConfig | None = None, metrics=None, history: RolloutHistory | None = None):
         """`prefillers`: prefill method name -> how a request's cache is made. `draft`: k, the
         prefetch budget, the n-gram sizes and the gate for every request; each request picks
-        its drafter and whether it is prefetched."""
+        its drafter and whether it is prefetched. `history`: the per-prompt n-gram store that
+        n-gram requests draft from (its n-gram sizes are `draft`'s); None: each request's own."""
         self.engine, self.prefillers, self.max_batch = engine, prefillers, max_batch
         self.draft = draft or DraftConfig()
+        self.history = history
         self.queue: queue.Queue[list[ServeRequest]] = queue.Queue(maxsize=queue_size)
         self._next: list[ServeRequest] | None = None  # a group taken off the queue that waits for room
         self.metrics = metrics
@@ -174,7 +182,8 @@ class Scheduler:
         logits, cache = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
         prompt = first.prompt_ids
         drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
-        drafters, ngram = new_drafters(drafting, prompt, len(group))
+        kept = self.history.get(prompt) if self._keeps_history(first) else None
+        drafters, ngram = new_drafters(drafting, prompt, len(group), kept)
         running = []
         for r, drafter in zip(group, drafters):
             r.prompt_ids = prompt
@@ -182,6 +191,7 @@ class Scheduler:
             r.state = SpecRequest(
                 r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, generator,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
+                k_for=drafting.k_for,
             )
             commit(r.state, [int(sample(logits, r.config.sampling, generator)[0])], self.tokenizer, self.context, logits=logits)
             r.ttft_s = time.perf_counter() - r.submitted_at
@@ -197,6 +207,9 @@ class Scheduler:
         for r in group:
             if r.state.finished:
                 self._finish(r)
+
+    def _keeps_history(self, r: ServeRequest) -> bool:
+        return self.history is not None and r.history and r.draft == "ngram"
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -224,6 +237,8 @@ class Scheduler:
         self.prefetcher.forget(r.id)
         if self.gate is not None:
             self.gate.forget(r.id)
+        if r.state is not None and self._keeps_history(r):
+            self.history.settle(r.prompt_ids)
         if self.metrics is not None:
             self.metrics.observe_done(r)
         r.emit("done", r)

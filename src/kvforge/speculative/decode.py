@@ -31,11 +31,12 @@ def speculative_generate(
     on_text: Callable[[int, str], None] | None = None,
     plan=None,
     gate: DraftGate | None = None,
+    k_for: Callable[[int], int] | None = None,
 ) -> tuple[list[Generation], SpecStats]:
     """Generate for a batch of prompts with one drafter each. `caches[i]`, with a prefetcher, is
     request i's n-gram cache (the prefetcher reads its successors). `plan`: a `PrefillPlan` for
     a single prompt (RidgeFill, SPEED); verification always runs every layer. `gate`: None
-    drafts every step."""
+    drafts every step. `k_for`: each request's draft budget by tokens produced (None: `k`)."""
     config = config or GenerationConfig()
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -47,7 +48,7 @@ def speculative_generate(
     stats = SpecStats(k, prefetcher=prefetcher)
     requests = [
         SpecRequest(i, SequenceState(i, len(p)), list(p), config, drafters[i], generator, eos, on_text,
-                    ngram=caches[i] if prefetcher is not None and caches is not None else None)
+                    ngram=caches[i] if prefetcher is not None and caches is not None else None, k_for=k_for)
         for i, p in enumerate(prompts)
     ]
 

@@ -34,6 +34,7 @@ class NgramCache:
         self.n_min, self.n_max = n_min, n_max
         self.table: dict[tuple[int, ...], dict[int, list[int]]] = {}
         self.clock = 0  # increases with every indexed token: "most recent" for ties
+        self.entries = 0  # (n-gram, successor) pairs: the size a history store bounds
         self.add(prompt)
 
     def add(self, tokens: Sequence[int], before: Sequence[int] = ()) -> None:
@@ -46,7 +47,11 @@ class NgramCache:
             self.clock += 1
             successor = seq[i]
             for n in range(self.n_min, min(self.n_max, i) + 1):
-                entry = self.table.setdefault(tuple(seq[i - n : i]), {}).setdefault(successor, [0, 0])
+                followers = self.table.setdefault(tuple(seq[i - n : i]), {})
+                entry = followers.get(successor)
+                if entry is None:
+                    entry = followers[successor] = [0, 0]
+                    self.entries += 1
                 entry[0] += 1
                 entry[1] = self.clock
 

@@ -52,14 +52,24 @@ class DraftConfig:
     # stop drafting for a request while it accepts < 1 token per drafted step (retry every 8);
     # False drafts every step
     gate: bool = True
+    # DAS-style length-aware budget: a sample that has produced t tokens drafts up to
+    # min(k, k_min + t // k_ramp) tokens, so long trajectories get longer drafts; None: always k
+    k_min: int | None = None
+    k_ramp: int = 16
 
     def __post_init__(self):
         if self.draft not in DRAFTS:
             raise ValueError(f"unknown draft {self.draft!r}: use {', '.join(DRAFTS)}")
         if self.k < 1 or self.budget < 1:
             raise ValueError("k and the prefetch budget must be >= 1")
+        if self.k_min is not None and not 1 <= self.k_min <= self.k or self.k_ramp < 1:
+            raise ValueError(f"need 1 <= k_min <= k and k_ramp >= 1, got k_min {self.k_min}, k {self.k}, k_ramp {self.k_ramp}")
         if self.prefetch and self.draft != "ngram":
             raise ValueError("--prefetch needs --draft ngram: it reads the n-gram cache")
+
+    def k_for(self, produced: int) -> int:
+        """The draft budget of a sample that has produced `produced` tokens."""
+        return self.k if self.k_min is None else min(self.k, self.k_min + produced // self.k_ramp)
 
 
 def new_drafters(
@@ -69,6 +79,8 @@ def new_drafters(
     is 'ngram'): sibling samples draft from what each other wrote. `shared`: the prompt's cache
     when one is kept already (a store of earlier rollouts of the prompt); else a new one."""
     if config.draft == "ngram":
+        if shared is not None and (shared.n_min, shared.n_max) != (config.n_min, config.n_max):
+            raise ValueError(f"the prompt's cache holds {shared.n_min}..{shared.n_max}-grams, the drafter uses {config.n_min}..{config.n_max}")
         shared = shared if shared is not None else NgramCache(prompt, config.n_min, config.n_max)
         return [NgramDrafter(shared, prompt) for _ in range(samples)], shared
     if config.draft == "prompt-lookup":
@@ -170,6 +182,7 @@ class SpecRequest:
     eos: set[int] = field(default_factory=set)
     on_text: Callable[[int, str], None] | None = None
     ngram: NgramCache | None = None  # the cache the prefetcher reads; None: not prefetched
+    k_for: Callable[[int], int] | None = None  # draft budget by tokens produced (`DraftConfig.k_for`); None: the step's k
     ready: list[int] | None = None  # the prefetch hit for the next step's draft
     steps: int = 0
     drafted: int = 0
@@ -246,15 +259,17 @@ def speculative_step(
 ) -> list[StepOutcome]:
     """One step for the batch in `cache` (row b is requests[b]); the cache is rolled back in
     place. Drafts of up to `k` tokens come from the prefetch hit of the previous step, else the
-    request's drafter; `gate` (None: draft every step) may skip a request's draft. With a
-    `prefetcher`, requests with an `ngram` cache get their next drafts built during the forward."""
+    request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: draft
+    every step) may skip a request's draft. With a `prefetcher`, requests with an `ngram` cache
+    get their next drafts built during the forward."""
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
     step_start, lookup_s = time.perf_counter(), 0.0
     drafts, prefetched = [], []  # per row: the draft, and 1 when it is the previous step's prefetch hit
     for r in requests:
         ready, r.ready = r.ready, None
-        room = min(k, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - len(r.context) - 1)
+        budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
+        room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - len(r.context) - 1)
         if room <= 0 or (gate is not None and not gate.allows(r.key)):
             drafts.append([])
             prefetched.append(0)

@@ -1,0 +1,142 @@
+"""Rollout history: each prompt's n-gram cache kept across rollout calls and server requests.
+
+An RL run visits the same prompt every epoch, and its earlier rollouts are the best drafts there
+are (DAS, SPEC-RL). A `RolloutHistory` maps a prompt, keyed by a hash of its token ids
+(`prompt_key`), to that prompt's `NgramCache` (the prompt and every rollout of it so far), so the
+next group of samples of the prompt drafts from what the earlier groups wrote. The cache is only
+ever handed to drafters: which tokens are committed never depends on it (greedy: plain decoding's
+tokens; sampling: the model's distribution). A prompt's cache holds only that prompt's rollouts:
+a cache read from a file is checked against the prompt's tokens, so a renamed or colliding file
+never lends one prompt's history to another (in memory, a 128-bit key collision is negligible).
+
+Bound: at most `max_entries` (n-gram, successor) pairs over all prompts held (about 400 bytes each
+in CPython, measured: the default 500,000 is ~200 MB). `settle(prompt)` after a group finishes
+evicts least recently used prompts until the total fits; a prompt whose cache alone exceeds the
+bound restarts from its prompt. Caches in use by running groups stay alive through their drafters
+until those finish, so memory is the bound plus the running groups' caches.
+
+On disk (`directory`): one file per prompt, `<key>.safetensors` (the table as integer tensors,
+the prompt's tokens and the n-gram sizes in the metadata), written atomically (temp file, then
+rename) when `settle` is called. A file that cannot be read, or holds another format, other
+n-gram sizes or another prompt, is ignored with one warning naming it (history is only a speed
+hint: a trainer's run should not stop for it) and replaced at the next write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvforge.cache import atomic_save_safetensors, read_artifact
+from kvforge.errors import ArtifactError, KvforgeError
+from kvforge.speculative.ngram import NgramCache
+
+FORMAT, VERSION = "kvforge-rollout-history", "1"
+DEFAULT_MAX_ENTRIES = 500_000
+
+
+def prompt_key(prompt: Sequence[int]) -> str:
+    """A prompt's key: 32 hex digits of BLAKE2b over its token ids as little-endian int64."""
+    return hashlib.blake2b(np.asarray(prompt, dtype="<i8").tobytes(), digest_size=16).hexdigest()
+
+
+class RolloutHistory:
+    """Per-prompt n-gram caches, least recently used evicted beyond `max_entries` pairs;
+    with a `directory`, each prompt's cache is also read from and written to its own file."""
+
+    def __init__(self, n_min: int = 2, n_max: int = 4, max_entries: int = DEFAULT_MAX_ENTRIES, directory: Path | None = None,
+                 warn: Callable[[str], None] | None = None):
+        if max_entries < 1:
+            raise ValueError(f"the history bound must be >= 1 entries, got {max_entries}")
+        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+            raise KvforgeError(f"history directory {directory} is a file: give a directory")
+        self.n_min, self.n_max, self.max_entries = n_min, n_max, max_entries
+        self.directory = Path(directory) if directory is not None else None
+        self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
+        self.caches: OrderedDict[str, NgramCache] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    @property
+    def entries(self) -> int:
+        return sum(c.entries for c in self.caches.values())
+
+    def get(self, prompt: Sequence[int]) -> NgramCache:
+        """The prompt's cache, most recently used now: held, else read from its file, else new."""
+        key = prompt_key(prompt)
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self._read(key, prompt) or NgramCache(prompt, self.n_min, self.n_max)
+            self.caches[key] = cache
+        self.caches.move_to_end(key)
+        return cache
+
+    def settle(self, prompt: Sequence[int]) -> None:
+        """After a group of the prompt finished: write its file (with a directory), then evict
+        least recently used prompts until the bound holds."""
+        key = prompt_key(prompt)
+        cache = self.caches.get(key)
+        if cache is not None and cache.entries > self.max_entries:  # alone over the bound: start over
+            cache = self.caches[key] = NgramCache(prompt, self.n_min, self.n_max)
+        if cache is not None and self.directory is not None:
+            save_cache(cache, prompt, self.path(key))
+        total = self.entries
+        while total > self.max_entries and self.caches:
+            _, evicted = self.caches.popitem(last=False)
+            total -= evicted.entries
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.safetensors"
+
+    def _read(self, key: str, prompt: Sequence[int]) -> NgramCache | None:
+        if self.directory is None or not self.path(key).is_file():
+            return None
+        try:
+            return load_cache(self.path(key), prompt, self.n_min, self.n_max)
+        except ArtifactError as exc:
+            self.warn(f"ignoring rollout history {self.path(key)}: {exc}")
+            return None
+
+
+def save_cache(cache: NgramCache, prompt: Sequence[int], path: Path) -> None:
+    """Write `cache` (the history of `prompt`) atomically: per (n-gram, successor) pair its n-gram
+    (padded with -1 to n_max), successor, count and last-seen clock, so a reload drafts exactly
+    as the cache did (ties included)."""
+    rows = [(ngram, successor, count, last) for ngram, followers in cache.table.items() for successor, (count, last) in followers.items()]
+    ngrams = np.full((len(rows), cache.n_max), -1, dtype=np.int64)
+    for i, (ngram, *_rest) in enumerate(rows):
+        ngrams[i, : len(ngram)] = ngram
+    column = lambda j: torch.tensor([r[j] for r in rows], dtype=torch.int64)  # noqa: E731
+    tensors = {"prompt": torch.tensor(list(prompt), dtype=torch.int64), "ngrams": torch.from_numpy(ngrams),
+               "successors": column(1), "counts": column(2), "last": column(3)}
+    meta = {"format": FORMAT, "format_version": VERSION, "n_min": str(cache.n_min), "n_max": str(cache.n_max), "clock": str(cache.clock)}
+    atomic_save_safetensors(tensors, path, meta)
+
+
+def load_cache(path: Path, prompt: Sequence[int], n_min: int, n_max: int) -> NgramCache:
+    """The cache saved in `path`; an `ArtifactError` when the file is damaged, of another format,
+    or holds other n-gram sizes or another prompt than `prompt`."""
+    cache = NgramCache((), n_min, n_max)
+    with read_artifact(path, FORMAT, VERSION, "rollout history") as (f, meta):  # any damage inside: ArtifactError
+        if (int(meta["n_min"]), int(meta["n_max"])) != (n_min, n_max):
+            raise ArtifactError(f"n-grams of {meta['n_min']}..{meta['n_max']} tokens, this run uses {n_min}..{n_max}")
+        if f.get_tensor("prompt").tolist() != list(prompt):
+            raise ArtifactError("it holds the history of another prompt")
+        columns = [f.get_tensor(name).tolist() for name in ("ngrams", "successors", "counts", "last")]
+        if len({len(c) for c in columns}) != 1:
+            raise ArtifactError("its tables have different lengths")
+        for ngram, successor, count, seen in zip(*columns):
+            key = tuple(t for t in ngram if t >= 0)
+            if not n_min <= len(key) <= n_max or count < 1:
+                raise ArtifactError(f"an entry of {len(key)} tokens with count {count}")
+            cache.table.setdefault(key, {})[successor] = [count, seen]
+            cache.entries += 1
+        cache.clock = int(meta["clock"])
+    return cache
