@@ -269,3 +269,22 @@ def test_a_translator_fitted_in_fp32_hands_off_between_bf16_models(pair):
     last = torch.tensor([h16.pending])
     assert (target16.decode_step(last, h16.cache) - target.decode_step(last, h32.cache)).abs().max() < BF16_TOL
     assert len(target16.generate([h16.pending], cache=h16.cache)[0].token_ids) > 0
+
+
+def test_pre_norm_features_from_a_bf16_cache_stay_close_where_a_k_norm_weight_is_zero():
+    # Gemma's k-norm multiplies by (1 + w); a dimension with w = -1 is stored as 0. Reading it
+    # back divides by that weight, which in bf16 used to amplify the RoPE partner's rounding
+    # ~2000x (the real gemma3-270m has such dimensions in most layers).
+    feats = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = Engine(tiny_loaded("gemma3", dtype=dtype))
+        with torch.no_grad():
+            for layer in engine.adapter.layers:
+                layer.self_attn.k_norm.weight[0] = -1.0
+        _, cache = engine.prefill([list(range(3, 40))])
+        feats[dtype] = cache_features(engine.adapter, cache, "pre-norm")[0]
+    for k32, k16 in zip(feats[torch.float32], feats[torch.bfloat16]):
+        dims = k16.view(k16.shape[0], -1, 16)  # (T, H, D): dimension 0 of every head is dead
+        assert torch.all(dims[:, :, 0] == 0)
+        live32, live16 = k32.view_as(dims)[:, :, 1:], dims[:, :, 1:]
+        assert ((live16 - live32).norm() / live32.norm()) < 0.05  # bf16 rounding: 0.004-0.014 measured

@@ -37,15 +37,26 @@ def cache_features(adapter, cache: KVCache, point: str) -> tuple[list[torch.Tens
     if len(lengths) != 1:
         raise ValueError("a translated cache must hold every row in every layer (an exact prefill)")
     positions = cache[0].row_positions()[:1]
-    rope = adapter.rope(cache[0].keys()[:1, 0], positions) if point != "post-rope" else None
+    low_precision = cache[0].k.dtype != torch.float32
+    # Keys are read back in fp32 (rotary tables too), whatever the cache holds.
+    rope = adapter.rope(cache[0].keys()[:1, 0].float(), positions) if point != "post-rope" else None
     keys, values = [], []
     for layer in range(len(cache)):
-        k = cache[layer].keys()[:1]
+        k = cache[layer].keys()[:1].float()
         if rope is not None:
             k = adapter.unrotate_keys(layer, k, rope)
             scale = adapter.key_norm_scale(layer) if point == "pre-norm" else None
             if scale is not None:
-                k = k / torch.where(scale.abs() < 1e-6, torch.full_like(scale, 1e-6), scale)
+                scale = scale.float()
+                dead = scale.abs() < 1e-6  # a k-norm weight of 0: the cache keeps nothing of that dimension
+                k = k / torch.where(dead, torch.full_like(scale, 1e-6), scale)
+                if low_precision:
+                    # Unrotating mixes each dimension with its RoPE partner, so a dead dimension reads
+                    # back its partner's rounding error; divided by 1e-6 that is ~1e-1 x the partner in
+                    # fp32 (what translators were fitted on) but ~2e3 x in bf16, which swamps the
+                    # features (gemma3-270m source: held-out bits per byte 3.39 instead of 0.95). Such
+                    # a dimension carries no information, so it reads as 0 from a low-precision cache.
+                    k = k.masked_fill(dead, 0.0)
         keys.append(_flat(k))
         values.append(_flat(cache[layer].values()[:1]))
     return keys, values
