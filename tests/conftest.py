@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from kvforge.models.adapters import adapter_for
-from kvforge.models.loading import LoadedModel, model_fingerprint
+from kvforge.models.loading import LoadedModel, cast_model, model_fingerprint
 
 torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ def tiny_loaded(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) 
     `load_model` casts them), before the adapter fuses its projections, with the fp32 fingerprint."""
     model = tiny_hf_model(family, seed)
     fingerprint = model_fingerprint(model) if dtype != torch.float32 else None
-    model.to(dtype)
+    cast_model(model, dtype)
     loaded = LoadedModel(f"tiny-{family}", "test", model, char_tokenizer(), adapter_for(model), torch.device("cpu"), dtype)
     if fingerprint is not None:
         vars(loaded)["fingerprint"] = fingerprint

@@ -36,6 +36,10 @@ def test_bf16_load_keeps_the_fp32_fingerprint(tiny_model_dir):
     direct = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16)
     for (name, p), q in zip(bf16.hf.named_parameters(), direct.parameters()):
         assert torch.equal(p, q), name
+    buffers = dict(direct.named_buffers())  # rotary frequencies stay fp32 in transformers' own bf16 load
+    assert {n for n, _ in bf16.hf.named_buffers()} == set(buffers)
+    for name, b in bf16.hf.named_buffers():
+        assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
 
 
 def test_parse_dtype_names():

@@ -155,13 +155,25 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype | None =
     fingerprint = None
     if lower:
         fingerprint = model_fingerprint(model)
-        model.to(dtype)  # rounds as from_pretrained(dtype=...) would
+        cast_model(model, dtype)
     model.to(dev).eval()
     model.requires_grad_(False)
     loaded = LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype)
     if fingerprint is not None:
         vars(loaded)["fingerprint"] = fingerprint  # the cached_property's slot
     return loaded
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` leaving the model as `from_pretrained(dtype=...)` does: weights rounded
+    the same way, but rotary inverse frequencies (non-persistent buffers computed in fp32 at init)
+    kept in fp32. Rounded to bf16 they shift every RoPE angle, by up to 0.5 in cos at position 4000."""
+    keep = {name: buf for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buf
+    return model
 
 
 def _resolve(spec: str) -> tuple[str | Path, str]:
