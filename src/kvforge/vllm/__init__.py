@@ -44,3 +44,9 @@ def speculative_config(k: int = 8, **draft) -> dict:
     ProposerConfig.from_dict({"k": k, **draft})  # reject bad settings here, not inside vLLM's engine start
     os.environ[DRAFT_ENV] = json.dumps(draft)
     return {"method": "custom_class", "model": "kvforge.vllm.proposer.NgramRLProposer", "num_speculative_tokens": k}
+
+
+def kv_transfer_config(store: str = "memory") -> dict:
+    """vLLM's `kv_transfer_config` for kvforge's connector; `store`: a directory kvforge writes
+    caches to (`CacheStore`), or "memory" for an engine in this process."""
+    return {"kv_connector": "KvforgeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": str(store)}}

@@ -66,7 +66,6 @@ class KvforgeConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.pending: dict[str, Load] = {}  # scheduler side: loads allocated this step
         self.checked: dict[str, list[int]] = {}  # scheduler side: key -> the entry's tokens, once checked
-        self.kv_caches: dict[str, torch.Tensor] = {}
         self.failed_blocks: set[int] = set()
 
     # --- scheduler side --------------------------------------------------------------------------
@@ -115,31 +114,31 @@ class KvforgeConnector(KVConnectorBase_V1):
         return False, None
 
     # --- worker side -----------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
-
+    # The worker-side connector is process-global in vLLM (one agent however many engines run
+    # in-process), so the caches are taken from the forward context of the engine stepping now,
+    # not from `register_kv_caches`.
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         for load in getattr(meta, "loads", ()):
             error = load.error
             if error is None:
                 try:
-                    self._write(load, self.store.get(load.key))
+                    self._write(load, self.store.get(load.key), _layer_caches(forward_context))
                 except KvforgeError as exc:
                     error = str(exc)
             if error is not None:
                 logger.error("kvforge: request %s fails: %s", load.request_id, error)
                 self.failed_blocks.update(load.block_ids)
 
-    def _write(self, load: Load, entry: Entry) -> None:
+    def _write(self, load: Load, entry: Entry, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         cache = entry.cache
-        if len(cache) != len(self.kv_caches):
-            raise KvforgeError(f"cache {load.key} has {len(cache)} layers, the served model {len(self.kv_caches)}")
+        if len(cache) != len(kv_caches):
+            raise KvforgeError(f"cache {load.key} has {len(cache)} layers, the served model {len(kv_caches)}")
         bs = self.block_size
-        for name, kv in self.kv_caches.items():
+        for name, kv in kv_caches.items():
             layer = cache[int(LAYER_INDEX.search(name).group(1))]
             blocks, heads, _, width = kv.shape  # (blocks, KV heads, block size, 2 * head dim)
             k, v, positions = layer.keys()[0], layer.values()[0], layer.row_positions()[0]
@@ -169,3 +168,10 @@ class KvforgeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
+
+
+def _layer_caches(forward_context) -> dict[str, torch.Tensor]:
+    """Attention layer name -> its paged cache, for the engine running this forward."""
+    layers = getattr(forward_context, "no_compile_layers", None) or {}
+    return {name: layer.kv_cache for name, layer in layers.items()
+            if isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and LAYER_INDEX.search(name)}

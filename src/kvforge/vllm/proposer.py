@@ -59,6 +59,8 @@ class ProposerConfig:
 
     def __post_init__(self):
         self.draft  # DraftConfig validates the shared fields
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
         if self.max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {self.max_entries}")
 
@@ -117,7 +119,9 @@ class NgramRLProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_rows = 4 * vllm_config.scheduler_config.max_num_seqs + 64
         self.history = RolloutHistory(config.n_min, config.n_max, config.max_entries)
-        self.rows: OrderedDict[int, RowState] = OrderedDict()  # content hash -> state, least recently seen first
+        # content hash -> the states of rows with those tokens (siblings can be identical so far),
+        # least recently seen first
+        self.rows: OrderedDict[int, list[RowState]] = OrderedDict()
         self.gate = DraftGate() if config.gate else None
         self.prefetcher = Prefetcher(config.k, config.budget) if config.prefetch else None
         self.pending: Future | None = None  # the prefetch tables being built for the drafts last returned
@@ -155,7 +159,11 @@ class NgramRLProposer:
 
     def _row(self, tokens: np.ndarray, committed: int) -> RowState:
         """The row's state, found by its tokens before this step's commit, or a new request's."""
-        state = self.rows.pop(hash(tokens[:-committed].tobytes()), None)
+        before = hash(tokens[:-committed].tobytes())
+        states = self.rows.get(before)
+        state = states.pop() if states else None
+        if states is not None and not states:
+            del self.rows[before]
         if state is None:
             prompt = tokens[:-committed].tolist()
             cache = self.history.get(prompt)
@@ -164,7 +172,9 @@ class NgramRLProposer:
             self._next_key += 1
             self.stats.new_rows += 1
         state.cache.add(tokens[-committed:].tolist(), tokens[:-committed][-self.config.n_max:].tolist())
-        self.rows[hash(tokens.tobytes())] = state
+        after = hash(tokens.tobytes())
+        self.rows.setdefault(after, []).append(state)
+        self.rows.move_to_end(after)
         return state
 
     def _draft(self, state: RowState, tokens: np.ndarray, sampled: list[int], branch: Branch | None, n: int) -> list[int]:
@@ -199,11 +209,12 @@ class NgramRLProposer:
     def _evict(self) -> None:
         """Forget the least recently seen rows beyond the bound (finished or aborted requests)."""
         while len(self.rows) > self.max_rows:
-            _, state = self.rows.popitem(last=False)
-            if self.gate is not None:
-                self.gate.forget(state.key)
-            if self.prefetcher is not None:
-                self.prefetcher.forget(state.key)
+            _, states = self.rows.popitem(last=False)
+            for state in states:
+                if self.gate is not None:
+                    self.gate.forget(state.key)
+                if self.prefetcher is not None:
+                    self.prefetcher.forget(state.key)
 
     def close(self) -> None:
         if self.prefetcher is not None:

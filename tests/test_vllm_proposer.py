@@ -1,0 +1,92 @@
+"""The vLLM proposer's bookkeeping, driven by hand the way vLLM calls it (no engine needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")  # kvforge.vllm imports vLLM's types
+
+from kvforge.speculative.ngram import NgramCache  # noqa: E402
+from kvforge.vllm.proposer import NgramRLProposer, ProposerConfig  # noqa: E402
+
+MAX_LEN = 64
+
+
+def fake_vllm_config(k: int = 4, max_num_seqs: int = 2):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+    )
+
+
+class Batch:
+    """vLLM's input batch as the proposer sees it: rows of committed tokens, reordered at will."""
+
+    def __init__(self):
+        self.rows: list[list[int]] = []
+
+    def call(self, proposer, sampled: list[list[int]]):
+        for row, new in zip(self.rows, sampled):
+            row.extend(new)
+        ids = np.zeros((max(len(self.rows), 1), MAX_LEN), dtype=np.int32)
+        lengths = np.zeros(max(len(self.rows), 1), dtype=np.int32)
+        for i, row in enumerate(self.rows):
+            ids[i, : len(row)] = row
+            lengths[i] = len(row)
+        return proposer.propose(sampled, lengths, ids)
+
+
+def test_drafts_follow_the_shared_prompt_cache_across_row_moves():
+    proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    batch = Batch()
+    batch.rows = [list(prompt), list(prompt)]  # two samples of one prompt (n=2)
+    drafts = batch.call(proposer, [[8], [8]])  # the first token of each
+    assert drafts == [[9, 5, 6, 7]] * 2  # 5 6 7 8 -> 9 5 6 7, from the prompt
+    assert proposer.stats.new_rows == 2 and len(proposer.history) == 1  # one cache for the prompt
+    batch.rows.reverse()  # vLLM condensed the batch: rows swapped places
+    drafts = batch.call(proposer, [[9, 5, 11], [9, 5, 6, 7, 8]])  # accepted 2 then bonus 11; all 4 then 8
+    assert proposer.stats.new_rows == 2  # both found again by content
+    assert proposer.stats.accepted == 2 + 4 and proposer.stats.drafted == 8
+    cache = proposer.history.get(prompt)
+    reference = NgramCache(prompt, 2, 4)
+    for row in batch.rows:
+        reference.add(row[len(prompt):], prompt)
+    counts = lambda c: {gram: {t: entry[0] for t, entry in followers.items()} for gram, followers in c.table.items()}
+    assert counts(cache) == counts(reference)  # every committed token indexed exactly once
+    assert drafts[1] == cache.draft(batch.rows[1], 4)
+
+
+def test_prefilling_rows_get_no_draft_and_room_stops_at_max_len():
+    proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
+    batch = Batch()
+    batch.rows = [[1, 2, 3, 1, 2], [3] * (MAX_LEN - 3)]
+    drafts = batch.call(proposer, [[], [3]])  # row 0 still prefilling
+    assert drafts[0] == [] and len(drafts[1]) == 2  # MAX_LEN - 62 tokens of room
+
+
+def test_finished_rows_are_forgotten_within_the_bound():
+    proposer = NgramRLProposer(fake_vllm_config(max_num_seqs=2), ProposerConfig(k=4))
+    rng = np.random.default_rng(0)
+    for request in range(100):  # 100 requests come and go, two at a time
+        batch = Batch()
+        batch.rows = [rng.integers(3, 90, size=6).tolist() for _ in range(2)]
+        for _ in range(3):
+            batch.call(proposer, [[int(rng.integers(3, 90))] for _ in batch.rows])
+    assert len(proposer.rows) <= proposer.max_rows
+    assert len(proposer.gate.average) <= proposer.max_rows
+
+
+def test_bad_settings_are_refused_before_vllm_starts():
+    from kvforge.vllm import speculative_config
+
+    with pytest.raises(ValueError, match="unknown kvforge proposer setting"):
+        speculative_config(k=4, ngram_size=3)
+    with pytest.raises(ValueError, match="n_min"):
+        speculative_config(k=4, n_min=5, n_max=2)
+    with pytest.raises(ValueError, match="drafts 3 tokens, vLLM verifies 4"):
+        NgramRLProposer(fake_vllm_config(k=4), ProposerConfig(k=3))
