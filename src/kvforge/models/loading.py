@@ -176,6 +176,15 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def hf_directory(spec: str) -> Path:
+    """The Hugging Face directory a model spec loads from (a packaged or GGUF model: its converted
+    directory, made on first use), for engines that take a directory (vLLM)."""
+    hf_dir, _ = _resolve(spec)
+    if not Path(hf_dir).is_dir():
+        raise UnknownModelError(f"{spec!r} is a hub id: give a packaged alias, a directory or a .gguf file")
+    return Path(hf_dir)
+
+
 def _resolve(spec: str) -> tuple[str | Path, str]:
     """(directory or hub id for from_pretrained, description of the source)."""
     if spec in PACKAGED_MODELS:

@@ -68,11 +68,16 @@ def close_llm(llm) -> None:
 
 
 def spec_counters(llm) -> dict[str, float]:
-    """vLLM's speculative-decoding counters so far (drafts, draft tokens, accepted tokens);
-    needs the engine started with `disable_log_stats=False`."""
+    """This engine's speculative-decoding counters so far (drafts, draft tokens, accepted tokens);
+    needs `disable_log_stats=False`. Read off the engine's own Prometheus logger, not the global
+    registry: each in-process engine start unregisters the previous engine's metrics there."""
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
-    for metric in llm.get_metrics():
-        name = metric.name.removeprefix("vllm:spec_decode_").removeprefix("num_").removesuffix("_total")
-        if name in out and hasattr(metric, "value"):
-            out[name] += metric.value
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for logger in getattr(manager, "stat_loggers", ()):
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is None:
+            continue
+        for key in out:
+            per_engine = getattr(prom, f"counter_spec_decode_num_{key}", {})  # absent without speculation
+            out[key] += sum(child._value.get() for child in per_engine.values())
     return out

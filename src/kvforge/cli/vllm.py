@@ -1,0 +1,120 @@
+"""`kvforge bench vllm-ngram` and `bench vllm-handoff`: kvforge's methods inside vLLM, measured
+against vLLM's own paths in one process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvforge.cli.common import DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, setup_threads, user_errors
+from kvforge.errors import KvforgeError
+
+
+def _need_vllm() -> None:
+    from kvforge.vllm.engine import vllm_missing
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's per-request INFO lines drown the progress
+    reason = vllm_missing()
+    if reason is not None:
+        raise KvforgeError(reason)
+
+
+def _vllm_dtype(dtype: str):
+    from kvforge.models.loading import parse_dtype
+
+    return parse_dtype(dtype if dtype != "auto" else "fp32")
+
+
+@bench_app.command("vllm-ngram")
+@user_errors
+def bench_vllm_ngram_cmd(
+    model: str = ModelOpt,
+    workload: str = typer.Option("copy", "--workload", help="copy (batch 1, greedy) or rl (G samples per prompt, temperature 1)."),
+    k: int = KOpt,
+    samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", "-G", help="rl: samples per prompt (one request, n=G)."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts (default: 4 copy, 3 rl)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="kvforge's proposer drafts every step (no DraftGate)."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """vLLM plain vs vLLM ngram vs suffix vs kvforge's n-gram proposer in vLLM: tokens/s, acceptance, losslessness."""
+    from transformers import AutoTokenizer
+
+    from kvforge.bench.ngram import WORKLOADS
+    from kvforge.models.loading import hf_directory
+
+    _need_vllm()
+    if workload not in WORKLOADS:
+        raise KvforgeError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
+    if runs < 1 or k < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
+        raise KvforgeError("--runs, --k, --samples-per-prompt and --prompts must be >= 1")
+    setup_threads(threads)
+    from kvforge.bench.vllm_ngram import bench_vllm_ngram
+
+    directory = hf_directory(model)
+    report = bench_vllm_ngram(directory, AutoTokenizer.from_pretrained(str(directory)), workload, _vllm_dtype(dtype), runs, k,
+                              samples_per_prompt, prompts, max_new_tokens, gate=not no_gate,
+                              progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    for skip in report["skipped"]:
+        err.print(f"[yellow]skipped {skip['arm']}:[/yellow] {skip['reason']}", highlight=False)
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "lookup ms/step")
+    for r in report["results"]:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
+        table.add_row(r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
+                      str(r.get("lossless", "—")), fmt("lookup_ms_per_step", ".3f"))
+    Console().print(table)
+    err.print(f"[dim]{workload}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, {report['dtype']}, "
+              f"{report['threads']} thread(s), median of {runs}[/dim]")
+
+
+@bench_app.command("vllm-handoff")
+@user_errors
+def bench_vllm_handoff_cmd(
+    source: str = typer.Option("gemma3-270m", "--source", help="The model that holds the conversation (kvforge's engine)."),
+    target: str = typer.Option("smollm2-135m", "--target", help="The model vLLM serves next."),
+    translator: Optional[Path] = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the cached one for the pair)."),
+    tokens: str = typer.Option("2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    dtype: str = DtypeOpt,
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """KV-Lingo hand-off into vLLM (translated cache loaded by kvforge's connector) vs vLLM re-prefilling the target: time to first token."""
+    from kvforge.cli.common import load_engine, parse_lengths
+    from kvforge.cli.lingo import _translator
+    from kvforge.models.loading import hf_directory
+
+    _need_vllm()
+    lengths = parse_lengths(tokens)
+    if runs < 1:
+        raise KvforgeError("--runs must be >= 1")
+    setup_threads(threads)
+    from kvforge.bench.vllm_handoff import bench_vllm_handoff
+
+    tr = _translator(translator, source, target)
+    src, tgt = load_engine(source, "cpu", dtype), load_engine(target, "cpu", dtype)
+    from kvforge.translate.translator import ModelSide
+
+    tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
+    report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("source → target", "tokens", "hand-off s", "of it translate s", "re-prefill s", "speedup", "same first token")
+    for r in report["results"]:
+        table.add_row(f"{r['source']} → {r['target']}", str(r["tokens"]), f"{r['handoff_s']:.3f}", f"{r['translate_s']:.3f}",
+                      f"{r['reprefill_s']:.3f}", f"{r['speedup']:.2f}×", str(r["first_token_agrees"]))
+    Console().print(table)
+    err.print(f"[dim]{report['threads']} thread(s), {report['dtype']}, median of {runs}, vLLM {report['vllm']}[/dim]")
