@@ -16,7 +16,7 @@ EXTRAS := test
 CONSTRAINTS :=
 endif
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench suffix clean
 
 install: $(STAMP)
 
@@ -45,5 +45,15 @@ test-fast: install
 bench: install
 	$(VENV)/bin/kvforge bench exact --model smollm2-135m --tokens 1024,4096 --json
 
+# Optional: vLLM's `suffix` proposer (a `bench vllm-ngram` arm) needs arctic-inference, whose only
+# release is an sdist: built here in its own venv (~3 min), then the wheel goes into .venv.
+BUILD_VENV := .build-venv
+suffix: install
+	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION) setuptools wheel ninja "cmake>=3.12" nanobind==2.9.2 protobuf==5.29.6 grpcio-tools
+	PATH=$(CURDIR)/$(BUILD_VENV)/bin:$$PATH CMAKE_PREFIX_PATH=$$($(BUILD_VENV)/bin/python -m nanobind --cmake_dir) MAX_JOBS=2 \
+		$(BUILD_VENV)/bin/pip wheel --quiet --no-deps --no-build-isolation arctic-inference==0.3.0 -w $(BUILD_VENV)/wheels
+	$(PY) -m pip install --quiet --no-deps $(BUILD_VENV)/wheels/arctic_inference-0.3.0-*.whl
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(BUILD_VENV) build src/*.egg-info

@@ -172,3 +172,20 @@ def test_directory_store_round_trip_and_a_corrupt_entry(model_dir, tmp_path):
         store.get(key)
     with pytest.raises(KvforgeError, match="proper prefix"):
         store.put(prompt, cache, prompt, config_id(model_dir))
+
+
+def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
+    prompt = prompts()[1] + prompts()[0] + prompts()[1]  # > one 128-slot block
+    try:
+        out = generate(plain, [prompt], greedy(max_tokens=2, extra_args={"kv_transfer_params": {"kvforge_save": "read-out"}}))[0]
+        assert out.outputs[0].finish_reason == "length"
+        entry = CacheStore("memory").get("read-out")
+    finally:
+        MEMORY.pop("read-out", None)
+    engine = Engine(load_model(str(model_dir)))
+    _, exact = engine.prefill([prompt], logits="none")
+    assert entry.tokens == prompt and len(entry.cache) == len(exact)
+    for saved, own in zip(entry.cache.layers, exact.layers):
+        assert torch.equal(saved.row_positions(), own.row_positions())
+        assert torch.allclose(saved.keys(), own.keys(), atol=1e-4)
+        assert torch.allclose(saved.values(), own.values(), atol=1e-4)

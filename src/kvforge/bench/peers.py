@@ -24,7 +24,6 @@ which the transformers arms share, and vLLM's).
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import time
 from pathlib import Path
@@ -282,13 +281,9 @@ def _hf_copy(hf, prompts: list[list[int]], new_tokens: int) -> int:
 # --- vLLM ----------------------------------------------------------------------------------------
 def _vllm_missing() -> str | None:
     """Why vLLM cannot run here, or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm not installed"
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # a broken install: record it, measure the others
-        return f"vllm import failed: {_first_line(exc)}"
-    return None
+    from kvforge.vllm.engine import vllm_missing
+
+    return vllm_missing()
 
 
 def _load_vllm(hf, dtype: str, max_model_len: int):
@@ -296,13 +291,10 @@ def _load_vllm(hf, dtype: str, max_model_len: int):
     source = getattr(hf, "name_or_path", "")  # what from_pretrained was given: the converted directory or hub id
     if not source or (source.startswith((".", "/", "~")) and not Path(source).expanduser().is_dir()):
         return None, "no Hugging Face directory to give vLLM (the model was not loaded from one)"
-    n = torch.get_num_threads()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if n == 1 else f"0-{n - 1}")
     try:
-        from vllm import LLM
+        from kvforge.vllm.engine import start_llm
 
-        llm = LLM(model=str(source), dtype=_VLLM_DTYPES[dtype], enforce_eager=True, max_model_len=max_model_len,
-                  enable_prefix_caching=False)
+        llm = start_llm(source, _VLLM_DTYPES[dtype], max_model_len)
     except Exception as exc:  # vLLM refuses this model or dtype: record why, measure the others
         return None, f"vllm failed to load {dtype}: {_first_line(exc)}"
     return llm, None
@@ -310,17 +302,16 @@ def _load_vllm(hf, dtype: str, max_model_len: int):
 
 def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    from kvforge.vllm.engine import generate
+
+    return generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 
 
 def _close_vllm(llm) -> None:
-    """Stop vLLM's engine core now rather than at exit, so the next dtype's engine has the memory."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from kvforge.vllm.engine import close_llm
+
+    close_llm(llm)
 
 
 def _versions(with_vllm: bool) -> dict:

@@ -7,7 +7,9 @@ token from vLLM:
 - `handoff`: KV-Lingo translates the source's cache into the target's (alignment, translation,
   the target's few head rows computed natively by kvforge), the cache goes into the connector's
   in-memory store, and vLLM loads it and computes only the last token.
-The store and vLLM run in this process (no file or network round trip: a disaggregated
+With `source_dir`, the source is vLLM-served too: its cache is read out of its vLLM engine through
+the connector's save path (a request with `kvforge_save`, untimed like the source's prefill), so
+both models run in vLLM and kvforge only translates. The store and vLLM run in this process (no file or network round trip: a disaggregated
 deployment adds its transport). Reported beside the times: whether vLLM loaded every row but the
 last (a failed load would be an exact prefill in disguise: the bench stops instead), and whether
 the hand-off's first token equals the re-prefill's.
@@ -26,7 +28,8 @@ from kvforge.translate.align import align, tokenize
 from kvforge.translate.handoff import translate_cache
 
 
-def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int], runs: int = 3, progress=None) -> dict:
+def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int], runs: int = 3, progress=None,
+                       source_dir=None) -> dict:
     from vllm import SamplingParams
 
     from kvforge.errors import KvforgeError
@@ -35,6 +38,7 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
 
     store, model_id = CacheStore("memory"), config_id(target_dir)
     llm = start_llm(target_dir, target.dtype, max(lengths) + 64, max_num_seqs=1)
+    source_llm = start_llm(source_dir, source.dtype, 2 * max(lengths) + 64, max_num_seqs=1) if source_dir is not None else None
     first = SamplingParams(temperature=0.0, max_tokens=1)
     results = []
     try:
@@ -42,7 +46,13 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
         for n in lengths:
             text = text_of_tokens(target.model.tokenizer, n)
             src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
-            _, src_cache = source.prefill([src.ids], logits="none")
+            if source_llm is None:
+                _, src_cache = source.prefill([src.ids], logits="none")
+            else:  # the source serves the conversation in vLLM; read its cache out
+                saved = f"source-{n}"
+                generate(source_llm, [src.ids], SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"kvforge_save": saved}}))
+                src_cache = store.get(saved).cache
+                MEMORY.pop(saved, None)
             if progress:
                 progress(f"{source.model.name} -> {target.model.name}: {len(tgt.ids)} target tokens ({len(src.ids)} source)")
 
@@ -69,14 +79,16 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
             medians = {arm: {key: statistics.median(x[key] for x in xs) for key in ("s", "translate_s") if key in xs[0]}
                        for arm, xs in samples.items()}
             results.append({
-                "source": source.model.name, "target": target.model.name, "tokens": len(tgt.ids), "source_tokens": len(src.ids),
+                "source_engine": "vllm" if source_llm is not None else "kvforge", "source": source.model.name, "target": target.model.name, "tokens": len(tgt.ids), "source_tokens": len(src.ids),
                 "handoff_s": medians["handoff"]["s"], "translate_s": medians["handoff"]["translate_s"],
                 "reprefill_s": medians["reprefill"]["s"], "speedup": medians["reprefill"]["s"] / medians["handoff"]["s"],
                 "first_token_agrees": all(h["token"] == r["token"] for h, r in zip(samples["handoff"], samples["reprefill"])),
             })
     finally:
         close_llm(llm)
+        if source_llm is not None:
+            close_llm(source_llm)
     import vllm
 
-    return {"command": "bench vllm-handoff", "runs": runs, "vllm": vllm.__version__,
+    return {"command": "bench vllm-handoff", "runs": runs, "source_engine": "vllm" if source_dir is not None else "kvforge", "vllm": vllm.__version__,
             "vllm_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), **environment(target), "results": results}

@@ -8,6 +8,12 @@ per-prompt n-gram proposer with its draft gate) and `kvforge-prefetch` (the same
 (G samples of each prompt in one request, temperature 1). Tokens/s include the prefill.
 rl's losslessness check is one greedy sample of the first prompt (vLLM refuses n > 1 greedy).
 
+History: `suffix` keeps a global tree of earlier responses and kvforge's proposer keeps each
+prompt's n-gram cache across requests, so from the second timed run on both draft from what the
+same prompts produced before (an RL epoch revisiting its prompts). `history=False` measures first
+visits: kvforge's caches are dropped before every timed run and suffix runs without its global
+tree (`suffix_decoding_max_cached_requests=0`); vLLM's `ngram` keeps nothing either way.
+
 `mean_accept_len` is vLLM's own: accepted draft tokens per drafted request-step (its
 spec-decode counters). Lossless: greedy outputs equal the plain engine's, token for token (copy:
 the timed outputs; rl: a greedy sample of the first prompt).
@@ -32,7 +38,7 @@ def suffix_missing() -> str | None:
     return None
 
 
-def _speculation(arm: str, k: int, gate: bool) -> dict | None:
+def _speculation(arm: str, k: int, gate: bool, history: bool) -> dict | None:
     from kvforge.vllm import speculative_config
 
     if arm == "plain":
@@ -40,12 +46,13 @@ def _speculation(arm: str, k: int, gate: bool) -> dict | None:
     if arm == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if arm == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
+        return {"method": "suffix", "num_speculative_tokens": k, **({} if history else {"suffix_decoding_max_cached_requests": 0})}
     return speculative_config(k=k, gate=gate, prefetch=arm == "kvforge-prefetch")
 
 
 def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, k: int = 8, samples: int = 8,
-                     prompts: int | None = None, max_new_tokens: int | None = None, gate: bool = True, progress=None) -> dict:
+                     prompts: int | None = None, max_new_tokens: int | None = None, gate: bool = True, history: bool = True,
+                     progress=None) -> dict:
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, spec_counters, start_llm
@@ -68,7 +75,7 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
         if progress:
             progress(f"starting vLLM for arm {arm}")
         before = set(LIVE)
-        engines[arm] = start_llm(model_dir, dtype, max_len, speculative_config=_speculation(arm, k, gate),
+        engines[arm] = start_llm(model_dir, dtype, max_len, speculative_config=_speculation(arm, k, gate, history),
                                  disable_log_stats=False, max_num_seqs=max(group, 8))
         proposers[arm] = next(iter(set(LIVE) - before), None)
 
@@ -80,6 +87,8 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
     counters = {arm: {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0} for arm in engines}
 
     def run(arm: str, seed: int) -> dict:
+        if not history and proposers.get(arm) is not None:
+            proposers[arm].forget_history()
         before = spec_counters(engines[arm])
         result = timed_run(arm, seed)
         for key, value in spec_counters(engines[arm]).items():
@@ -144,6 +153,7 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
         "max_new_tokens": max_new_tokens,
         "k": k,
         "gate": gate,
+        "history": history,
         "runs": runs,
         "dtype": str(dtype).removeprefix("torch."),
         "vllm": vllm.__version__,

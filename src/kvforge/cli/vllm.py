@@ -41,6 +41,7 @@ def bench_vllm_ngram_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="kvforge's proposer drafts every step (no DraftGate)."),
+    no_history: bool = typer.Option(False, "--no-history", help="First visits: kvforge's prompt caches dropped before each run, suffix without its global tree."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
@@ -61,7 +62,7 @@ def bench_vllm_ngram_cmd(
 
     directory = hf_directory(model)
     report = bench_vllm_ngram(directory, AutoTokenizer.from_pretrained(str(directory)), workload, _vllm_dtype(dtype), runs, k,
-                              samples_per_prompt, prompts, max_new_tokens, gate=not no_gate,
+                              samples_per_prompt, prompts, max_new_tokens, gate=not no_gate, history=not no_history,
                               progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
     for skip in report["skipped"]:
@@ -86,6 +87,7 @@ def bench_vllm_handoff_cmd(
     target: str = typer.Option("smollm2-135m", "--target", help="The model vLLM serves next."),
     translator: Optional[Path] = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the cached one for the pair)."),
     tokens: str = typer.Option("2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
+    source_engine: str = typer.Option("kvforge", "--source-engine", help="kvforge: the source prefills in kvforge's engine; vllm: in vLLM, its cache read out through the connector."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -100,6 +102,8 @@ def bench_vllm_handoff_cmd(
     lengths = parse_lengths(tokens)
     if runs < 1:
         raise KvforgeError("--runs must be >= 1")
+    if source_engine not in ("kvforge", "vllm"):
+        raise KvforgeError(f"unknown --source-engine {source_engine!r}: use kvforge or vllm")
     setup_threads(threads)
     from kvforge.bench.vllm_handoff import bench_vllm_handoff
 
@@ -108,7 +112,8 @@ def bench_vllm_handoff_cmd(
     from kvforge.translate.translator import ModelSide
 
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
-    report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+                                source_dir=hf_directory(source) if source_engine == "vllm" else None)
     if json_out:
         emit_json(report)
         return

@@ -10,6 +10,13 @@ vLLM's own CPU cache-update op (`cpu_attn_reshape_and_cache`): the CPU cache lay
 indexing. vLLM then computes the remaining prompt tokens over the injected rows and decodes at
 its own speed. Requests without the parameter prefill as usual.
 
+The save path reads a request's cache out: a request with `kv_transfer_params={"kvforge_save": key}`
+has its prompt's K/V rows (every layer, positions 0..N-1) copied into the store under `key` once
+its prefill is complete, as a kvforge `KVCache` of exact rows: a vLLM-served source model's cache,
+ready for KV-Lingo to translate. Rows are read by the layout vLLM's "vec"/"vec16" CPU kernels use
+(keys [head dim, block size] within each block and head, values [block size, head dim]); on AMX
+machines (prepacked tiles) the save fails with a message instead.
+
 Failure: a missing entry, an entry for another model, another prompt, or a layout that does not
 match the served model fails that request (vLLM finishes it with an error, `kv_load_failure_policy`
 "fail") and logs why; the engine stays up, and nothing falls back to an exact prefill silently.
@@ -27,13 +34,15 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
+from kvforge.cache import KVCache, RowKind
 from kvforge.errors import KvforgeError
 from kvforge.vllm.store import CacheStore, Entry, config_id
 
 logger = logging.getLogger("kvforge.vllm")
 PARAM = "kvforge_cache"
+SAVE_PARAM = "kvforge_save"
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -49,8 +58,19 @@ class Load:
 
 
 @dataclass
+class Save:
+    """One request's read-out: its prompt's rows, from `block_ids`, into the store as `key`."""
+
+    request_id: str
+    key: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
 class KvforgeConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)  # requests whose prefill completes this step
 
 
 class KvforgeConnector(KVConnectorBase_V1):
@@ -67,6 +87,8 @@ class KvforgeConnector(KVConnectorBase_V1):
         self.pending: dict[str, Load] = {}  # scheduler side: loads allocated this step
         self.checked: dict[str, list[int]] = {}  # scheduler side: key -> the entry's tokens, once checked
         self.failed_blocks: set[int] = set()
+        self.saving: dict[str, Save] = {}  # scheduler side: save requests still prefilling
+        self.rows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # worker side: key -> layer -> (K, V)
 
     # --- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -105,12 +127,28 @@ class KvforgeConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvforgeConnectorMetadata:
         meta = KvforgeConnectorMetadata(list(self.pending.values()))
         self.pending.clear()
+        for new in scheduler_output.scheduled_new_reqs:
+            params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") or {} if new.sampling_params else {}
+            if params.get(SAVE_PARAM):
+                self.saving[new.req_id] = Save(new.req_id, params[SAVE_PARAM], list(new.prompt_token_ids or []), list(new.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            if req_id in self.saving and new_blocks is not None:
+                save = self.saving[req_id]
+                save.block_ids = list(new_blocks[0]) if req_id in cached.resumed_req_ids else save.block_ids + list(new_blocks[0])
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, save in list(self.saving.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if scheduled and computed.get(req_id, 0) + scheduled >= len(save.tokens):  # the prefill completes now
+                meta.saves.append(self.saving.pop(req_id))
         return meta
 
     def request_finished(self, request, block_ids):
         key = (request.kv_transfer_params or {}).get(PARAM)
         if key:
             self.checked.pop(key, None)
+        self.saving.pop(request.request_id, None)  # finished (or aborted) before its prefill completed
         return False, None
 
     # --- worker side -----------------------------------------------------------------------------
@@ -160,10 +198,42 @@ class KvforgeConnector(KVConnectorBase_V1):
         """Loads are synchronous: every layer is written in `start_load_kv`."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        """Nothing to save: this connector only loads."""
+        """Copy this layer's rows of every request whose prefill completes this step (they are in
+        the paged cache by now: vLLM writes a step's K/V before its attention)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        match = LAYER_INDEX.search(layer_name)
+        if not getattr(meta, "saves", None) or match is None or not isinstance(kv_layer, torch.Tensor):
+            return
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        blocks, heads, bs, width = kv_layer.shape
+        isa = _get_attn_isa(kv_layer.dtype, bs, width // 2)
+        for save in meta.saves:
+            if isa not in ("vec", "vec16"):
+                logger.error("kvforge: cannot save request %s: the %r cache layout is not readable", save.request_id, isa)
+                continue
+            positions = torch.arange(len(save.tokens))
+            table = torch.tensor(save.block_ids, dtype=torch.int64)
+            block, offset = table[positions // bs], positions % bs
+            halves = kv_layer.view(blocks, heads, 2, bs * (width // 2))
+            keys = halves[:, :, 0].view(blocks, heads, width // 2, bs)[block, :, :, offset]  # (N, H, D)
+            values = halves[:, :, 1].view(blocks, heads, bs, width // 2)[block, :, offset, :]
+            self.rows.setdefault(save.key, {})[int(match.group(1))] = (keys.clone(), values.clone())
 
     def wait_for_save(self) -> None:
-        """Nothing to save."""
+        """Put each completed read-out into the store as a kvforge cache of exact rows."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        for save in getattr(meta, "saves", ()):
+            layers = self.rows.pop(save.key, {})
+            if not layers:
+                continue
+            cache = KVCache.empty(len(layers), 1, layers[0][0].shape[1], layers[0][0].shape[2], layers[0][0].dtype,
+                                  capacity=len(save.tokens))
+            positions = torch.arange(len(save.tokens)).view(1, -1)
+            for i in range(len(layers)):
+                k, v = layers[i]
+                cache[i].append(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), positions, RowKind.EXACT)
+            self.store.save(save.key, cache, save.tokens, self.model)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()

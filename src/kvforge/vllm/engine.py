@@ -29,7 +29,7 @@ def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vllm not installed (pip install 'kvforge[vllm]')"
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  (the import is the check)
     except Exception as exc:  # a broken install: callers record it and go on without vLLM
         return f"vllm import failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return None

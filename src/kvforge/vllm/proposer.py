@@ -216,6 +216,13 @@ class NgramRLProposer:
                 if self.prefetcher is not None:
                     self.prefetcher.forget(state.key)
 
+    def forget_history(self) -> None:
+        """Drop every prompt's cache and row state: the next requests draft from their own prompts
+        only (benchmarks of first visits; a trainer keeps history across epochs)."""
+        self.history = RolloutHistory(self.config.n_min, self.config.n_max, self.config.max_entries)
+        self.rows.clear()
+        self.gate = DraftGate() if self.config.gate else None
+
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()

@@ -63,7 +63,10 @@ class CacheStore:
             raise KvforgeError(f"a stored cache holds one sequence, this one holds {cache.batch_size}")
         if not 0 < len(tokens) < len(prompt) or list(prompt[: len(tokens)]) != list(tokens):
             raise KvforgeError("the cache must cover a proper prefix of the prompt: vLLM computes at least the last token")
-        key = prompt_key(prompt)
+        return self.save(prompt_key(prompt), cache, tokens, model)
+
+    def save(self, key: str, cache: KVCache, tokens: Sequence[int], model: str) -> str:
+        """Store the cache of `tokens` under `key` (what the connector's save path does)."""
         if self.memory:
             MEMORY[key] = Entry(cache, list(tokens), model)
         else:
