@@ -287,6 +287,29 @@ def test_the_gate_stops_drafting_while_drafts_are_rejected_and_retries():
     assert gate.allows(0) and gate.allows(1)  # accepted again; other requests are independent
 
 
+def test_the_gate_backs_off_after_failed_retries_when_asked():
+    from kvforge.speculative.step import DraftGate
+
+    gate = DraftGate(min_accepted=1.0, decay=0.5, retry=2, max_retry=8)
+    gate.record(0, drafted=8, accepted=0)
+    waits = []
+    for _ in range(5):  # every retry fails: waits 2, 4, 8, 8, 8
+        idle = 1
+        while not gate.allows(0):
+            idle += 1
+        waits.append(idle)
+        gate.record(0, drafted=8, accepted=0)
+    assert waits == [2, 4, 8, 8, 8]
+    gate.record(0, drafted=8, accepted=8)
+    gate.record(0, drafted=8, accepted=8)
+    assert gate.allows(0) and 0 not in gate.wait  # accepted again: the wait starts over
+    fixed = DraftGate(min_accepted=1.0, decay=0.5, retry=2)  # the default: no backoff
+    fixed.record(0, drafted=8, accepted=0)
+    for _ in range(3):
+        assert [fixed.allows(0) for _ in range(2)] == [False, True]
+        fixed.record(0, drafted=8, accepted=0)
+
+
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
     """A drafter that is always wrong: the gate pauses it, no gate verifies a draft every step
     that has room for one; the committed tokens are plain decoding's either way."""

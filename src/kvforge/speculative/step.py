@@ -143,28 +143,37 @@ class DraftGate:
     """Drafting widens the verification forward (on this CPU 2..9 tokens cost 1.6-1.9x one), so it
     pays only while drafts are accepted. A request whose recent accepted tokens per drafted step
     (exponential average) fall below `min_accepted` stops drafting and retries every `retry`
-    steps. Only timing depends on it: committed tokens are the model's either way."""
+    steps; with `max_retry` > `retry`, each retry that fails doubles the wait (up to `max_retry`),
+    so a request that never accepts (sampling at temperature 1) drafts ever more rarely. Only
+    timing depends on it: committed tokens are the model's either way."""
 
-    def __init__(self, min_accepted: float = 1.0, decay: float = 0.7, retry: int = 8):
+    def __init__(self, min_accepted: float = 1.0, decay: float = 0.7, retry: int = 8, max_retry: int | None = None):
         self.min_accepted, self.decay, self.retry = min_accepted, decay, retry
+        self.max_retry = max(retry, max_retry or retry)
         self.average: dict[int, float] = {}
         self.idle: dict[int, int] = {}
+        self.wait: dict[int, int] = {}  # the request's current retry interval
 
     def allows(self, request: int) -> bool:
         if self.average.get(request, self.min_accepted) >= self.min_accepted:
             return True
         self.idle[request] = self.idle.get(request, 0) + 1
-        return self.idle[request] >= self.retry
+        return self.idle[request] >= self.wait.get(request, self.retry)
 
     def forget(self, request: int) -> None:
         """Drop a finished request's history (a server sees unboundedly many)."""
         self.average.pop(request, None)
         self.idle.pop(request, None)
+        self.wait.pop(request, None)
 
     def record(self, request: int, drafted: int, accepted: int) -> None:
         if drafted:
             previous = self.average.get(request, float(accepted))
             self.average[request] = self.decay * previous + (1 - self.decay) * accepted
+            if self.idle.get(request, 0) > 0 and self.average[request] < self.min_accepted:  # a retry that failed
+                self.wait[request] = min(2 * self.wait.get(request, self.retry), self.max_retry)
+            elif self.average[request] >= self.min_accepted:
+                self.wait.pop(request, None)
             self.idle[request] = 0
 
 

@@ -51,11 +51,16 @@ class ProposerConfig:
     n_min: int = 2
     n_max: int = 4
     gate: bool = True
+    # retry interval of a gated request doubles after each failed retry, up to this many steps
+    # (vLLM widens the whole batch's forward for one drafted row); 8: kvforge's own loop's fixed retry
+    gate_max_retry: int = 64
     prefetch: bool = False
     budget: int = 16
     k_min: int | None = None
     k_ramp: int = 16
     max_entries: int = DEFAULT_MAX_ENTRIES
+    # False: index and track as usual but never draft (what vLLM's speculative machinery costs alone)
+    drafting: bool = True
 
     def __post_init__(self):
         self.draft  # DraftConfig validates the shared fields
@@ -122,7 +127,7 @@ class NgramRLProposer:
         # content hash -> the states of rows with those tokens (siblings can be identical so far),
         # least recently seen first
         self.rows: OrderedDict[int, list[RowState]] = OrderedDict()
-        self.gate = DraftGate() if config.gate else None
+        self.gate = DraftGate(max_retry=config.gate_max_retry) if config.gate else None
         self.prefetcher = Prefetcher(config.k, config.budget) if config.prefetch else None
         self.pending: Future | None = None  # the prefetch tables being built for the drafts last returned
         self.stats = ProposerStats()
@@ -193,7 +198,7 @@ class NgramRLProposer:
         hit = None
         if branch is not None and state.draft:
             hit = self.prefetcher.probe(state.key, branch, len(sampled) - 1, sampled[-1])
-        if room <= 0 or (self.gate is not None and not self.gate.allows(state.key)):
+        if room <= 0 or not config.drafting or (self.gate is not None and not self.gate.allows(state.key)):
             state.draft = None
             return []
         if hit is not None:
@@ -221,7 +226,7 @@ class NgramRLProposer:
         only (benchmarks of first visits; a trainer keeps history across epochs)."""
         self.history = RolloutHistory(self.config.n_min, self.config.n_max, self.config.max_entries)
         self.rows.clear()
-        self.gate = DraftGate() if self.config.gate else None
+        self.gate = DraftGate(max_retry=self.config.gate_max_retry) if self.config.gate else None
 
     def close(self) -> None:
         if self.prefetcher is not None:
