@@ -56,6 +56,14 @@ def rl_prompts(tokenizer, count: int = 3, max_chars: int = 1500) -> list[list[in
     return [encode_prompt(tokenizer, c.turns[0][1][:max_chars], chat=True) for c in convs]
 
 
+def workload_settings(tokenizer, workload: str, prompts: int | None, samples: int, max_new_tokens: int | None):
+    """(prompt ids, samples per prompt, temperature, new tokens) of a workload: copy is batch 1,
+    greedy, 128 tokens over 4 prompts; rl is `samples` per prompt at temperature 1, 96 tokens over 3."""
+    if workload == "copy":
+        return copy_prompts(tokenizer, prompts or 4), 1, 0.0, max_new_tokens or 128
+    return rl_prompts(tokenizer, prompts or 3), samples, 1.0, max_new_tokens or 96
+
+
 def bench_ngram(
     engine, workload: str, runs: int = 3, k: int = 8, budget: int = 16, max_new_tokens: int | None = None,
     samples: int = 8, prompts: int | None = None, progress=None, gate: bool = True,
@@ -63,13 +71,7 @@ def bench_ngram(
     """`gate`: the drafting arms skip drafts while they are rejected (`DraftGate`); False drafts every step."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
-    tok = engine.model.tokenizer
-    if workload == "copy":
-        prompt_ids, group, temperature = copy_prompts(tok, prompts or 4), 1, 0.0
-        max_new_tokens = max_new_tokens or 128
-    else:
-        prompt_ids, group, temperature = rl_prompts(tok, prompts or 3), samples, 1.0
-        max_new_tokens = max_new_tokens or 96
+    prompt_ids, group, temperature, max_new_tokens = workload_settings(engine.model.tokenizer, workload, prompts, samples, max_new_tokens)
     arms = {
         "plain": DraftConfig("none"),
         "prompt-lookup": DraftConfig("prompt-lookup", k, gate=gate),

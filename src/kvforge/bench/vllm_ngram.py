@@ -27,7 +27,7 @@ import statistics
 import time
 
 from kvforge.bench.harness import environment
-from kvforge.bench.ngram import copy_prompts, rl_prompts
+from kvforge.bench.ngram import workload_settings
 
 ARMS = ("plain", "ngram", "suffix", "kvforge", "kvforge-prefetch", "kvforge-off")
 DEFAULT_ARMS = ARMS[:-1]  # kvforge-off (never drafts: vLLM's speculative path alone) is a diagnostic
@@ -59,12 +59,7 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
     from kvforge.vllm.engine import close_llm, generate, spec_counters, start_llm
     from kvforge.vllm.proposer import LIVE
 
-    if workload == "copy":
-        prompt_ids, group, temperature = copy_prompts(tokenizer, prompts or 4), 1, 0.0
-        max_new_tokens = max_new_tokens or 128
-    else:
-        prompt_ids, group, temperature = rl_prompts(tokenizer, prompts or 3), samples, 1.0
-        max_new_tokens = max_new_tokens or 96
+    prompt_ids, group, temperature, max_new_tokens = workload_settings(tokenizer, workload, prompts, samples, max_new_tokens)
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + k + 16
     skipped, engines, proposers = [], {}, {}
     # vLLM's `ngram` engine starts last: it imports numba, whose llvmlite handle breaks the module
