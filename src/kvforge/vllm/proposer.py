@@ -51,9 +51,10 @@ class ProposerConfig:
     n_min: int = 2
     n_max: int = 4
     gate: bool = True
-    # retry interval of a gated request doubles after each failed retry, up to this many steps
-    # (vLLM widens the whole batch's forward for one drafted row); 8: kvforge's own loop's fixed retry
-    gate_max_retry: int = 64
+    # > 8: a gated request's retry interval doubles after each failed retry, up to this many steps;
+    # 8 (kvforge's own loop's fixed retry) is the default: the backoff did not pay in vLLM (RL 0.77x
+    # either way, docs/vllm.md)
+    gate_max_retry: int = 8
     prefetch: bool = False
     budget: int = 16
     k_min: int | None = None
