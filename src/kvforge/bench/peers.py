@@ -35,10 +35,11 @@ from kvforge.bench.exact import hf_decode, hf_prefill, ours_decode
 from kvforge.bench.harness import environment, interleaved_medians, interleaved_metric_medians, timed
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
+from kvforge.models.loading import parse_dtype
+from kvforge.vllm.engine import close_llm, vllm_missing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ENGINES = ("kvforge", "transformers", "vllm")
-_VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def parse_choices(text: str, allowed: Sequence[str], option: str) -> list[str]:
@@ -87,7 +88,7 @@ def bench_peers(
         def load_engine(dtype: torch.dtype) -> Engine:
             return Engine(load_model(model, device=device, dtype=dtype))
 
-    vllm_reason = _vllm_missing() if "vllm" in engines else None
+    vllm_reason = vllm_missing() if "vllm" in engines else None
     settings = dict(lengths=lengths, engines=engines, decode_tokens=decode_tokens, runs=runs,
                     copy_new_tokens=copy_new_tokens, progress=progress or (lambda message: None))
     results, skipped, load_s, copy_workload, name = [], [], {}, None, model
@@ -220,7 +221,7 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
         for e in names for tokens in lengths
     ]
     if llm is not None:
-        _close_vllm(llm)
+        close_llm(llm)
     workload = {"prompts": len(copy_prompt_ids), "prompt_tokens": [len(p) for p in copy_prompt_ids],
                 "new_tokens": copy_new_tokens, "generated_tokens": {e: int(copy[e]["tokens"]) for e in names}}
     return {"rows": rows, "skipped": skipped, "load_s": load_s, "copy_workload": workload, "model": engine.model.name}
@@ -279,13 +280,6 @@ def _hf_copy(hf, prompts: list[list[int]], new_tokens: int) -> int:
 
 
 # --- vLLM ----------------------------------------------------------------------------------------
-def _vllm_missing() -> str | None:
-    """Why vLLM cannot run here, or None."""
-    from kvforge.vllm.engine import vllm_missing
-
-    return vllm_missing()
-
-
 def _load_vllm(hf, dtype: str, max_model_len: int):
     """(vLLM's LLM over the Hugging Face directory kvforge loaded from, None) or (None, why not)."""
     source = getattr(hf, "name_or_path", "")  # what from_pretrained was given: the converted directory or hub id
@@ -294,7 +288,7 @@ def _load_vllm(hf, dtype: str, max_model_len: int):
     try:
         from kvforge.vllm.engine import start_llm
 
-        llm = start_llm(source, _VLLM_DTYPES[dtype], max_model_len)
+        llm = start_llm(source, parse_dtype(dtype), max_model_len)
     except Exception as exc:  # vLLM refuses this model or dtype: record why, measure the others
         return None, f"vllm failed to load {dtype}: {_first_line(exc)}"
     return llm, None
@@ -306,12 +300,6 @@ def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
     from kvforge.vllm.engine import generate
 
     return generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def _close_vllm(llm) -> None:
-    from kvforge.vllm.engine import close_llm
-
-    close_llm(llm)
 
 
 def _versions(with_vllm: bool) -> dict:

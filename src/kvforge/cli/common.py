@@ -99,6 +99,11 @@ def dtype_of(engine) -> str:
     return dtype_name(engine.dtype)
 
 
+def cell(row: dict, key: str, spec: str) -> str:
+    """A report row's figure formatted for a table, or "—" where it is absent or null."""
+    return format(row[key], spec) if row.get(key) is not None else "—"
+
+
 def emit_json(obj: dict) -> None:
     """Print the one JSON object of a `--json` run on its own line of stdout."""
     sys.stdout.write(json.dumps(obj) + "\n")

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    BudgetOpt, DeviceOpt, DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
+    BudgetOpt, DeviceOpt, cell, DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
     user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -53,9 +53,8 @@ def bench_ngram_cmd(
         return
     table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "coverage", "predicted × sync", "measured × sync")
     for r in report["results"]:
-        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
-        table.add_row(r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
-                      str(r.get("lossless", "—")), fmt("coverage", ".3f"), fmt("predicted_speedup", ".3f"), fmt("speedup_vs_sync", ".3f"))
+        table.add_row(r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), cell(r, "mean_accept_len", ".2f"),
+                      str(r.get("lossless", "—")), cell(r, "coverage", ".3f"), cell(r, "predicted_speedup", ".3f"), cell(r, "speedup_vs_sync", ".3f"))
     Console().print(table)
     err.print(f"[dim]{report['workload']}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, budget {budget}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")
 
@@ -94,8 +93,7 @@ def bench_rollout_cmd(
         return
     table = Table("epoch", "arm", "tokens/s", "× plain", "mean accept", "lossless")
     for r in report["results"]:
-        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
-        table.add_row(str(r["epoch"]), r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
+        table.add_row(str(r["epoch"]), r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), cell(r, "mean_accept_len", ".2f"),
                       str(r["lossless"]) if r["lossless"] is not None else "—")
     Console().print(table)
     err.print(f"[dim]{report['prompts']} prompts x{n}, {max_tokens} tokens, k {k}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli.common import DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, setup_threads, user_errors
+from kvforge.cli.common import DtypeOpt, cell, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, setup_threads, user_errors
 from kvforge.errors import KvforgeError
 
 
@@ -78,9 +78,8 @@ def bench_vllm_ngram_cmd(
         return
     table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "lookup ms/step")
     for r in report["results"]:
-        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "—"  # noqa: E731
-        table.add_row(r["arm"], fmt("tokens_per_s", ".1f"), fmt("speedup_vs_plain", ".2f"), fmt("mean_accept_len", ".2f"),
-                      str(r.get("lossless", "—")), fmt("lookup_ms_per_step", ".3f"))
+        table.add_row(r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), cell(r, "mean_accept_len", ".2f"),
+                      str(r.get("lossless", "—")), cell(r, "lookup_ms_per_step", ".3f"))
     Console().print(table)
     err.print(f"[dim]{workload}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, {report['dtype']}, "
               f"{report['threads']} thread(s), median of {runs}[/dim]")

@@ -41,6 +41,7 @@ from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.ngram import NgramCache
 from kvforge.speculative.prefetch import Branch, Prefetcher
 from kvforge.speculative.step import DraftConfig, DraftGate
+from kvforge.vllm import DRAFT_ENV
 
 LIVE: "weakref.WeakSet[NgramRLProposer]" = weakref.WeakSet()  # proposers in this process, for in-process benches
 
@@ -92,7 +93,6 @@ class RowState:
     cache: NgramCache
     produced: int = 0  # tokens committed since the prompt
     draft: list[int] | None = None  # the draft proposed for this row at the last step
-    branch: Branch | None = None  # its prefetch table
 
 
 @dataclass
@@ -117,18 +117,19 @@ class NgramRLProposer:
     def __init__(self, vllm_config, config: ProposerConfig | None = None):
         spec = vllm_config.speculative_config
         if config is None:
-            config = ProposerConfig.from_dict({**json.loads(os.environ.get("KVFORGE_VLLM_DRAFT", "{}") or "{}"),
+            config = ProposerConfig.from_dict({**json.loads(os.environ.get(DRAFT_ENV) or "{}"),
                                                "k": spec.num_speculative_tokens})
         if config.k != spec.num_speculative_tokens:
             raise ValueError(f"the proposer drafts {config.k} tokens, vLLM verifies {spec.num_speculative_tokens}")
         self.config = config
+        self.draft_config = config.draft  # built once: `k_for` is asked per row per step
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_rows = 4 * vllm_config.scheduler_config.max_num_seqs + 64
         self.history = RolloutHistory(config.n_min, config.n_max, config.max_entries)
         # content hash -> the states of rows with those tokens (siblings can be identical so far),
         # least recently seen first
         self.rows: OrderedDict[int, list[RowState]] = OrderedDict()
-        self.gate = DraftGate(max_retry=config.gate_max_retry) if config.gate else None
+        self.gate = self._new_gate()
         self.prefetcher = Prefetcher(config.k, config.budget) if config.prefetch else None
         self.pending: Future | None = None  # the prefetch tables being built for the drafts last returned
         self.stats = ProposerStats()
@@ -195,7 +196,7 @@ class NgramRLProposer:
             if self.gate is not None:
                 self.gate.record(state.key, len(state.draft), accepted)
         state.produced += len(sampled)
-        room = min(config.draft.k_for(state.produced), self.max_model_len - n)
+        room = min(self.draft_config.k_for(state.produced), self.max_model_len - n)
         hit = None
         if branch is not None and state.draft:
             hit = self.prefetcher.probe(state.key, branch, len(sampled) - 1, sampled[-1])
@@ -227,7 +228,10 @@ class NgramRLProposer:
         only (benchmarks of first visits; a trainer keeps history across epochs)."""
         self.history = RolloutHistory(self.config.n_min, self.config.n_max, self.config.max_entries)
         self.rows.clear()
-        self.gate = DraftGate(max_retry=self.config.gate_max_retry) if self.config.gate else None
+        self.gate = self._new_gate()
+
+    def _new_gate(self) -> DraftGate | None:
+        return DraftGate(max_retry=self.config.gate_max_retry) if self.config.gate else None
 
     def close(self) -> None:
         if self.prefetcher is not None:
