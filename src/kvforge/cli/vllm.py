@@ -1,4 +1,4 @@
-"""`kvforge bench vllm-ngram` and `bench vllm-handoff`: kvforge's methods inside vLLM, measured
+"""`kvforge bench vllm-ngram`, `bench vllm-handoff` and `bench vllm-ridgefill`: kvforge's methods inside vLLM, measured
 against vLLM's own paths in one process."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli.common import DtypeOpt, cell, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, setup_threads, user_errors
+from kvforge.cli.common import (
+    AttendedOpt, DtypeOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, cell, emit_json, err,
+    setup_threads, user_errors,
+)
 from kvforge.errors import KvforgeError
 
 
@@ -128,3 +131,59 @@ def bench_vllm_handoff_cmd(
                       f"{r['reprefill_s']:.3f}", f"{r['speedup']:.2f}×", str(r["first_token_agrees"]))
     Console().print(table)
     err.print(f"[dim]{report['threads']} thread(s), {report['dtype']}, median of {runs}, vLLM {report['vllm']}[/dim]")
+
+
+@bench_app.command("vllm-ridgefill")
+@user_errors
+def bench_vllm_ridgefill_cmd(
+    model: str = ModelOpt,
+    maps: Optional[Path] = MapsOpt,
+    preset: str = PresetOpt,
+    split: Optional[int] = SplitOpt,
+    tail: Optional[int] = TailOpt,
+    attended_rows: Optional[int] = AttendedOpt,
+    tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
+    dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
+    runs: int = typer.Option(5, "--runs", help="Timed runs per arm (median reported)."),
+    together_tokens: int = typer.Option(64, "--together-tokens", help="At the longest length, also time a whole request of this many greedy tokens: exact + plain vs RidgeFill + NgramRL (0: skip)."),
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """RidgeFill prefill inside vLLM vs vLLM's exact prefill: time to first token, MAC ceiling, filled share."""
+    from kvforge.artifacts import artifact_path
+    from kvforge.bench.peers import DTYPES, parse_choices
+    from kvforge.cli.common import load_engine, parse_lengths
+    from kvforge.fill.ridgefill import resolve
+    from kvforge.models.loading import hf_directory, parse_dtype
+
+    _need_vllm()
+    lengths = parse_lengths(tokens)
+    chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
+    if runs < 1 or together_tokens < 0:
+        raise KvforgeError("--runs must be >= 1 and --together-tokens >= 0")
+    setup_threads(threads)
+    from kvforge.bench.vllm_ridgefill import bench_vllm_ridgefill
+
+    engine = load_engine(model, "cpu", "fp32")
+    maps_path = maps if maps is not None else artifact_path("maps", engine.model.name)
+    config, _ = resolve(engine, maps_path, preset, split, tail, attended_rows)  # the maps fit the model and hold the split
+    if max(lengths) + 16 > engine.model.context_length:
+        raise KvforgeError(f"{max(lengths)} tokens exceed the context of {engine.model.context_length}")
+    settings = {"preset": preset, "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows}
+    report = bench_vllm_ridgefill(engine, hf_directory(model), maps_path, lengths, chosen, runs, settings, together_tokens,
+                                  progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report["model"] = model
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("dtype", "tokens", "exact TTFT s", "RidgeFill TTFT s", "speedup", "ceiling", "of ceiling", "filled", "same 1st token")
+    for r in report["results"]:
+        table.add_row(r["dtype"], str(r["tokens"]), f"{r['exact_ttft_s']:.3f}", f"{r['ridgefill_ttft_s']:.3f}", f"{r['speedup']:.2f}×",
+                      f"{r['ceiling']:.2f}×", f"{r['fraction_of_ceiling']:.2f}", f"{r['filled_share']:.0%}", str(r["first_token_agrees"]))
+    Console().print(table)
+    for t in report["together"]:
+        err.print(f"{t['dtype']}, {t['tokens']} tokens + {t['generated']} generated: exact + plain {t['exact_plain_s']:.2f} s, "
+                  f"RidgeFill + NgramRL {t['ridgefill_ngram_s']:.2f} s ({t['speedup']:.2f}×, mean accept {t['mean_accept_len']:.2f}), "
+                  f"lossless over the forged cache: {t['lossless_over_forged_cache']}")
+    err.print(f"[dim]split {report['split']}, tail {report['tail']}, attended rows {report['attended_rows']}, {report['threads']} thread(s), "
+              f"median of {runs}, vLLM {report['vllm']}[/dim]")

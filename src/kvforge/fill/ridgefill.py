@@ -148,6 +148,20 @@ def exact_row_mask(prompt: list[int], config: RidgeFillConfig, special_ids: set[
     return exact
 
 
+def planned_exact_rows(prompt: list[int], config: RidgeFillConfig, special_ids: set[int]) -> tuple[torch.Tensor, str | None]:
+    """(T,) bool rows kept exact before the attention-based choice, and why the whole prompt stays
+    exact (None when some row will be filled): a prompt no longer than the exact rows, or one whose
+    fillable rows the attended-row choice would keep anyway. kvforge's engine and its vLLM model
+    class both plan by this."""
+    exact = exact_row_mask(prompt, config, special_ids)
+    tokens, fillable = len(prompt), int((~exact).sum())
+    if fillable == 0:
+        return exact, f"the {tokens}-token prompt is no longer than RidgeFill's exact rows (first {config.sinks}, last {config.tail})"
+    if config.attended_rows >= fillable:
+        return exact, f"RidgeFill keeps exact the {config.attended_rows} rows the tail attends to most, which covers all {fillable} fillable rows"
+    return exact, None
+
+
 def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None = None) -> PrefillPlan:
     """The plan for one prompt. When nothing would be filled -- split = L, a prompt no longer
     than the exact rows, or one whose fillable rows the attended-row choice keeps exact anyway --
@@ -161,16 +175,9 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
             raise ValueError("RidgeFill needs maps: pass --maps (fit them with `kvforge fit ridgefill`)")
         _check_maps(engine, maps, config.split)
     special = set(getattr(engine.model.tokenizer, "all_special_ids", []) or [])
-    exact = exact_row_mask(prompt, config, special)
-    fillable = int((~exact).sum())
-    if fillable == 0:
-        return PrefillPlan.exact(
-            tokens, num_layers, f"the {tokens}-token prompt is no longer than RidgeFill's exact rows (first {config.sinks}, last {config.tail})"
-        )
-    if config.attended_rows >= fillable:
-        return PrefillPlan.exact(
-            tokens, num_layers, f"RidgeFill keeps exact the {config.attended_rows} rows the tail attends to most, which covers all {fillable} fillable rows"
-        )
+    exact, reason = planned_exact_rows(prompt, config, special)
+    if reason is not None:
+        return PrefillPlan.exact(tokens, num_layers, reason)
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
     choose = AttendedRows(engine, config.attended_rows, config.tail, config.attended_span) if config.attended_rows else None
@@ -214,18 +221,30 @@ class AttendedRows:
         q_pos = positions[:, tail]
         q, _, _ = a.attention_inputs(last_exact, h_before[:, tail], a.rope(h_before[:, tail], q_pos))  # (1, Hq, Tt, D)
         keys, k_pos = cache[last_exact].keys(), cache[last_exact].row_positions()  # (1, H, T, D)
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        scores = (q @ keys.transpose(-1, -2)) * a.scaling[last_exact]  # (1, Hq, Tt, T)
-        mask = visibility_mask(q_pos, k_pos, a.windows[last_exact])
-        weight = scores.masked_fill(~mask, float("-inf")).softmax(-1).amax(dim=(0, 1, 2))  # (T,) by cache row
+        weight = peak_attention(q, keys, q_pos, k_pos, a.scaling[last_exact], a.windows[last_exact])  # (T,) by cache row
         rel = k_pos[0] - positions[0, 0]  # cache row -> prompt row
         ours = (rel >= 0) & (rel < depth.numel())
         by_row = torch.full((depth.numel(),), -1.0, dtype=weight.dtype, device=weight.device)
         by_row[rel[ours]] = weight[ours]
-        candidates = depth < a.num_layers
-        by_row[~candidates] = -1.0
-        anchors = by_row.topk(min(self.count, int(candidates.sum()))).indices
-        rows = (anchors.unsqueeze(1) + torch.arange(self.span + 1, device=anchors.device)).flatten()
         depth = depth.clone()
-        depth[rows[rows < depth.numel()]] = a.num_layers
+        depth[most_attended(by_row, depth < a.num_layers, self.count, self.span)] = a.num_layers
         return depth
+
+
+def peak_attention(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scaling: float, window: int | None) -> torch.Tensor:
+    """q (1, Hq, Tq, D) over keys (1, H, Tk, D) at positions (1, Tq) / (1, Tk) -> (Tk,): each key's
+    largest attention weight from any query in any head."""
+    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * scaling  # (1, Hq, Tq, Tk)
+    mask = visibility_mask(q_pos, k_pos, window)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1).amax(dim=(0, 1, 2))
+
+
+def most_attended(weight: torch.Tensor, candidates: torch.Tensor, count: int, span: int) -> torch.Tensor:
+    """(T,) bool: the `count` candidate rows with the largest `weight` (T,) and the `span` rows after each."""
+    weight = weight.masked_fill(~candidates, -1.0)
+    anchors = weight.topk(min(count, int(candidates.sum()))).indices
+    rows = (anchors.unsqueeze(1) + torch.arange(span + 1, device=anchors.device)).flatten()
+    keep = torch.zeros_like(candidates)
+    keep[rows[rows < keep.numel()]] = True
+    return keep

@@ -292,6 +292,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def directory_fingerprint(directory: str | Path) -> str:
+    """`model_fingerprint` of the weights in a Hugging Face directory (loaded in fp32, as kvforge
+    fingerprints every model), for engines that load the directory themselves (vLLM)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return model_fingerprint(model)
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A short id of architecture and weights, stored in artifacts to refuse the wrong model.
 

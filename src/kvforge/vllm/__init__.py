@@ -2,6 +2,8 @@
 
 - `proposer.NgramRLProposer`: the per-prompt n-gram drafter (NgramRL) as a vLLM `custom_class`
   speculative proposer: `speculative_config=kvforge.vllm.speculative_config(k=8)`.
+- `ridgefill.RidgeFillForCausalLM`: vLLM's Llama with RidgeFill prefill (late layers' cache from
+  kvforge's ridge maps): `LLM(model_dir, **kvforge.vllm.ridgefill.engine_args(maps))`.
 - `connector.KvforgeConnector`: a KV connector that loads a cache kvforge made (an exact prefill,
   or a KV-Lingo translation of another model's cache) into vLLM's paged cache, so vLLM skips
   that prefill: `kv_transfer_config=kvforge.vllm.kv_transfer_config(store)`.
@@ -33,6 +35,10 @@ def register() -> None:
 
     if "KvforgeConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector("KvforgeConnector", "kvforge.vllm.connector", "KvforgeConnector")
+    from vllm import ModelRegistry
+
+    # lazily, by name: vLLM imports the class only in the process that builds the model
+    ModelRegistry.register_model("KvforgeRidgeFillForCausalLM", "kvforge.vllm.ridgefill:RidgeFillForCausalLM")
 
 
 def speculative_config(k: int = 8, **draft) -> dict:

@@ -1,0 +1,297 @@
+"""RidgeFill inside vLLM: an out-of-tree Llama model class whose prefill fills the late layers'
+cache from kvforge's ridge maps, measured against vLLM's own exact prefill.
+
+Shapes: N rows scheduled this step (every request's, concatenated), E hidden size, H KV heads,
+Hq query heads, D head dim; per request T prompt rows.
+
+The plugin registers `KvforgeRidgeFillForCausalLM`; `engine_args(maps, ...)` points a served
+checkpoint at it (`hf_overrides`: the architecture and the settings, which travel with the model
+config into every vLLM process) and turns chunked prefill off, so a prompt is prefilled in one
+step, whole. The class is vLLM's `LlamaForCausalLM` with one forward added:
+
+- A step where every scheduled request is a whole prompt from position 0 (query length = sequence
+  length, read off the layers' attention metadata) is a RidgeFill prefill. Each prompt is planned
+  as kvforge's engine plans it (`planned_exact_rows`: sinks, special tokens, tail; then the rows the
+  tail attends to most at layer split - 1, `most_attended`). Layers [0, split) run stock, over every
+  row. At each late layer, every row's K/V is computed -- the exact rows' from their own residual
+  stream, the filled rows' from the map's prediction h_split @ W_l + b_l (h_split itself at the
+  split layer) -- and written through vLLM's own cache update (`do_kv_cache_update`: the CPU cache
+  layout is the kernel's business); then only the exact rows attend, over this step's K/V of their
+  own prompt (the whole prompt is in this step, so no paged read is needed), and run the output
+  projection and MLP. Filled rows leave the final hidden states as zeros: only the last row (exact)
+  is sampled, so prompt logprobs of filled rows are not meaningful.
+- Any other step (decode, speculative verification, a continuation over loaded or cached rows, a
+  step mixing a prefill with decodes) runs the stock model: decoding over a forged cache is vLLM's.
+
+Prefix caching must be off (a filled block must never be reused as exact); `engine_args` does it.
+`enforce_eager=True`: vLLM's torch.compile traces `LlamaModel.forward`, which this class leaves to
+the stock path; the RidgeFill path is eager Python with data-dependent row sets, so compiling it
+would need a fixed-shape formulation (masks instead of gathers) or a compiled region per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+from kvforge.attention import visibility_mask
+from kvforge.errors import KvforgeError
+from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.ridgefill import RidgeFillConfig, most_attended, peak_attention, planned_exact_rows, preset
+
+logger = logging.getLogger("kvforge.vllm")
+ARCHITECTURE = "KvforgeRidgeFillForCausalLM"
+SETTINGS = "kvforge_ridgefill"  # the hf_config attribute the settings travel in
+
+
+def engine_args(maps: str | Path, preset_name: str = "fast", max_model_len: int = 4096, **overrides) -> dict:
+    """Arguments for `vllm.LLM(...)` (or `vllm serve` flags) that serve a Llama checkpoint with
+    RidgeFill prefill: the model class, the settings (`overrides`: split, tail, attended_rows,
+    sinks), whole-prompt prefill steps and no prefix caching."""
+    maps = Path(maps).expanduser().resolve()
+    if not maps.is_file():
+        raise KvforgeError(f"maps file {str(maps)!r} does not exist: fit them with `kvforge fit ridgefill`")
+    settings = {"maps": str(maps), "preset": preset_name, **{k: v for k, v in overrides.items() if v is not None}}
+    return {
+        "hf_overrides": {"architectures": [ARCHITECTURE], SETTINGS: settings},
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max_model_len,
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,
+    }
+
+
+@dataclass
+class PrefillRecord:
+    """What one request's prefill ran: its length and which rows stayed exact."""
+
+    tokens: int
+    exact: torch.Tensor  # (T,) bool
+    reason: str | None = None  # why every row stayed exact
+
+    @property
+    def filled_rows(self) -> int:
+        return int((~self.exact).sum())
+
+
+@dataclass
+class Stats:
+    filled_prefills: int = 0
+    exact_prefills: int = 0  # whole-prompt prefills that filled nothing (too short)
+    stock_steps: int = 0  # steps that ran the stock model (decode, mixed, continuation)
+    last: list[PrefillRecord] = field(default_factory=list)  # the last RidgeFill step's requests
+
+
+class RidgeFillForCausalLM(LlamaForCausalLM):
+    """vLLM's Llama with RidgeFill prefill (see the module docstring)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        settings = dict(getattr(vllm_config.model_config.hf_config, SETTINGS, None) or {})
+        if "maps" not in settings:
+            raise KvforgeError(f"{ARCHITECTURE} needs hf_overrides {{'{SETTINGS}': {{'maps': PATH, ...}}}}: "
+                               "use kvforge.vllm.ridgefill.engine_args")
+        scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        if scheduler.enable_chunked_prefill or scheduler.max_num_batched_tokens < vllm_config.model_config.max_model_len:
+            raise KvforgeError("RidgeFill in vLLM prefills each prompt in one step: set enable_chunked_prefill=False and "
+                               "max_num_batched_tokens >= max_model_len (kvforge.vllm.ridgefill.engine_args does)")
+        if cache.enable_prefix_caching:
+            raise KvforgeError("RidgeFill in vLLM needs enable_prefix_caching=False: a filled block must never be reused as exact")
+        layers = vllm_config.model_config.hf_config.num_hidden_layers
+        choice = {k: settings[k] for k in ("split", "tail", "attended_rows", "sinks") if k in settings}
+        self.config_ridgefill: RidgeFillConfig = preset(settings.get("preset", "fast"), layers, **choice)
+        self.config_ridgefill.check(layers)
+        if self.config_ridgefill.split >= layers:
+            raise KvforgeError(f"RidgeFill split {self.config_ridgefill.split} fills no layer of this {layers}-layer model")
+        self.maps_path = settings["maps"]
+        self.model_dir = vllm_config.model_config.model
+        self.dtype = vllm_config.model_config.dtype
+        self.ridgefill_enabled = True  # in-process switch: the benches time exact and RidgeFill on one engine
+        self.stats = Stats()
+        self.special_ids: set[int] = set()
+        self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kv_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    # --- loading -------------------------------------------------------------------------------
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        self._prepare()
+        return loaded
+
+    def _prepare(self) -> None:
+        """Check the maps against the served weights; keep what the fill path needs in the model's
+        dtype: each late layer's map, and its K/V projection rows (vLLM's CPU linear layers drop
+        their weight tensors once packed for oneDNN, so the fused QKV weight is sliced now)."""
+        from transformers import AutoTokenizer
+
+        from kvforge.models.loading import directory_fingerprint
+
+        maps = RidgeMaps.load(self.maps_path)
+        layers, split = len(self.model.layers), self.config_ridgefill.split
+        maps.check_model(str(self.model_dir), directory_fingerprint(self.model_dir), layers)
+        if not maps.has_split(split):
+            raise KvforgeError(f"maps {self.maps_path} hold splits {maps.splits}, not split {split}")
+        self.fill_maps = {l: maps.weights(split, l, self.dtype) for l in range(split + 1, layers)}
+        first = split - 1 if self.config_ridgefill.attended_rows else split
+        for l in range(first, layers):
+            attn = self.model.layers[l].self_attn
+            w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+            self.kv_weights[l] = (w[attn.q_size :].detach().clone(), None if b is None else b[attn.q_size :].detach().clone())
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        spans = self._whole_prompts(input_ids) if self.ridgefill_enabled and inputs_embeds is None else None
+        plans = [self._plan(input_ids[a:b]) for a, b in spans] if spans else []
+        if not any(r.reason is None for r in plans):
+            self.stats.stock_steps += not plans
+            self.stats.exact_prefills += len(plans)
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        with torch.inference_mode():
+            return self._ridgefill(input_ids, positions, spans, plans)
+
+    def _whole_prompts(self, input_ids: torch.Tensor) -> list[tuple[int, int]] | None:
+        """Each request's rows (start, end) when every request of this step is a whole prompt from
+        position 0, else None (no metadata: vLLM's warm-up runs)."""
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
+            metadata = metadata[0] if metadata else None
+        if not isinstance(metadata, dict) or not metadata:
+            return None
+        m = next(iter(metadata.values()))
+        starts = m.query_start_loc.tolist()
+        if starts[-1] != input_ids.numel():
+            return None
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        if lengths != m.seq_lens.tolist() or min(lengths, default=0) < 2:
+            return None
+        return list(zip(starts, starts[1:]))
+
+    def _plan(self, ids: torch.Tensor) -> PrefillRecord:
+        exact, reason = planned_exact_rows(ids.tolist(), self.config_ridgefill, self.special_ids)
+        return PrefillRecord(ids.numel(), exact.to(ids.device), reason)
+
+    def _ridgefill(self, input_ids, positions, spans, plans: list[PrefillRecord]) -> torch.Tensor:
+        config, layers = self.config_ridgefill, self.model.layers
+        split = config.split
+        h, residual = self.model.embed_input_ids(input_ids), None
+        for layer in layers[: split - 1]:
+            h, residual = layer(positions, h, residual)
+        # the stream entering split - 1 (a copy: vLLM's fused add-norm updates its residual in place)
+        before = h.clone() if residual is None else h + residual
+        h, residual = layers[split - 1](positions, h, residual)
+        stream = h + residual  # h_split, every row
+        exact = torch.cat([r.exact if r.reason is None else torch.ones_like(r.exact) for r in plans])
+        if config.attended_rows:
+            exact = self._keep_attended(before, positions, spans, plans, exact)
+        for record, (a, b) in zip(plans, spans):
+            record.exact = exact[a:b].clone()
+        filled = ~exact
+        x, source = stream[exact], stream[filled]
+        pos_exact, pos_filled = positions[exact], positions[filled]
+        # per request: its exact rows among all exact rows, and its rows among all rows
+        counts = torch.stack([exact[a:b].sum() for a, b in spans]).tolist()
+        for l in range(split, len(layers)):
+            layer = layers[l]
+            attn = layer.self_attn
+            xn = layer.input_layernorm(x)
+            qkv, _ = attn.qkv_proj(xn)
+            q, k_exact, v_exact = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q, k_exact = attn.rotary_emb(pos_exact, q, k_exact)
+            predicted = source if l == split else torch.addmm(self.fill_maps[l][1], source, self.fill_maps[l][0])
+            k_filled, v_filled = self._key_value(l, layer.input_layernorm(predicted), pos_filled)
+            k = x.new_empty(exact.numel(), attn.kv_size)
+            v = x.new_empty(exact.numel(), attn.kv_size)
+            k[exact], k[filled], v[exact], v[filled] = k_exact, k_filled, v_exact, v_filled
+            _write_cache(attn.attn, k, v)
+            o = _attend(attn, q, k, v, positions, pos_exact, spans, counts)
+            out, _ = attn.o_proj(o)
+            hidden, res = layer.post_attention_layernorm(out, x)
+            x = layer.mlp(hidden) + res
+        final = stream.new_zeros(stream.shape)
+        final[exact] = self.model.norm(x)
+        self.stats.filled_prefills += sum(r.reason is None for r in plans)
+        self.stats.exact_prefills += sum(r.reason is not None for r in plans)
+        self.stats.last = plans
+        return final
+
+    def _key_value(self, l: int, xn: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (RoPE applied) and V of layer `l` for normed inputs `xn`, without the query projection."""
+        attn = self.model.layers[l].self_attn
+        w, b = self.kv_weights[l]
+        kv = F.linear(xn, w, b)
+        k, v = kv.split([attn.kv_size, attn.kv_size], dim=-1)
+        k, _ = attn.rotary_emb(pos, k.contiguous())  # the key passed as the rotary op's query
+        return k, v
+
+    def _keep_attended(self, before, positions, spans, plans, exact: torch.Tensor) -> torch.Tensor:
+        """Per filled request, the rows its tail attends to most at layer split - 1 (and the rows
+        after each) made exact, as kvforge's `AttendedRows` chooses them."""
+        config = self.config_ridgefill
+        layer = self.model.layers[config.split - 1]
+        attn = layer.self_attn
+        exact = exact.clone()
+        for record, (a, b) in zip(plans, spans):
+            if record.reason is not None:
+                continue
+            xn = layer.input_layernorm(before[a:b])
+            keys, _ = self._key_value(config.split - 1, xn, positions[a:b])
+            t = max(0, (b - a) - config.tail)
+            qkv, _ = attn.qkv_proj(xn[t:])
+            q, _ = attn.rotary_emb(positions[a + t : b], qkv[:, : attn.q_size].contiguous())
+            d = attn.head_dim
+            weight = peak_attention(
+                q.view(1, -1, attn.num_heads, d).transpose(1, 2),
+                keys.view(1, -1, attn.num_kv_heads, d).transpose(1, 2),
+                positions[a + t : b].view(1, -1), positions[a:b].view(1, -1), attn.scaling, _window(attn))
+            exact[a:b] |= most_attended(weight, ~exact[a:b], config.attended_rows, config.attended_span)
+        return exact
+
+
+def _window(attn) -> int | None:
+    window = getattr(attn.attn.impl, "sliding_window", -1)
+    return None if window is None or window < 0 else window
+
+
+def _write_cache(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Every row's K/V into this step's slots, through the backend's own cache update."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    _, attn_layer, kv_cache, slots = get_attention_context(layer.layer_name)
+    if slots is None:
+        return
+    n, heads, d = k.shape[0], attn_layer.num_kv_heads, attn_layer.head_size
+    attn_layer.impl.do_kv_cache_update(attn_layer, k.view(n, heads, d), v.view(n, heads, d), kv_cache, slots)
+
+
+def _attend(attn, q, k, v, positions, pos_exact, spans, counts) -> torch.Tensor:
+    """Each request's exact rows over its own rows' K/V (this step's: the whole prompt), causal by
+    position (and windowed on sliding layers). q (Ne, Hq·D), k, v (N, H·D) -> (Ne, Hq·D)."""
+    d, hq, h = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    out, start = [], 0
+    for (a, b), n in zip(spans, counts):
+        qr = q[start : start + n].reshape(1, n, hq, d).transpose(1, 2)
+        kr = k[a:b].reshape(1, b - a, h, d).transpose(1, 2)
+        vr = v[a:b].reshape(1, b - a, h, d).transpose(1, 2)
+        mask = visibility_mask(pos_exact[start : start + n].view(1, -1), positions[a:b].view(1, -1), _window(attn))
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=attn.scaling, enable_gqa=hq != h)
+        out.append(o.transpose(1, 2).reshape(n, hq * d))
+        start += n
+    return torch.cat(out)
+
+
+def ridgefill_stats(llm) -> list[Stats]:
+    """The RidgeFill model's counters and last prefill, per worker, of an in-process engine."""
+    return llm.apply_model(lambda model: model.stats if isinstance(model, RidgeFillForCausalLM) else None)
+
+
+def set_ridgefill(llm, enabled: bool) -> None:
+    """Switch RidgeFill on or off on an in-process engine (off: the stock model, every step)."""
+    llm.apply_model(lambda model: setattr(model, "ridgefill_enabled", enabled))
