@@ -47,3 +47,39 @@ def test_injected_exact_cache_matches_vllms_own_prefill(name):
     assert first_own.keys() == first_injected.keys()
     for token, lp in first_own.items():
         assert abs(lp.logprob - first_injected[token].logprob) < 1e-3
+
+
+def test_vllm_ridgefill_matches_kvforges_on_smollm2(tmp_path):
+    """RidgeFill in vLLM on the packaged smollm2-135m, fp32, a 1024-token held-out prompt: the same
+    rows filled as kvforge's engine fills them, first-token logits within 1e-3, the same greedy
+    continuation. Maps fitted here, small (the fit is not what is tested)."""
+    from kvforge.data.prompts import held_out_text_tokens, token_sequences
+    from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
+    from kvforge.fill.ridgefill import resolve, ridgefill_plan
+    from kvforge.generation import GenerationConfig
+    from kvforge.plan import final_depth
+    from kvforge.vllm.ridgefill import engine_args, ridgefill_stats
+
+    engine = Engine(load_model("smollm2-135m"))
+    fit = token_sequences(engine.model.tokenizer, 512, "fit")
+    maps = fit_ridgefill(engine, CalibrationConfig(splits=(15,), tokens=12 * 508, seq_len=512), engine.model.name,
+                         sequences=[next(fit) for _ in range(12)])
+    maps.save(tmp_path / "maps.safetensors")
+    setting = {"split": 15, "tail": 256, "attended_rows": 16}
+    config, maps = resolve(engine, tmp_path / "maps.safetensors", **setting)
+    prompt = held_out_text_tokens(engine.model.tokenizer, 1024)
+    plan = ridgefill_plan(engine, prompt, config, maps)
+    logits, cache = engine.prefill([prompt], plan=plan)
+    exact_rows = final_depth(cache, len(prompt)) == engine.num_layers
+    ours = engine.generate([prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True), plan=ridgefill_plan(engine, prompt, config, maps))
+    llm = start_llm(hf_directory("smollm2-135m"), torch.float32, max_num_seqs=1, logprobs_mode="raw_logits",
+                    **engine_args(tmp_path / "maps.safetensors", max_model_len=1280, **setting))
+    try:
+        out = generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5))[0].outputs[0]
+        record = ridgefill_stats(llm)[0].last[0]
+    finally:
+        close_llm(llm)
+    assert torch.equal(record.exact.cpu(), exact_rows) and record.filled_rows > 600
+    for token, lp in out.logprobs[0].items():
+        assert abs(lp.logprob - logits[0, token].item()) < 1e-3
+    assert list(out.token_ids) == list(ours[0].token_ids)

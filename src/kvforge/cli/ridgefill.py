@@ -134,6 +134,7 @@ def eval_ridgefill_cmd(
     samples: int = typer.Option(12, "--samples", help="Held-out continuation samples."),
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     prompt_tokens: int = typer.Option(2048, "--prompt-tokens"),
+    serving: str = typer.Option("kvforge", "--engine", help="kvforge (its own engine) or vllm (RidgeFill in vLLM's model, beside kvforge's figures on the same samples)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -146,9 +147,13 @@ def eval_ridgefill_cmd(
     setup_threads(threads)
     if samples < 2 or needles < 0:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap) and --needles >= 0")
+    if serving not in ("kvforge", "vllm"):
+        raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
     engine = load_engine(model, device, dtype)
     config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
+    if serving == "vllm":
+        return _eval_in_vllm(model, engine, maps, config, resident, settings, json_out)
     report = eval_ridgefill(engine, resident, config, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, config, prompt_tokens)
     out["dtype"] = dtype_of(engine)
@@ -166,3 +171,34 @@ def eval_ridgefill_cmd(
     if n["samples"]:
         Console().print(f"needles ({n['samples']}): exact {n['exact']:.0f} %; " + ", ".join(
             f"{arm} {n[arm]:.0f} % ({n['answered_in_filled'][arm]}/{n['filled'][arm]} wholly filled answered)" for arm in n["filled"]))
+
+
+def _eval_in_vllm(model: str, engine, maps: Optional[Path], config, resident, settings, json_out: bool) -> None:
+    from kvforge.artifacts import artifact_path
+    from kvforge.cli.vllm import _need_vllm
+    from kvforge.evaluate.vllm_ridgefill import eval_vllm_ridgefill
+    from kvforge.models.loading import hf_directory
+
+    _need_vllm()
+    maps_path = maps if maps is not None else artifact_path("maps", engine.model.name)
+    report = eval_vllm_ridgefill(engine, hf_directory(model), maps_path, resident, config, settings, engine.dtype,
+                                 progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    vllm, ours = report["gaps"]["vllm"], report["gaps"]["kvforge"]
+    out = {"command": "eval ridgefill", "engine": "vllm", "model": model, "method": "ridgefill", "tokens": settings.prompt_tokens,
+           "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "dtype": dtype_of(engine),
+           **vllm, "kvforge": ours, **{k: v for k, v in report.items() if k != "gaps"}}
+    if json_out:
+        emit_json(out)
+        return
+    table = Table("engine", "novel ppl gap [95 % CI]", "all-token gap [95 % CI]", "key gap")
+    for name, g in report["gaps"].items():
+        table.add_row(name, f"{g['ppl_gap_novel_pct']:+.2f} % [{g['ppl_gap_novel_ci'][0]:+.2f}, {g['ppl_gap_novel_ci'][1]:+.2f}]",
+                      f"{g['ppl_gap_all_pct']:+.2f} % [{g['ppl_gap_all_ci'][0]:+.2f}, {g['ppl_gap_all_ci'][1]:+.2f}]", f"{g['ppl_gap_key_pct']:+.2f} %")
+    Console().print(table)
+    n = report["needle"]
+    if n["samples"]:
+        Console().print(f"needles ({n['samples']}): vLLM exact {n['vllm_exact']:.0f} %, vLLM RidgeFill {n['vllm_ridgefill']:.0f} %, "
+                        f"kvforge RidgeFill {n['kvforge_ridgefill']:.0f} % (wholly filled answered: "
+                        + ", ".join(f"{a} {n['answered_in_filled'][a]}/{n['filled'][a]}" for a in n["filled"]) + ")")
+    err.print(f"[dim]largest per-token NLL difference vLLM vs kvforge: RidgeFill {report['max_token_nll_diff_ridgefill']:.2e}, "
+              f"exact {report['max_token_nll_diff_exact']:.2e}; same filled rows: {report['same_filled_rows']}[/dim]")

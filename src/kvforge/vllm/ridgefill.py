@@ -74,6 +74,7 @@ class PrefillRecord:
     tokens: int
     exact: torch.Tensor  # (T,) bool
     reason: str | None = None  # why every row stayed exact
+    context: int = 0  # rows planned: the prompt's, less the scored rows at its end
 
     @property
     def filled_rows(self) -> int:
@@ -113,6 +114,11 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.model_dir = vllm_config.model_config.model
         self.dtype = vllm_config.model_config.dtype
         self.ridgefill_enabled = True  # in-process switch: the benches time exact and RidgeFill on one engine
+        # Scoring: the last `score_tokens` rows of every prompt are a continuation scored with
+        # prompt logprobs (`eval ridgefill --engine vllm`): exact, and outside the plan, which
+        # covers the rows before them as if they were the whole prompt -- what kvforge's eval
+        # computes with a RidgeFill cache of the context and the continuation run over it.
+        self.score_tokens = int(settings.get("score_tokens", 0))
         self.stats = Stats()
         self.special_ids: set[int] = set()
         self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -175,8 +181,12 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         return list(zip(starts, starts[1:]))
 
     def _plan(self, ids: torch.Tensor) -> PrefillRecord:
-        exact, reason = planned_exact_rows(ids.tolist(), self.config_ridgefill, self.special_ids)
-        return PrefillRecord(ids.numel(), exact.to(ids.device), reason)
+        context = ids.numel() - self.score_tokens
+        if context < 1:
+            return PrefillRecord(ids.numel(), torch.ones_like(ids, dtype=torch.bool), "the prompt is no longer than its scored rows", 0)
+        exact, reason = planned_exact_rows(ids[:context].tolist(), self.config_ridgefill, self.special_ids)
+        scored = torch.ones(self.score_tokens, dtype=torch.bool)
+        return PrefillRecord(ids.numel(), torch.cat([exact, scored]).to(ids.device), reason, context)
 
     def _ridgefill(self, input_ids, positions, spans, plans: list[PrefillRecord]) -> torch.Tensor:
         config, layers = self.config_ridgefill, self.model.layers
@@ -243,14 +253,15 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
                 continue
             xn = layer.input_layernorm(before[a:b])
             keys, _ = self._key_value(config.split - 1, xn, positions[a:b])
-            t = max(0, (b - a) - config.tail)
-            qkv, _ = attn.qkv_proj(xn[t:])
-            q, _ = attn.rotary_emb(positions[a + t : b], qkv[:, : attn.q_size].contiguous())
+            end = record.context  # the planned prompt's tail queries (scored rows are not the prompt)
+            t = max(0, end - config.tail)
+            qkv, _ = attn.qkv_proj(xn[t:end])
+            q, _ = attn.rotary_emb(positions[a + t : a + end], qkv[:, : attn.q_size].contiguous())
             d = attn.head_dim
             weight = peak_attention(
                 q.view(1, -1, attn.num_heads, d).transpose(1, 2),
                 keys.view(1, -1, attn.num_kv_heads, d).transpose(1, 2),
-                positions[a + t : b].view(1, -1), positions[a:b].view(1, -1), attn.scaling, _window(attn))
+                positions[a + t : a + end].view(1, -1), positions[a:b].view(1, -1), attn.scaling, _window(attn))
             exact[a:b] |= most_attended(weight, ~exact[a:b], config.attended_rows, config.attended_span)
         return exact
 
@@ -292,6 +303,13 @@ def ridgefill_stats(llm) -> list[Stats]:
     return llm.apply_model(lambda model: model.stats if isinstance(model, RidgeFillForCausalLM) else None)
 
 
-def set_ridgefill(llm, enabled: bool) -> None:
-    """Switch RidgeFill on or off on an in-process engine (off: the stock model, every step)."""
-    llm.apply_model(lambda model: setattr(model, "ridgefill_enabled", enabled))
+def set_ridgefill(llm, enabled: bool, score_tokens: int | None = None) -> None:
+    """Switch RidgeFill on or off on an in-process engine (off: the stock model, every step), and
+    set how many rows at each prompt's end are a scored continuation."""
+
+    def apply(model):
+        model.ridgefill_enabled = enabled
+        if score_tokens is not None:
+            model.score_tokens = score_tokens
+
+    llm.apply_model(apply)
