@@ -53,7 +53,7 @@ SETTINGS = "kvforge_ridgefill"  # the hf_config attribute the settings travel in
 def engine_args(maps: str | Path, preset_name: str = "fast", max_model_len: int = 4096, **overrides) -> dict:
     """Arguments for `vllm.LLM(...)` (or `vllm serve` flags) that serve a Llama checkpoint with
     RidgeFill prefill: the model class, the settings (`overrides`: split, tail, attended_rows,
-    sinks), whole-prompt prefill steps and no prefix caching."""
+    sinks), whole-prompt prefill steps, no prefix caching, eager."""
     maps = Path(maps).expanduser().resolve()
     if not maps.is_file():
         raise KvforgeError(f"maps file {str(maps)!r} does not exist: fit them with `kvforge fit ridgefill`")
@@ -64,6 +64,7 @@ def engine_args(maps: str | Path, preset_name: str = "fast", max_model_len: int 
         "max_num_batched_tokens": max_model_len,
         "max_model_len": max_model_len,
         "enable_prefix_caching": False,
+        "enforce_eager": True,
     }
 
 
@@ -102,6 +103,8 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         if scheduler.enable_chunked_prefill or scheduler.max_num_batched_tokens < vllm_config.model_config.max_model_len:
             raise KvforgeError("RidgeFill in vLLM prefills each prompt in one step: set enable_chunked_prefill=False and "
                                "max_num_batched_tokens >= max_model_len (kvforge.vllm.ridgefill.engine_args does)")
+        if not vllm_config.model_config.enforce_eager:
+            raise KvforgeError("RidgeFill in vLLM runs eager: set enforce_eager=True (kvforge.vllm.ridgefill.engine_args does)")
         if cache.enable_prefix_caching:
             raise KvforgeError("RidgeFill in vLLM needs enable_prefix_caching=False: a filled block must never be reused as exact")
         layers = vllm_config.model_config.hf_config.num_hidden_layers
