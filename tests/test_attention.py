@@ -45,3 +45,20 @@ def test_low_precision_linear_rows_do_not_depend_on_the_row_count():
     together = linear(x, w)
     one_by_one = torch.cat([linear(x[:, i : i + 1], w) for i in range(9)], dim=1)
     assert torch.equal(together, one_by_one)
+
+
+@pytest.mark.parametrize("inputs", [576, 1024, 1088, 1536, 3072])
+def test_low_precision_linear_is_row_stable_from_1_to_32_rows_packed_or_not(inputs):
+    """Decode (1 row), verification (k + 1 rows) and batched steps (up to 32 rows) give every row
+    the same bits, through the prepacked oneDNN path and through F.linear (a weight view)."""
+    from kvforge.models.adapters import linear
+
+    g = torch.Generator().manual_seed(inputs)
+    w = (torch.randn(640, inputs, generator=g) * 0.05).bfloat16()
+    x = torch.randn(32, inputs, generator=g).bfloat16()
+    for weight in (w, w[0:]):  # whole (packed at first use) and a view (never packed)
+        with torch.inference_mode():
+            reference = linear(x, weight)
+            for width in (1, 2, 5, 9, 16):
+                parts = torch.cat([linear(x[s : s + width], weight) for s in range(0, 32, width)])
+                assert torch.equal(parts, reference), (inputs, width)
