@@ -62,3 +62,31 @@ def test_low_precision_linear_is_row_stable_from_1_to_32_rows_packed_or_not(inpu
             for width in (1, 2, 5, 9, 16):
                 parts = torch.cat([linear(x[s : s + width], weight) for s in range(0, 32, width)])
                 assert torch.equal(parts, reference), (inputs, width)
+
+
+@pytest.mark.parametrize("tq", [1, 9])
+def test_low_precision_attention_over_a_whole_buffer_ignores_rows_past_the_length(tq):
+    """bf16 few-query attention reads the layer's whole buffer (no slice copy): rows past its
+    length -- never written, or trimmed after a rejected draft, their K/V still there -- must not
+    count. Reference: SDPA in fp32 over the rows in use."""
+    from kvforge.attention import attend
+    from kvforge.cache import KVCache
+
+    g = torch.Generator().manual_seed(tq)
+    layer = KVCache.empty(1, 1, 2, 16, torch.bfloat16, capacity=64)[0]
+    layer.append(torch.randn(1, 2, 40, 16, generator=g).bfloat16(), torch.randn(1, 2, 40, 16, generator=g).bfloat16(),
+                 torch.arange(40).view(1, -1))
+    layer.trim(12)  # rows 28..39 rejected: their K/V stay in the buffer, their positions are -1
+    q = torch.randn(1, 6, tq, 16, generator=g).bfloat16()
+    q_pos = torch.arange(28 - tq + 1, 29).view(1, -1) if tq > 1 else torch.tensor([[28]])
+    if tq > 1:  # the queries' own rows are the last tq in use
+        layer.trim(tq - 1)
+        k_new = torch.randn(1, 2, tq - 1, 16, generator=g).bfloat16()
+        layer.append(k_new, k_new, q_pos[:, :-1])
+    layer.append(torch.randn(1, 2, 1, 16, generator=g).bfloat16(), torch.randn(1, 2, 1, 16, generator=g).bfloat16(), q_pos[:, -1:])
+    assert layer.capacity > layer.length
+    ours = attend(q, layer, q_pos, 0.25, new_rows=tq).float()
+    k, v = layer.keys().float(), layer.values().float()
+    mask = layer.row_positions().view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1)
+    ref = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    assert (ours - ref).abs().max() < 0.03

@@ -61,6 +61,10 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     continues = layer.contiguous and new_rows == tq
     few = tq <= FEW_QUERIES and q.dtype != torch.float32
+    if few and (window is None or layer.capacity <= window):
+        # The whole buffer, its rows past `length` masked by their -1 positions: the batched matmul
+        # reads a whole buffer in place but copies a slice of one (K and V, every layer, every step).
+        return grouped_attention(q, layer.k, layer.v, scaling, visibility_mask(q_pos, layer.positions, window))
     if continues and tq == 1:
         if window is not None and tk > window:  # a local layer's decode step sees its last `window` rows
             k, v = k[:, :, tk - window :], v[:, :, tk - window :]
