@@ -90,3 +90,17 @@ def test_low_precision_attention_over_a_whole_buffer_ignores_rows_past_the_lengt
     mask = layer.row_positions().view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1)
     ref = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
     assert (ours - ref).abs().max() < 0.03
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    from kvforge.models.adapters import linear
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    with torch.inference_mode():
+        before = linear(x, w)
+        w.mul_(2)  # in place: the packed copy made by the first call is stale now
+        after = linear(x, w)
+    assert torch.equal(after, torch.nn.functional.linear(x, w))
+    assert not torch.equal(after, before)

@@ -187,3 +187,20 @@ def test_scored_continuation_is_kvforges_continuation_loss_over_a_ridgefill_cach
     served = torch.tensor([out.prompt_logprobs[j][seq[j]].logprob for j in range(prefix, len(seq))])
     expected = ours[torch.arange(len(seq) - prefix), torch.tensor(seq[prefix:])]
     assert (served - expected).abs().max() < 1e-3
+
+
+def test_a_ridgefill_prefill_is_not_read_out_as_an_exact_cache(served):
+    """The connector's save path sees only layers that pass through vLLM's attention op; a RidgeFill
+    prefill's late layers do not, so nothing is stored (a partial or forged cache labelled exact
+    would be worse than none). A prompt too short to fill runs stock and is saved whole."""
+    from kvforge.vllm.store import MEMORY
+
+    save = lambda key: SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"kvforge_save": key}})  # noqa: E731
+    generate(served, [long_prompt(300, 10)], save("forged"))
+    generate(served, [long_prompt(60, 11)[-30:]], save("short"))
+    try:
+        assert "forged" not in MEMORY
+        assert "short" in MEMORY and len(MEMORY["short"].cache) == 4
+    finally:
+        MEMORY.pop("forged", None)
+        MEMORY.pop("short", None)

@@ -62,6 +62,8 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
                 generate(llm, [prompts[n]], first)
                 stats = ridgefill_stats(llm)[0]
                 record = stats.last[0]
+                if record.tokens != n:
+                    raise RuntimeError(f"vLLM's last RidgeFill record is for {record.tokens} tokens, not this {n}-token prompt")
                 config = config or _config_of(llm)
                 depth = torch.where(record.exact.cpu(), engine.num_layers, config.split)
                 ceiling = exact_macs(engine.adapter, n) / prefill_macs(engine.adapter, depth, config.split, True)

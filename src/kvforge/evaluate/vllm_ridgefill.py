@@ -31,7 +31,7 @@ def eval_vllm_ridgefill(engine, model_dir, maps_path, maps, config, settings: Ev
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, start_llm
-    from kvforge.vllm.ridgefill import engine_args, ridgefill_stats, set_ridgefill
+    from kvforge.vllm.ridgefill import engine_args, set_ridgefill
 
     longest = max(settings.prompt_tokens + settings.continuation, settings.needle_tokens + NEEDLE_CONFIG.max_new_tokens) + 16
     choice = {"split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "sinks": config.sinks}
@@ -55,7 +55,7 @@ def eval_vllm_ridgefill(engine, model_dir, maps_path, maps, config, settings: Ev
                 set_ridgefill(llm, on, score_tokens=len(seq) - len(context))
                 out = generate(llm, [seq], score)[0]
                 nll[name].append(torch.tensor([-out.prompt_logprobs[j][seq[j]].logprob for j in range(settings.prompt_tokens, len(seq))]))
-            record = ridgefill_stats(llm)[0].last[0]
+            record = _record(llm, len(seq))
             filled = ~record.exact.cpu()[: len(context)]
             filled_agree &= bool(torch.equal(filled, final_depth(ridge_cache, len(context)) < engine.num_layers))
             n, k = token_classes(seq, settings.prompt_tokens, filled)
@@ -93,7 +93,7 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import generate
-    from kvforge.vllm.ridgefill import ridgefill_stats, set_ridgefill
+    from kvforge.vllm.ridgefill import set_ridgefill
 
     params = SamplingParams(temperature=0.0, max_tokens=NEEDLE_CONFIG.max_new_tokens)
     arms = ("vllm_exact", "vllm_ridgefill", "kvforge_ridgefill")
@@ -113,7 +113,7 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
             set_ridgefill(llm, on, score_tokens=0)
             texts[name] = generate(llm, [sample.prompt], params)[0].outputs[0].text
             if on:
-                record = ridgefill_stats(llm)[0].last[0]
+                record = _record(llm, len(sample.prompt))
                 wholly[name] = bool((~record.exact.cpu()[start:end]).all())
         cache = engine.new_cache(1, capacity=len(sample.prompt) + NEEDLE_CONFIG.max_new_tokens)
         plan = ridgefill_plan(engine, sample.prompt, config, maps)
@@ -134,3 +134,13 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
         "answered_in_filled": filled_correct,
         "in_filled_pct": {name: pct(filled_correct[name], filled[name]) for name in filled},
     }
+
+
+def _record(llm, tokens: int):
+    """vLLM's record of the prefill just run, checked to be that prompt's."""
+    from kvforge.vllm.ridgefill import ridgefill_stats
+
+    record = ridgefill_stats(llm)[0].last[0]
+    if record.tokens != tokens:
+        raise RuntimeError(f"vLLM's last RidgeFill record is for {record.tokens} tokens, not this {tokens}-token prompt")
+    return record

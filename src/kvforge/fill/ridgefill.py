@@ -233,9 +233,10 @@ class AttendedRows:
 
 def peak_attention(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scaling: float, window: int | None) -> torch.Tensor:
     """q (1, Hq, Tq, D) over keys (1, H, Tk, D) at positions (1, Tq) / (1, Tk) -> (Tk,): each key's
-    largest attention weight from any query in any head."""
-    keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    scores = (q @ keys.transpose(-1, -2)) * scaling  # (1, Hq, Tq, Tk)
+    largest attention weight from any query in any head. In fp32 whatever the model's dtype: in
+    bf16 the weights tie often, and the rows chosen would hang on how ties fall."""
+    keys = keys.float().repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scaling  # (1, Hq, Tq, Tk)
     mask = visibility_mask(q_pos, k_pos, window)
     return scores.masked_fill(~mask, float("-inf")).softmax(-1).amax(dim=(0, 1, 2))
 

@@ -238,10 +238,6 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)  # any other norm: its own forward
 
 
-# Widest input row oneDNN's one-row bf16 kernel rounds like its multi-row kernels (measured here).
-ONE_ROW_STABLE_INPUTS = 1024
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, in low precision on CPU through oneDNN with the weight prepacked once, and with
     rows that do not depend on how many rows are computed at once.
@@ -257,8 +253,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     plain decoding. oneDNN's one-row kernels, packed or not, round apart from its multi-row ones
     when a row has more than 1024 inputs (measured: 27-45 of 192 rows differ for 1088..3072 inputs,
     none up to 1024; the 1536 -> 576 down projection is one), while 2..32 rows agree with each
-    other; such a single row is therefore computed as two (a broadcast view, no copy of the
-    weights), and the narrower projections run their one row as one. Without a packable weight (a
+    other. Whether a shape does is measured once per shape (`_one_row_rounds_apart`); such a
+    single row is computed as two (a broadcast view, no copy of the weights), the others as one. Without a packable weight (a
     view, autograd) it goes through F.linear. fp32 keeps the plain call: its parity is against
     transformers, bit for bit."""
     if x.dtype == torch.float32 or x.device.type != "cpu":
@@ -266,7 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     packed = None if training else _packed(weight)
     rows = x.reshape(-1, x.shape[-1])
-    single = rows.shape[0] == 1 and x.shape[-1] > ONE_ROW_STABLE_INPUTS
+    single = rows.shape[0] == 1 and _one_row_rounds_apart(weight.shape[0], weight.shape[1], weight.dtype, packed is not None)
     if single:  # computed as two rows: see above
         rows = rows.expand(2, -1)
     if packed is not None:
@@ -277,14 +273,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, made at first use and kept on the tensor; None for a
-    view (a slice would be packed on every call), a non-contiguous weight, or a dtype this CPU's
-    oneDNN cannot run natively."""
-    packed = getattr(weight, "_kvforge_packed", None)
-    if packed is None and weight._base is None and weight.is_contiguous() and weight.dim() == 2 and _packable(weight.dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        weight._kvforge_packed = packed
-    return packed
+    """The weight in oneDNN's blocked layout, made at first use and kept on the tensor (remade if
+    the weight changed since: its version counter, storage or dtype); None for a view (a slice would
+    be packed on every call), a non-contiguous weight, or a dtype this CPU's oneDNN cannot run."""
+    if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2 or not _packable(weight.dtype):
+        return None
+    stamp = (weight._version, weight.data_ptr(), weight.dtype)
+    cached = getattr(weight, "_kvforge_packed", None)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        weight._kvforge_packed = cached
+    return cached[1]
+
+
+@functools.cache
+def _one_row_rounds_apart(out_features: int, in_features: int, dtype: torch.dtype, packed: bool) -> bool:
+    """Whether oneDNN computes one row of this shape differently from the same row among others,
+    measured once per shape on 64 random rows (on this machine: only above 1024 inputs, for 14-23 %
+    of rows, packed or not; other CPUs and oneDNN releases may differ, hence measured, not assumed)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
+    x = torch.randn(64, in_features, generator=g).to(dtype)
+    if packed:
+        p = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows.contiguous(), p, None, "none", [], "")  # noqa: E731
+    else:
+        run = lambda rows: F.linear(rows, w)  # noqa: E731
+    with torch.no_grad():
+        return any(not torch.equal(run(x[r : r + 1]), run(x[r : r + 1].expand(2, -1))[:1]) for r in range(64))
 
 
 @functools.cache

@@ -82,6 +82,7 @@ class KvforgeConnector(KVConnectorBase_V1):
         if vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KvforgeConnector needs enable_prefix_caching=False: injected blocks must never be reused as exact")
         self.store = CacheStore(extra["store"])
+        self.num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = config_id(vllm_config.model_config.model)
         self.block_size = vllm_config.cache_config.block_size
         self.pending: dict[str, Load] = {}  # scheduler side: loads allocated this step
@@ -226,6 +227,12 @@ class KvforgeConnector(KVConnectorBase_V1):
         for save in getattr(meta, "saves", ()):
             layers = self.rows.pop(save.key, {})
             if not layers:
+                continue
+            if sorted(layers) != list(range(self.num_layers)):
+                # a model whose late layers bypass vLLM's attention op (kvforge's RidgeFill class) leaves
+                # them unsaved: store nothing rather than a partial cache
+                logger.error("kvforge: request %s not saved: %d of %d layers passed through vLLM's attention",
+                             save.request_id, len(layers), self.num_layers)
                 continue
             cache = KVCache.empty(len(layers), 1, layers[0][0].shape[1], layers[0][0].shape[2], layers[0][0].dtype,
                                   capacity=len(save.tokens))

@@ -162,6 +162,8 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         if not any(r.reason is None for r in plans):
             self.stats.stock_steps += not plans
             self.stats.exact_prefills += len(plans)
+            if plans:  # whole prompts too short to fill: what ran is still this step's record
+                self.stats.last = plans
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
         with torch.inference_mode():
             return self._ridgefill(input_ids, positions, spans, plans)
@@ -207,14 +209,16 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         for record, (a, b) in zip(plans, spans):
             record.exact = exact[a:b].clone()
         filled = ~exact
-        x, source = stream[exact], stream[filled]
+        # exact rows keep vLLM's (hidden, residual) pair, so each norm adds and normalises them as the
+        # stock layers do (in fp32 inside the fused add-norm); filled rows need only the summed stream
+        x, res, source = h[exact], residual[exact], stream[filled]
         pos_exact, pos_filled = positions[exact], positions[filled]
         # per request: its exact rows among all exact rows, and its rows among all rows
         counts = torch.stack([exact[a:b].sum() for a, b in spans]).tolist()
         for l in range(split, len(layers)):
             layer = layers[l]
             attn = layer.self_attn
-            xn = layer.input_layernorm(x)
+            xn, res = layer.input_layernorm(x, res)
             qkv, _ = attn.qkv_proj(xn)
             q, k_exact, v_exact = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k_exact = attn.rotary_emb(pos_exact, q, k_exact)
@@ -226,10 +230,10 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             _write_cache(attn.attn, k, v)
             o = _attend(attn, q, k, v, positions, pos_exact, spans, counts)
             out, _ = attn.o_proj(o)
-            hidden, res = layer.post_attention_layernorm(out, x)
-            x = layer.mlp(hidden) + res
+            hidden, res = layer.post_attention_layernorm(out, res)
+            x = layer.mlp(hidden)
         final = stream.new_zeros(stream.shape)
-        final[exact] = self.model.norm(x)
+        final[exact] = self.model.norm(x, res)[0]
         self.stats.filled_prefills += sum(r.reason is None for r in plans)
         self.stats.exact_prefills += sum(r.reason is not None for r in plans)
         self.stats.last = plans
