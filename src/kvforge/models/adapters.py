@@ -278,7 +278,8 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     be packed on every call), a non-contiguous weight, or a dtype this CPU's oneDNN cannot run."""
     if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2 or not _packable(weight.dtype):
         return None
-    stamp = (weight._version, weight.data_ptr(), weight.dtype)
+    # inference tensors (made under inference mode, e.g. LoRA-merged weights) keep no version counter
+    stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype)
     cached = getattr(weight, "_kvforge_packed", None)
     if cached is None or cached[0] != stamp:
         cached = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
