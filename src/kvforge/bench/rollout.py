@@ -29,7 +29,7 @@ import httpx
 from kvforge.bench.harness import environment
 from kvforge.bench.ngram import rl_prompts
 from kvforge.bench.plotting import new_figure, save_figure
-from kvforge.bench.serve import start_server
+from kvforge.bench.serve import start_server, stop_server
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.step import DraftConfig
 
@@ -77,7 +77,7 @@ def bench_rollout(
                 results += _rows(epoch, per_run, lossless, sum(len(p) for p in prompt_ids), start_entries)
                 snapshot = copy.deepcopy(following)
     finally:
-        server.should_exit = True
+        stop_server(server)
     return {
         "command": "bench rollout", "model": model, "method": "ngram", "workload": "rl", "tokens": sum(len(p) for p in prompt_ids),
         "prompts": len(prompt_ids), "n": n, "epochs": epochs, "temperature": 1.0, "max_tokens": max_tokens, "k": k, "k_min": k_min,

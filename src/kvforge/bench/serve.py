@@ -39,13 +39,21 @@ def start_server(app) -> tuple[object, str]:
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    server.thread = threading.Thread(target=server.run, daemon=True)  # joined by `stop_server`
+    server.thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not start within 60 s")
         time.sleep(0.05)
     return server, f"http://127.0.0.1:{port}"
+
+
+def stop_server(server) -> None:
+    """Shut the server down and wait for it: its shutdown stops the scheduler thread, which must not
+    be mid-forward when the interpreter exits (a native op killed there aborts the process)."""
+    server.should_exit = True
+    server.thread.join(timeout=60)
 
 
 def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
@@ -156,7 +164,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
                 row["scaling"] = row["tokens_per_s"] / base if base else 0.0
                 results.append(row)
     finally:
-        server.should_exit = True
+        stop_server(server)
     return {
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
         "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
