@@ -83,7 +83,7 @@ def hf_prefill(hf, ids, logits_to_keep: int = 1):
 
     with torch.inference_mode():
         cache = DynamicCache(config=hf.config)
-        return cache, hf(ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return cache, hf(ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
 
 
 def _logit_diff(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, float]:
@@ -121,7 +121,7 @@ def hf_decode(hf, ids: torch.Tensor, steps: int) -> float:
         def loop():
             nonlocal token
             for _ in range(steps):  # the cache grows in place
-                out = hf(token, cache=cache, use_cache=True)
+                out = hf(token, past_key_values=cache, use_cache=True)
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
 
         return timed(loop)[0]
