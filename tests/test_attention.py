@@ -92,6 +92,26 @@ def test_low_precision_attention_over_a_whole_buffer_ignores_rows_past_the_lengt
     assert (ours - ref).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tq", [1, 9])
+def test_a_contiguous_layer_masked_by_its_length_gives_the_position_masks_result_bit_for_bit(batch, tq):
+    """The in-place length mask (empty rows and the causal triangle filled into the scores) is the
+    position mask's arithmetic exactly, so decoding and drafting round as they did with it."""
+    from kvforge.attention import visibility_mask
+    from kvforge.cache import KVCache
+
+    g = torch.Generator().manual_seed(batch * 10 + tq)
+    layer = KVCache.empty(1, batch, 2, 16, torch.bfloat16, capacity=80)[0]
+    layer.append(torch.randn(batch, 2, 50, 16, generator=g).bfloat16(), torch.randn(batch, 2, 50, 16, generator=g).bfloat16(),
+                 torch.arange(50).expand(batch, -1))
+    layer.trim(7)  # rejected rows keep their K/V in the buffer
+    q = torch.randn(batch, 6, tq, 16, generator=g).bfloat16()
+    q_pos = torch.arange(43 - tq, 43).expand(batch, -1)
+    by_length = grouped_attention(q, layer.k, layer.v, 0.25, length=layer.length)
+    by_mask = grouped_attention(q, layer.k, layer.v, 0.25, visibility_mask(q_pos, layer.positions, None))
+    assert torch.equal(by_length, by_mask)
+
+
 def test_a_weight_changed_in_place_is_packed_again():
     from kvforge.models.adapters import linear
 
