@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -29,7 +30,7 @@ def bench_ngram_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>.png)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>[-<dtype>].png)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -47,7 +48,8 @@ def bench_ngram_cmd(
     report = bench_ngram(engine, workload, runs, k, budget, max_new_tokens, samples_per_prompt, prompts, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                           gate=not no_gate)
     report["model"] = model
-    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{safe_name(model)}.png"))
+    suffix = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(engine.dtype, "")  # a bf16 run keeps the fp32 plot
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{safe_name(model)}{suffix}.png"))
     if json_out:
         emit_json(report)
         return
