@@ -142,6 +142,28 @@ def test_attended_rows_keep_exact_the_rows_the_tail_attends_to_and_those_after()
     assert (after == engine.num_layers).tolist() == expected.tolist()
 
 
+def test_attended_rows_are_read_from_the_last_global_layer_below_the_split(monkeypatch):
+    """A sliding-window layer's tail queries cannot see a row more than a window back, so on a model
+    with global layers (Gemma 3) the rows to keep exact are chosen from the last global layer below
+    the split, and the chooser runs right after it; without one, from the layer below the split."""
+    from kvforge.fill.ridgefill import attention_read_layer
+
+    assert attention_read_layer([8, None, 8, 8, 8], 4) == 1
+    assert attention_read_layer([None] * 6, 4) == 3
+    assert attention_read_layer([8, 8, 8, None], 3) == 2  # no global layer below the split
+    engine = Engine(tiny_loaded("gemma3"))
+    engine.adapter.windows = [8, None, 8, 8]  # layer 1 global, the rest sliding (window 8 < T)
+    called = []
+    real = AttendedRows.__call__
+    monkeypatch.setattr(AttendedRows, "__call__", lambda self, layer, *rest: called.append(layer) or real(self, layer, *rest))
+    plan = ridgefill_plan(engine, _ids(3), RidgeFillConfig(split=3, tail=4, sinks=2, attended_rows=2, attended_span=1, fill="identity"))
+    assert plan.choose_at == 2
+    _, cache = engine.prefill([_ids(3)], plan=plan)
+    assert called == [2]
+    kept = final_depth(cache, T) == engine.num_layers
+    assert int(kept.sum()) == int((plan.depth == engine.num_layers).sum()) + 4  # two anchors, one row after each
+
+
 def test_maps_round_trip_resident_streamed_and_int8(tmp_path):
     engine = Engine(tiny_loaded("llama"))
     maps = _fit(engine, [1, 2])

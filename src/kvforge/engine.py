@@ -140,7 +140,7 @@ class Engine:
         at_depth = torch.zeros_like(h)  # residual stream entering each row's own depth
         h_before, chosen = h, plan.choose is None
         for layer in range(self.num_layers):
-            if not chosen and layer > 0 and bool((depth <= layer).any()):
+            if not chosen and layer > 0 and (layer == plan.choose_at or bool((depth <= layer).any())):
                 depth, chosen = plan.choose(layer, h_before, positions, cache, depth).to(self.device), True
             leaving = depth == layer
             if bool(leaving.any()):

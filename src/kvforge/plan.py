@@ -13,8 +13,8 @@ interleaved, so a layer that holds every row stays on attention's mask-free deco
 On a sliding-window layer a filled row that no exact row of the prompt can see (and so no later
 decode step either) is not written at all: it would never be read.
 
-`choose`, when given, is called once, before the first layer any row leaves, with the layer
-index, the residual stream entering the layer before it, the positions, the cache (whose layer
+`choose`, when given, is called once, before the first layer any row leaves (or, with `choose_at`,
+before that earlier layer), with the layer index, the residual stream entering the layer before it, the positions, the cache (whose layer
 `layer - 1` holds every row's keys) and the depths; it returns the final depths. RidgeFill uses
 it to keep exact the rows the prompt's tail attends to most. What a prefill finally ran is read
 off its cache afterwards (`final_depth`, `PrefillReport.of`): every row carries its kind, so the
@@ -46,6 +46,7 @@ class PrefillPlan:
     method: str = "exact"
     choose: Chooser | None = None
     reason: str | None = None  # why a method's plan for this prompt computes every row exactly
+    choose_at: int | None = None  # the layer before which `choose` runs (None: the first layer any row leaves)
 
     @classmethod
     def exact(cls, tokens: int, num_layers: int, reason: str | None = None) -> "PrefillPlan":

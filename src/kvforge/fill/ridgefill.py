@@ -180,8 +180,19 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
         return PrefillPlan.exact(tokens, num_layers, reason)
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
-    choose = AttendedRows(engine, config.attended_rows, config.tail, config.attended_span) if config.attended_rows else None
-    return PrefillPlan(depth, fill, "ridgefill", choose)
+    if not config.attended_rows:
+        return PrefillPlan(depth, fill, "ridgefill")
+    read = attention_read_layer(engine.adapter.windows, config.split)
+    return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span), choose_at=read + 1)
+
+
+def attention_read_layer(windows: list[int | None], split: int) -> int:
+    """The exact layer whose attention picks the rows to keep exact: the last global-attention layer
+    below the split, else split - 1. On Gemma 3 the layer below the split is usually a sliding-window
+    layer, whose tail queries cannot see a row more than a window back: the rows a question
+    retrieves from far back are visible only to the global layers (every sixth)."""
+    globals_below = [layer for layer in range(split) if windows[layer] is None]
+    return globals_below[-1] if globals_below else split - 1
 
 
 def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -203,8 +214,9 @@ class MapFill:
 
 
 class AttendedRows:
-    """Keeps exact the rows the tail's queries attend to most at the last exact layer (split - 1),
-    where every row's key is exact and already cached, and the `span` rows after each.
+    """Keeps exact the rows the tail's queries attend to most at an exact layer (the one before the
+    layer it is called at: `attention_read_layer`), where every row's key is exact and already
+    cached, and the `span` rows after each.
 
     A row's score is its largest attention weight from any tail query in any head: a question
     attends sharply to the few rows that match it, while summed weight favours rows every query
