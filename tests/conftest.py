@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from kvforge.models.adapters import adapter_for
 from kvforge.models.loading import LoadedModel, cast_model, model_fingerprint
@@ -40,6 +40,9 @@ def tiny_config(family: str):
         return Qwen2Config(**COMMON, use_sliding_window=False)
     if family == "qwen3":
         return Qwen3Config(**COMMON)
+    if family == "qwen3_moe":  # experts on layers 1 and 3, a dense MLP on 0 and 2
+        return Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                              decoder_sparse_step=2, norm_topk_prob=True)
     if family == "gemma3":
         return Gemma3TextConfig(
             **COMMON,
@@ -50,7 +53,7 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
 
 
 def tiny_hf_model(family: str, seed: int = 0):

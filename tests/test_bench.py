@@ -57,6 +57,19 @@ def test_speed_macs_count_only_the_rows_each_layer_holds():
         assert 1 < exact_macs(adapter, T) / prefill_macs(adapter, depth, None, False) < L / cut
 
 
+def test_a_mixture_of_experts_layer_counts_its_router_and_top_k_experts():
+    adapter = tiny_loaded("qwen3_moe").adapter
+    c = adapter.config
+    e, q_dim, kv_dim = adapter.hidden_size, adapter.num_heads * adapter.head_dim, adapter.kv_heads * adapter.head_dim
+    attn = e * (q_dim + 2 * kv_dim) + q_dim * e
+    dense, moe = attn + 3 * e * c.intermediate_size, attn + e * c.num_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size
+    kinds = [adapter.gate_up[layer] is None for layer in range(adapter.num_layers)]
+    assert kinds == [False, True, False, True]  # decoder_sparse_step 2
+    per_layer_attention = T * (T + 1) // 2 * 2 * q_dim
+    expected = sum(T * (moe if k else dense) + per_layer_attention for k in kinds) + e * c.vocab_size
+    assert exact_macs(adapter, T) == expected
+
+
 def test_ridgefill_macs_unchanged_where_every_row_is_present():
     """Filled rows are keys too: a fill plan's attention is the causal count at every layer."""
     adapter = tiny_loaded("llama").adapter

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_loaded
+from kvforge.models.adapters import adapter_for
+from kvforge.models.loading import LoadedModel
 from kvforge import ridge
 from kvforge.cache import KVCache
 from kvforge.engine import Engine
@@ -288,3 +290,55 @@ def test_pre_norm_features_from_a_bf16_cache_stay_close_where_a_k_norm_weight_is
         assert torch.all(dims[:, :, 0] == 0)
         live32, live16 = k32.view_as(dims)[:, :, 1:], dims[:, :, 1:]
         assert ((live16 - live32).norm() / live32.norm()) < 0.05  # bf16 rounding: 0.004-0.014 measured
+
+
+# --- dense -> mixture of experts (issue 22) ------------------------------------------------------
+def _moe_twin_with_doubled_values(dense_hf):
+    """A Qwen3-MoE model computing exactly what the dense Qwen3 `dense_hf` computes, whose cached
+    values are twice the dense model's: every expert is the dense MLP (top-k weights normalised to
+    sum 1, so any routing gives the dense output), v_proj doubled and o_proj halved. The dense ->
+    MoE translator it implies is known: keys as they are, values x2."""
+    from conftest import char_tokenizer, tiny_hf_model
+
+    moe = tiny_hf_model("qwen3_moe", seed=5)
+    state = {k: v.clone() for k, v in dense_hf.state_dict().items()}
+    with torch.no_grad():
+        for name, param in moe.state_dict().items():
+            if name in state and "mlp" not in name:
+                param.copy_(state[name])
+        for i, layer in enumerate(moe.model.layers):
+            dense = dense_hf.model.layers[i].mlp
+            layer.self_attn.v_proj.weight.mul_(2.0)
+            layer.self_attn.o_proj.weight.mul_(0.5)
+            if hasattr(layer.mlp, "experts"):
+                experts = layer.mlp.experts
+                experts.gate_up_proj.copy_(torch.cat([dense.gate_proj.weight, dense.up_proj.weight]).expand_as(experts.gate_up_proj))
+                experts.down_proj.copy_(dense.down_proj.weight.expand_as(experts.down_proj))
+            else:
+                layer.mlp.load_state_dict(dense.state_dict())
+    return LoadedModel("tiny-qwen3-moe-twin", "test", moe, char_tokenizer(), adapter_for(moe), torch.device("cpu"), torch.float32)
+
+
+def test_a_dense_to_moe_translator_recovers_the_known_relation_and_hands_off():
+    from conftest import tiny_hf_model
+
+    dense_hf = tiny_hf_model("qwen3", seed=4)
+    source_model = tiny_loaded("qwen3", seed=4)
+    target = Engine(_moe_twin_with_doubled_values(dense_hf))
+    source = Engine(source_model)
+    assert any(hasattr(layer.mlp, "experts") for layer in target.model.hf.model.layers)
+    ids = target.model.tokenizer(TEXT)["input_ids"]
+    _, dense_cache = source.prefill([ids])
+    _, moe_cache = target.prefill([ids])
+    for a, b in zip(dense_cache.layers, moe_cache.layers):  # the twin is what it claims to be
+        torch.testing.assert_close(b.keys(), a.keys(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.values(), 2 * a.values(), atol=1e-4, rtol=1e-4)
+    tr = fit_lingo(source, target, LingoFitConfig(assign="identity", nu=1, conversations=3, max_chars=300))
+    eye = torch.eye(tr.weights["k"][0].shape[-1])
+    for layer in range(target.num_layers):
+        torch.testing.assert_close(tr.weights["k"][layer][0], eye, atol=2e-2, rtol=0)
+        torch.testing.assert_close(tr.weights["v"][layer][0], 2 * eye, atol=2e-2, rtol=0)
+    h = hand_off(tr, source, target, TEXT)
+    _, exact = target.prefill([h.target_ids[:-1]])
+    last = torch.tensor([h.target_ids[-1]])
+    torch.testing.assert_close(target.decode_step(last, h.cache), target.decode_step(last, exact), atol=2e-3, rtol=2e-3)

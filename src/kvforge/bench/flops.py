@@ -1,6 +1,7 @@
 """Multiply-accumulate counts of a prefill plan, for the speedup ceiling beside measured times.
 
-Per exact row and layer: q/k/v and output projections, the gated MLP and attention over the keys
+Per exact row and layer: q/k/v and output projections, the gated MLP (or a mixture of experts:
+its router and the top-k experts) and attention over the keys
 the row sees: the rows the layer holds (exact rows, and filled rows where the plan fills) at or
 before its position, within its window. Summed over a causal prompt that is the quadratic
 T(T+1)/2 keys per layer; above a SPEED cut the few full-depth rows see only each other. Per
@@ -33,9 +34,9 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
     e, q_dim, kv_dim, ffn, vocab = _dims(adapter)
     t = depth.numel()
     positions = torch.arange(t)
-    per_row_linear = _per_row_linear(adapter)
     total = 0
     for layer in range(adapter.num_layers):
+        per_row_linear = _per_row_linear(adapter, layer)
         active = depth > layer
         window = adapter.windows[layer]
         written = ~active & readable_rows(positions, active, window) if filled else torch.zeros_like(active)
@@ -67,7 +68,7 @@ def decode_macs(adapter, cached_rows: list[int]) -> int:
     for layer, rows in enumerate(cached_rows):
         window = adapter.windows[layer]
         seen = rows + 1 if window is None else min(rows + 1, window)
-        total += _per_row_linear(adapter) + seen * 2 * q_dim
+        total += _per_row_linear(adapter, layer) + seen * 2 * q_dim
     return total + e * vocab
 
 
@@ -77,9 +78,16 @@ def decode_span_macs(adapter, cached_rows: list[int], steps: int) -> int:
     return sum(decode_macs(adapter, [rows + i for rows in cached_rows]) for i in range(steps))
 
 
-def _per_row_linear(adapter) -> int:
+def _per_row_linear(adapter, layer: int) -> int:
+    """One row's projections and MLP at `layer`; a mixture-of-experts MLP counts its router and the
+    top-k experts a row runs through."""
     e, q_dim, kv_dim, ffn, _ = _dims(adapter)
-    return e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * ffn
+    if adapter.gate_up[layer] is None:
+        c = adapter.config
+        mlp = e * c.num_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size
+    else:
+        mlp = 3 * e * ffn
+    return e * (q_dim + 2 * kv_dim) + q_dim * e + mlp
 
 
 def exact_macs(adapter, tokens: int) -> int:

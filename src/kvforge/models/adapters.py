@@ -36,7 +36,8 @@ class LlamaAdapter:
         self.scaling = [layer.self_attn.scaling for layer in self.layers]
         self.windows = [self._window(i) for i in range(self.num_layers)]
         self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        # None for a layer whose MLP is not one gated MLP (a mixture of experts): it runs as its module
+        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
 
     # --- per-layer facts -------------------------------------------------------------------
     def _window(self, layer: int) -> int | None:
@@ -134,8 +135,11 @@ class LlamaAdapter:
         return h + self._mlp(layer, rms_norm(block.post_attention_layernorm, h))
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP with gate and up projections as one matmul."""
+        """The gated MLP with gate and up projections as one matmul; any other MLP (a sparse mixture
+        of experts: router, top-k experts) through its own module, whose routing is the model's."""
         mlp = self.layers[layer].mlp
+        if self.gate_up[layer] is None:
+            return mlp(x)
         weight, bias = self.gate_up[layer]
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
         down = mlp.down_proj
@@ -161,6 +165,14 @@ class Qwen3Adapter(LlamaAdapter):
 
     def _k_norm(self, attn, k):
         return rms_norm(attn.k_norm, k)
+
+
+class Qwen3MoeAdapter(Qwen3Adapter):
+    """Qwen3-MoE = Qwen3 with a sparse mixture-of-experts MLP (top-k routed experts) on the layers
+    `decoder_sparse_step` picks; the attention and its cache are Qwen3's, so every cache method
+    (RidgeFill, SPEED, KV-Lingo as a target or source) applies unchanged."""
+
+    family = "qwen3_moe"
 
 
 class Gemma3Adapter(Qwen3Adapter):
@@ -200,6 +212,7 @@ _FAMILIES: dict[str, type[LlamaAdapter]] = {
     "mistral": LlamaAdapter,
     "qwen2": LlamaAdapter,
     "qwen3": Qwen3Adapter,
+    "qwen3_moe": Qwen3MoeAdapter,
     "gemma3_text": Gemma3Adapter,
 }
 
