@@ -224,6 +224,38 @@ def test_fit_speed_on_real_chat_text_produces_an_adapter(monkeypatch):
     assert lora.tensors["layers.0.qkv.B"].abs().sum() > 0  # the adapter moved away from the base model
 
 
+def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
+    """loss="kl": the first step's loss is KL(base at full depth || base under SPEED) on the reply
+    (the adapter starts as the base model), computed here by hand; the trained adapter lowers that
+    KL on the samples it trained on (the teacher stays the base model)."""
+    from kvforge.fill.speed_fit import _fit_samples
+    from kvforge.scoring import planned_logits
+
+    engine = Engine(tiny_loaded("llama"))
+    speed, config = SpeedConfig(cut=2), SpeedFitConfig(steps=12, max_tokens=200, loss="kl", lr=1e-3)
+    samples = _fit_samples(engine, config)
+
+    def log_probs(sample, plan_speed):
+        with torch.no_grad():
+            logits = planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, plan_speed))
+        return torch.log_softmax(logits, -1)
+
+    full = [log_probs(sample, None) for sample in samples]
+
+    def policy_kl(i: int) -> float:
+        return float((full[i].exp() * (full[i] - log_probs(samples[i], speed))).sum(-1).mean())
+
+    before = [policy_kl(i) for i in range(len(samples))]
+    steps = []
+    lora = fit_speed(engine, speed, config, "tiny-llama", lambda s, loss: steps.append(loss))
+    assert before[0] > 1e-3 and steps[0] == pytest.approx(before[0], rel=1e-4)
+    with lora.applied(engine.adapter):
+        after = [policy_kl(i) for i in range(len(samples))]
+    assert sum(after) < 0.8 * sum(before), (before, after)
+    with pytest.raises(ValueError, match="--loss"):
+        SpeedFitConfig(loss="mse")
+
+
 # Adapted bf16 against adapted fp32 under the same SPEED plan: measured at most 0.018 (llama)
 # and 0.015 (gemma3) in logits (0.028 on another prompt); 0.1 leaves >3x margin and is far below
 # the adapter's own effect on the logits (1.05-1.10 here), which the test also requires.

@@ -46,10 +46,15 @@ def continuation_nll(engine, ids: list[int], prefix: int, cache: KVCache, restor
     return token_nll(continuation_logits(engine, ids, prefix, cache, restore), ids[prefix:])
 
 
-def planned_nll(engine, ids: list[int], prefix: int, plan: PrefillPlan) -> torch.Tensor:
-    """(T,) nats of ids[prefix:] given everything before each, with the whole of `ids` run from an
-    empty cache under `plan` (which covers every row of `ids`)."""
+def planned_logits(engine, ids: list[int], prefix: int, plan: PrefillPlan) -> torch.Tensor:
+    """(T, V) logits predicting ids[prefix:], each given everything before it, with the whole of
+    `ids` run from an empty cache under `plan` (which covers every row of `ids`)."""
     seq = torch.tensor([ids], device=engine.device)  # (1, N)
     positions = torch.arange(len(ids), device=engine.device).unsqueeze(0)
     h = engine.run_plan(seq, positions, engine.new_cache(1, capacity=len(ids)), plan)
-    return token_nll(engine.adapter.head(h[:, prefix - 1 : -1])[0], seq[0, prefix:])
+    return engine.adapter.head(h[:, prefix - 1 : -1])[0]
+
+
+def planned_nll(engine, ids: list[int], prefix: int, plan: PrefillPlan) -> torch.Tensor:
+    """(T,) nats of ids[prefix:] given everything before each, under `plan` (`planned_logits`)."""
+    return token_nll(planned_logits(engine, ids, prefix, plan), ids[prefix:])

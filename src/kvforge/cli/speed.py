@@ -27,6 +27,7 @@ def fit_speed_cmd(
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
+    loss: str = typer.Option("ce", "--loss", help="ce: the replies' cross entropy; kl: distil from the base model at full depth."),
     anchors: Optional[str] = AnchorsOpt,
     tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
@@ -43,7 +44,7 @@ def fit_speed_cmd(
     from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed
 
     setup_threads(threads)
-    config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens)
+    config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens, loss=loss)
     engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)

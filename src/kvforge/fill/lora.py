@@ -48,6 +48,9 @@ class LoraAdapter:
         """A fresh adapter: A random (scaled by 1/sqrt(E)), B zero, so it starts as the base model."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        experts = [layer for layer in range(adapter.num_layers) if any(getattr(adapter, t)[layer] is None for t in TARGETS)]
+        if experts:
+            raise ValueError(f"LoRA adapters need a fused gate/up MLP on every layer; layers {experts} are mixtures of experts")
         g = torch.Generator().manual_seed(seed)
         tensors = {}
         for layer in range(adapter.num_layers):

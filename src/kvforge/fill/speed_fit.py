@@ -4,7 +4,10 @@ The source studies SPEED with the model trained under the policy. Here the train
 the SPEED plan run over prompt + reply (`Engine.run_plan` with gradients on): shallow prompt rows
 exist only below the cut, anchors, the tail and the reply rows run full depth, so above the cut a
 reply token sees exactly what a decode token sees at inference. The loss is the reply's
-next-token cross entropy (teacher forced, `scoring.planned_nll`). Only the LoRA factors train
+next-token cross entropy (teacher forced, `scoring.planned_nll`), or (`loss="kl"`) the KL divergence
+from the frozen base model's full-depth next-token distribution on the same text: every reply token
+then carries the full-depth model's whole distribution, and the adapter is pulled toward the
+reference SPEED is judged against instead of toward the data. Only the LoRA factors train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
 gradient accumulation for the effective batch.
@@ -24,7 +27,7 @@ from kvforge.engine import Engine
 from kvforge.fill.lora import LoraAdapter
 from kvforge.fill.speed import SpeedConfig, speed_plan
 from kvforge.plan import PrefillPlan
-from kvforge.scoring import planned_nll
+from kvforge.scoring import planned_logits, planned_nll
 from kvforge.training import OptimConfig, Trainer
 
 
@@ -39,10 +42,16 @@ class SpeedFitConfig:
     max_tokens: int = 512  # prompt + reply per sample: what one step costs on this machine's CPU
     max_reply: int = 128
     seed: int = 0
+    loss: str = "ce"  # or "kl": distil from the base model at full depth
 
     def __post_init__(self):
         if self.steps < 1 or self.accumulate < 1 or self.max_tokens < 32:
             raise ValueError("--steps and accumulation must be >= 1 and --max-tokens >= 32")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+
+
+LOSSES = ("ce", "kl")
 
 
 def reply_nll(engine: Engine, sample: ReplySample, plan: PrefillPlan) -> torch.Tensor:
@@ -82,8 +91,14 @@ def fit_speed(
         nonlocal tokens
         sample = next(samples)
         tokens += len(sample.ids)
+        if config.loss == "kl":
+            with torch.no_grad():  # the teacher: base weights, every row at full depth
+                teacher = torch.log_softmax(planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, None)).float(), -1)
         with lora.applied(engine.adapter):
-            return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
+            if config.loss == "ce":
+                return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
+            student = torch.log_softmax(planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, speed)).float(), -1)
+            return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
     for step in range(config.steps):
         total = trainer.step(loss)
