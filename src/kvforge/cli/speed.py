@@ -48,6 +48,8 @@ def fit_speed_cmd(
     engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)
+    if out is None and loss != "ce":  # a distilled adapter does not replace the cross-entropy one
+        path = path.with_name(f"{path.stem}-{loss}{path.suffix}")
     with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(step: int, loss: float) -> None:
