@@ -84,6 +84,8 @@ def _per_row_linear(adapter, layer: int) -> int:
     e, q_dim, kv_dim, ffn, _ = _dims(adapter)
     if adapter.gate_up[layer] is None:
         c = adapter.config
+        if not hasattr(c, "num_experts_per_tok"):
+            raise ValueError(f"no MAC count for layer {layer}'s MLP ({type(adapter.layers[layer].mlp).__name__})")
         mlp = e * c.num_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size
     else:
         mlp = 3 * e * ffn
