@@ -250,7 +250,8 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
 
     def _keep_attended(self, before, positions, spans, plans, exact: torch.Tensor) -> torch.Tensor:
         """Per filled request, the rows its tail attends to most at layer split - 1 (and the rows
-        after each) made exact, as kvforge's `AttendedRows` chooses them."""
+        after each) made exact, as kvforge's `AttendedRows` chooses them on a model whose layers all
+        attend globally (Llama: `attention_read_layer` is split - 1)."""
         config = self.config_ridgefill
         layer = self.model.layers[config.split - 1]
         attn = layer.self_attn
