@@ -112,6 +112,25 @@ def test_a_contiguous_layer_masked_by_its_length_gives_the_position_masks_result
     assert torch.equal(by_length, by_mask)
 
 
+def test_low_precision_attention_over_a_layer_with_missing_positions_uses_the_position_mask():
+    """A layer whose rows are not positions 0..length-1 (SPEED leaves prompt rows out of upper
+    layers) cannot be masked by its length: attend must fall back to the position mask."""
+    from kvforge.attention import attend
+    from kvforge.cache import KVCache
+
+    g = torch.Generator().manual_seed(7)
+    layer = KVCache.empty(1, 1, 2, 16, torch.bfloat16, capacity=64)[0]
+    kept = torch.tensor([[0, 1, 2, 10, 11, 12, 13, 14]])  # rows 3..9 absent
+    layer.append(torch.randn(1, 2, 8, 16, generator=g).bfloat16(), torch.randn(1, 2, 8, 16, generator=g).bfloat16(), kept)
+    q_pos = torch.tensor([[15]])
+    layer.append(torch.randn(1, 2, 1, 16, generator=g).bfloat16(), torch.randn(1, 2, 1, 16, generator=g).bfloat16(), q_pos)
+    assert not layer.contiguous
+    q = torch.randn(1, 6, 1, 16, generator=g).bfloat16()
+    ours = attend(q, layer, q_pos, 0.25, new_rows=1).float()
+    ref = F.scaled_dot_product_attention(q.float(), layer.keys().float(), layer.values().float(), scale=0.25, enable_gqa=True)
+    assert (ours - ref).abs().max() < 0.03
+
+
 def test_a_weight_changed_in_place_is_packed_again():
     from kvforge.models.adapters import linear
 
