@@ -228,8 +228,7 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
     """loss="kl": the first step's loss is KL(base at full depth || base under SPEED) on the reply
     (the adapter starts as the base model), computed here by hand; the trained adapter lowers that
     KL on the samples it trained on (the teacher stays the base model)."""
-    from kvforge.fill.speed_fit import _fit_samples
-    from kvforge.scoring import planned_logits
+    from kvforge.fill.speed_fit import _fit_samples, reply_log_probs
 
     engine = Engine(tiny_loaded("llama"))
     speed, config = SpeedConfig(cut=2), SpeedFitConfig(steps=12, max_tokens=200, loss="kl", lr=1e-3)
@@ -237,8 +236,7 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
 
     def log_probs(sample, plan_speed):
         with torch.no_grad():
-            logits = planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, plan_speed))
-        return torch.log_softmax(logits, -1)
+            return reply_log_probs(engine, sample, plan_speed)
 
     full = [log_probs(sample, None) for sample in samples]
 

@@ -60,6 +60,13 @@ def reply_nll(engine: Engine, sample: ReplySample, plan: PrefillPlan) -> torch.T
     return planned_nll(engine, sample.ids, sample.prompt_tokens, plan)
 
 
+def reply_log_probs(engine: Engine, sample: ReplySample, speed: SpeedConfig | None) -> torch.Tensor:
+    """(R, V) fp32 log-probabilities of the next token at each reply position, under SPEED (or
+    exact, speed None)."""
+    logits = planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, speed))
+    return torch.log_softmax(logits.float(), -1)
+
+
 def sample_plan(engine: Engine, sample: ReplySample, speed: SpeedConfig | None) -> PrefillPlan:
     """SPEED over the prompt with the reply as decode-phase rows, or exact (speed None)."""
     if speed is None:
@@ -93,12 +100,11 @@ def fit_speed(
         tokens += len(sample.ids)
         if config.loss == "kl":
             with torch.no_grad():  # the teacher: base weights, every row at full depth
-                teacher = torch.log_softmax(planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, None)).float(), -1)
+                teacher = reply_log_probs(engine, sample, None)
         with lora.applied(engine.adapter):
             if config.loss == "ce":
                 return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
-            student = torch.log_softmax(planned_logits(engine, sample.ids, sample.prompt_tokens, sample_plan(engine, sample, speed)).float(), -1)
-            return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
+            return torch.nn.functional.kl_div(reply_log_probs(engine, sample, speed), teacher, log_target=True, reduction="batchmean")
 
     for step in range(config.steps):
         total = trainer.step(loss)
