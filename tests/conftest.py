@@ -9,7 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from kvforge.models.adapters import adapter_for
 from kvforge.models.loading import LoadedModel, cast_model, model_fingerprint
@@ -50,10 +51,21 @@ def tiny_config(family: str):
             layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
             query_pre_attn_scalar=16,
         )
+    if family == "qwen3_next":  # hybrid: three Gated DeltaNet layers, then full attention; MoE on layers 1, 3
+        return Qwen3NextConfig(**COMMON, **HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32, decoder_sparse_step=2, partial_rotary_factor=0.5)
+    if family == "qwen3_5":  # hybrid, dense MLPs, one projection per DeltaNet input
+        return Qwen3_5TextConfig(**COMMON, **HYBRID)
     raise ValueError(family)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+HYBRID = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+)
+ATTENTION_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+HYBRID_FAMILIES = ["qwen3_next", "qwen3_5"]
+FAMILIES = ATTENTION_FAMILIES + HYBRID_FAMILIES
 
 
 def tiny_hf_model(family: str, seed: int = 0):

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_loaded
+from conftest import ATTENTION_FAMILIES, HYBRID_FAMILIES, tiny_loaded
 from kvforge.models.adapters import adapter_for
 from kvforge.models.loading import LoadedModel
 from kvforge import ridge
 from kvforge.cache import KVCache
 from kvforge.engine import Engine
-from kvforge.errors import ArtifactError
+from kvforge.errors import ArtifactError, UnknownModelError
 from kvforge.translate.align import Tokenized, align
 from kvforge.translate.assign import assign_layers, depth_band, feature_block
 from kvforge.translate.capture import CAPTURE_POINTS, cache_features
@@ -33,6 +33,7 @@ def identity_translator(engine: Engine, capture: str) -> Translator:
     )
 
 
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 @pytest.mark.parametrize("capture", CAPTURE_POINTS)
 def test_identity_maps_reproduce_a_models_own_cache_and_logits(family, capture):
     engine = Engine(tiny_loaded(family))
@@ -46,6 +47,12 @@ def test_identity_maps_reproduce_a_models_own_cache_and_logits(family, capture):
     assert int(h.cache[0].row_kinds()[0, 0]) == 0 and int(h.cache[0].row_kinds()[0, -1]) == 2  # head native, rest translated
     last = torch.tensor([ids[-1]])
     torch.testing.assert_close(engine.decode_step(last, h.cache), engine.decode_step(last, exact), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_hybrid_is_refused_as_a_translation_side(family):
+    with pytest.raises(UnknownModelError, match="recurrent state, not K/V rows"):
+        ModelSide.of(Engine(tiny_loaded(family)))
 
 
 def test_pre_norm_and_post_norm_keys_differ_only_where_the_family_has_a_k_norm():
@@ -241,6 +248,7 @@ BF16_TOL = 0.1
 
 
 @pytest.mark.parametrize("capture", CAPTURE_POINTS)
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
 def test_identity_hand_off_into_a_bf16_cache(family, capture):
     engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
     h = hand_off(identity_translator(engine, capture), engine, engine, TEXT)

@@ -208,11 +208,15 @@ def test_greedy_speculative_decoding_in_bf16_commits_exactly_the_plain_bf16_toke
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 10, (n,), generator=g).tolist() for n in (30, 17, 44, 9)]
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    accepted = 0
     for prompt in prompts:
         plain = engine.generate(prompt, config)[0].token_ids
         out, stats = speculative_generate(engine, [prompt], [NgramDrafter(NgramCache(prompt), prompt)], config, k=5)
         assert out[0].token_ids == plain
-        assert stats.accepted > 0
+        accepted += stats.accepted
+    # random hybrids repeat themselves less, so few of their drafts land (tests/test_hybrid.py
+    # drives every accept length on them); some must, or rollback went unexercised
+    assert accepted > 0
 
 
 # --- the prefetcher ----------------------------------------------------------------------

@@ -54,6 +54,15 @@ class LayerCache:
     # for a query that continues the sequence, which keeps decode on the fast path.
     contiguous: bool = True
 
+    @classmethod
+    def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int) -> "LayerCache":
+        return cls(
+            k=torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device),
+            v=torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device),
+            positions=torch.full((batch, capacity), -1, dtype=torch.long, device=device),
+            kinds=torch.full((batch, capacity), int(RowKind.PADDING), dtype=torch.uint8, device=device),
+        )
+
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
@@ -106,10 +115,24 @@ class LayerCache:
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (speculative rollback)."""
+        self._trim_rows(n)
+
+    def _trim_rows(self, n: int) -> None:
         if n < 0 or n > self.length:
             raise ValueError(f"cannot trim {n} rows from a layer holding {self.length}")
         self.length -= n
         self.positions[:, self.length :] = -1
+
+    def rollback(self, drop: list[int]) -> None:
+        """Drop the last drop[b] rows of sequence b: rows every sequence drops are trimmed, a
+        sequence's further rows become padding slots (see `KVCache.rollback`)."""
+        common = min(drop)
+        self._trim_rows(common)
+        for b, n in enumerate(drop):
+            if n > common:
+                self.positions[b, self.length - (n - common) : self.length] = -1
+                self.kinds[b, self.length - (n - common) : self.length] = int(RowKind.PADDING)
+                self.contiguous = False
 
     def select_rows(self, index: torch.Tensor) -> "LayerCache":
         """A new layer holding rows `index` (1-D, into this layer's rows) of every sequence."""
@@ -141,6 +164,101 @@ class LayerCache:
         return 2 * per_row * self.length
 
 
+@dataclass
+class RecurrentLayerCache(LayerCache):
+    """A linear-attention (Gated DeltaNet) layer's state: the last K-1 inputs of its causal conv
+    and its recurrent matrix, in place of K/V rows (its k and v hold no heads). It still logs the
+    position and kind of every row it consumed, so provenance reports and `next_positions` read
+    it like any layer.
+
+    The recurrence cannot be undone, so rollback restores what the last step kept: the state
+    before it, and after a short step the state after each of its tokens (`deltanet`). Trimming
+    further back than the last step is refused."""
+
+    conv: torch.Tensor | None = None  # (B, C, K-1) model dtype
+    state: torch.Tensor | None = None  # (B, Hv, Dk, Dv) float32
+    # the last step: conv inputs [state, step] (B, C, K-1+T) and the recurrent state before it and
+    # after each of its tokens (per-token steps) or after its last only
+    step_window: torch.Tensor | None = None
+    step_states: list | None = None
+
+    @classmethod
+    def empty_state(
+        cls, batch: int, channels: int, width: int, state_shape: tuple[int, int, int], dtype: torch.dtype, device, capacity: int
+    ) -> "RecurrentLayerCache":
+        rows = LayerCache.empty(batch, 0, 0, dtype, device, capacity)
+        return cls(
+            rows.k, rows.v, rows.positions, rows.kinds,
+            conv=torch.zeros(batch, channels, width, dtype=dtype, device=device),
+            state=torch.zeros(batch, *state_shape, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def step_tokens(self) -> int:
+        return 0 if self.step_window is None else self.step_window.shape[-1] - self.conv.shape[-1]
+
+    def advance(self, window: torch.Tensor, states: list[torch.Tensor], positions: torch.Tensor, kind) -> None:
+        """Take one step's conv window (B, C, K-1+T) and recurrent states (the state before, then
+        after each token or after the last) and log its rows."""
+        width = self.conv.shape[-1]
+        self.step_window, self.step_states = window, states
+        self.conv = window[..., window.shape[-1] - width :]
+        self.state = states[-1]
+        t = window.shape[-1] - width
+        empty = self.k.new_empty(self.k.shape[0], 0, t, 0)
+        LayerCache.append(self, empty, empty, positions, kind)
+
+    def trim(self, n: int) -> None:
+        self.rollback([n] * self.k.shape[0])
+
+    def rollback(self, drop: list[int]) -> None:
+        if max(drop) == 0:
+            return
+        step, width = self.step_tokens, self.conv.shape[-1]
+        per_token = self.step_states is not None and len(self.step_states) == step + 1
+        self.conv, self.state = self.conv.clone(), self.state.clone()  # conv is a view of the step's window
+        for b, n in enumerate(drop):
+            if n == 0:
+                continue
+            if n > step or (n < step and not per_token):
+                raise ValueError(
+                    f"a recurrent (Gated DeltaNet) layer rolls back only within its last step ({step} tokens"
+                    f"{'' if per_token else ', whole'}); {n} asked"
+                )
+            kept = step - n
+            self.conv[b] = self.step_window[b, :, kept : kept + width]
+            self.state[b] = self.step_states[kept if per_token else 0][b]
+        if min(drop) == max(drop) and per_token:  # every sequence back to one point: the step is shorter
+            kept = step - drop[0]
+            self.step_window, self.step_states = self.step_window[..., : width + kept], self.step_states[: kept + 1]
+        else:
+            self.step_window = self.step_states = None
+        LayerCache.rollback(self, drop)
+
+    def select_rows(self, index: torch.Tensor) -> "LayerCache":
+        raise ValueError("a recurrent (Gated DeltaNet) layer holds a state, not rows: its rows cannot be selected")
+
+    def select_batch(self, index: torch.Tensor) -> "RecurrentLayerCache":
+        rows = LayerCache.select_batch(self, index)
+        index = index.to(self.conv.device)
+        return RecurrentLayerCache(
+            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous,
+            conv=self.conv.index_select(0, index), state=self.state.index_select(0, index),
+        )
+
+    @classmethod
+    def joined(cls, rows: LayerCache, parts: list["RecurrentLayerCache"]) -> "RecurrentLayerCache":
+        """`rows` (the joined row log) with the parts' states stacked along the batch."""
+        return cls(
+            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous,
+            conv=torch.cat([p.conv for p in parts]), state=torch.cat([p.state for p in parts]),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes of the conv and recurrent states (fixed, whatever the length)."""
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size()
+
+
 class KVCache:
     """The whole model's cache: one `LayerCache` per layer."""
 
@@ -161,17 +279,7 @@ class KVCache:
         """An empty cache; heads and head dim may be given per layer."""
         heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * num_layers
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * num_layers
-        layers = []
-        for h, d in zip(heads, dims):
-            layers.append(
-                LayerCache(
-                    k=torch.zeros(batch, h, capacity, d, dtype=dtype, device=device),
-                    v=torch.zeros(batch, h, capacity, d, dtype=dtype, device=device),
-                    positions=torch.full((batch, capacity), -1, dtype=torch.long, device=device),
-                    kinds=torch.full((batch, capacity), int(RowKind.PADDING), dtype=torch.uint8, device=device),
-                )
-            )
-        return cls(layers)
+        return cls([LayerCache.empty(batch, h, d, dtype, device, capacity) for h, d in zip(heads, dims)])
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -207,14 +315,8 @@ class KVCache:
         requests accepted different numbers of draft tokens). Rows every sequence drops are
         trimmed; a sequence's further rows become padding slots (position -1, invisible to
         attention), so the batch keeps one length per layer."""
-        common = min(drop)
         for layer in self.layers:
-            layer.trim(common)
-            for b, n in enumerate(drop):
-                if n > common:
-                    layer.positions[b, layer.length - (n - common) : layer.length] = -1
-                    layer.kinds[b, layer.length - (n - common) : layer.length] = int(RowKind.PADDING)
-                    layer.contiguous = False
+            layer.rollback(drop)
 
     def select_rows(self, index: torch.Tensor) -> "KVCache":
         """A new cache holding rows `index` of every layer."""
@@ -251,7 +353,7 @@ class KVCache:
                 out.kinds[row : row + n, : p.length] = p.row_kinds()
                 row += n
             out.contiguous = _is_contiguous(out.positions)
-            layers.append(out)
+            layers.append(RecurrentLayerCache.joined(out, parts) if isinstance(first, RecurrentLayerCache) else out)
         return cls(layers)
 
     @property
@@ -267,6 +369,9 @@ class KVCache:
             tensors[f"layers.{i}.v"] = layer.values().contiguous().cpu()
             tensors[f"layers.{i}.positions"] = layer.row_positions().contiguous().cpu()
             tensors[f"layers.{i}.kinds"] = layer.row_kinds().contiguous().cpu()
+            if isinstance(layer, RecurrentLayerCache):
+                tensors[f"layers.{i}.conv"] = layer.conv.contiguous().cpu()
+                tensors[f"layers.{i}.state"] = layer.state.contiguous().cpu()
         meta = {"format": "kvforge.kvcache", "format_version": CACHE_FORMAT_VERSION, "num_layers": str(len(self))}
         meta.update(metadata or {})
         atomic_save_safetensors(tensors, Path(path), meta)
@@ -291,6 +396,10 @@ class KVCache:
                         length=k.shape[2],
                     )
                     layer.contiguous = _is_contiguous(layer.positions)
+                    if f"layers.{i}.state" in f.keys():
+                        layer = RecurrentLayerCache(
+                            layer.k, layer.v, layer.positions, layer.kinds, layer.length, layer.contiguous,
+                            conv=f.get_tensor(f"layers.{i}.conv").to(device), state=f.get_tensor(f"layers.{i}.state").to(device))
                     layers.append(layer)
         except ArtifactError:
             raise

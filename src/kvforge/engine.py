@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention import attend, readable_rows
-from kvforge.cache import KVCache, RowKind
+from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache, RowKind
 from kvforge.errors import PromptError
+from kvforge.models.deltanet import PER_TOKEN_STEPS
 from kvforge.models.loading import LoadedModel
 from kvforge.plan import PrefillPlan
 
@@ -34,8 +35,16 @@ class Engine:
         return self.adapter.num_layers
 
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        """An empty cache: K/V rows for attention layers, a fresh state for recurrent ones."""
         a = self.adapter
-        return KVCache.empty(a.num_layers, batch, a.kv_heads, a.head_dim, self.dtype, self.device, capacity)
+        layers = []
+        for layer in range(a.num_layers):
+            if a.is_recurrent(layer):
+                channels, width, shape = a.state_spec(layer)
+                layers.append(RecurrentLayerCache.empty_state(batch, channels, width, shape, self.dtype, self.device, capacity))
+            else:
+                layers.append(LayerCache.empty(batch, a.kv_heads, a.head_dim, self.dtype, self.device, capacity))
+        return KVCache(layers)
 
     # --- the layer loop ----------------------------------------------------------------------
     def run_layer(
@@ -50,11 +59,25 @@ class Engine:
         """Run one decoder layer on rows h (B, T, E) at `positions` (B, T); their K/V are
         appended to the layer's cache first, so they attend to themselves and all earlier rows."""
         a = self.adapter
-        q, k, v = a.attention_inputs(layer, h, rope)
+        if a.is_recurrent(layer):
+            padding = positions < 0
+            mixed = self._recur(layer, h, positions, cache[layer], kind, padding if bool(padding.any()) else None)
+            return a.mlp_block(layer, a.mix_output(layer, h, mixed))
+        q, k, v, gate = a.attention_inputs(layer, h, rope)
         cache[layer].append(k, v, positions, kind)
         o = attend(q, cache[layer], positions, a.scaling[layer], a.windows[layer], new_rows=h.shape[1])
-        h = a.attention_output(layer, h, o)
+        h = a.attention_output(layer, h, o, gate)
         return a.mlp_block(layer, h)
+
+    def _recur(self, layer: int, h, positions, state: RecurrentLayerCache, kind, padding=None, per_token: bool | None = None):
+        """Rows h (B, T, E) in position order through a recurrent layer's state update, which
+        `state` takes (and logs as rows of `kind`); returns what `mix_output` reads. A short step
+        continuing a state runs token by token and keeps every intermediate state (rollback)."""
+        if per_token is None:
+            per_token = state.length > 0 and h.shape[1] <= PER_TOKEN_STEPS
+        mixed, window, states = self.adapter.mix(layer, h, state.conv, state.state, padding, per_token)
+        state.advance(window, [state.state, *states], positions, kind)
+        return mixed
 
     def run_layers(
         self,
@@ -151,7 +174,11 @@ class Engine:
                 continue
             active = ~past
             h_active = h[:, active]
-            q, k, v = a.attention_inputs(layer, h_active, _rope_rows(rope, active))
+            if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
+                h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
+                h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+                continue
+            q, k, v, gate = a.attention_inputs(layer, h_active, _rope_rows(rope, active))
             present, kinds = active, RowKind.EXACT
             if plan.fill is not None:
                 written = past & readable_rows(positions[0], active, a.windows[layer])
@@ -164,9 +191,26 @@ class Engine:
             cache[layer].append(k, v, positions[:, present], kinds)
             o = attend(q, cache[layer], positions[:, active], a.scaling[layer], a.windows[layer])
             # Out of place: autograd may still need the old h when a plan is trained through.
-            h_new = a.mlp_block(layer, a.attention_output(layer, h_active, o))
+            h_new = a.mlp_block(layer, a.attention_output(layer, h_active, o, gate))
             h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
         return h
+
+    def _run_recurrent_plan(self, layer, h_active, active, past, at_depth, positions, cache, plan) -> torch.Tensor:
+        """One recurrent layer of `run_plan`: a filled row runs the layer's projections and state
+        update from its predicted input, in position order among the exact rows; its output
+        projection and MLP are skipped (nothing reads them). Returns the active rows' new h."""
+        a = self.adapter
+        present, kinds, rows = active, RowKind.EXACT, h_active
+        if plan.fill is not None:
+            x = plan.fill(layer, at_depth[:, past], past)
+            present = active | past
+            is_exact = active[present]
+            rows = _interleave_rows(h_active, x, is_exact)
+            kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
+        core, z = self._recur(layer, rows, positions[:, present], cache[layer], kinds, per_token=False)
+        if plan.fill is not None:
+            core, z = core[:, is_exact], z[:, is_exact]
+        return a.mlp_block(layer, a.mix_output(layer, h_active, (core, z)))
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence (B,) at `positions` (B,; default: the next free ones) -> logits (B, V)."""
@@ -211,6 +255,14 @@ def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
 def _rope_rows(rope: dict, rows: torch.Tensor) -> dict:
     """The rotary tables restricted to some rows (a bool mask over T)."""
     return {key: (cos[:, rows], sin[:, rows]) for key, (cos, sin) in rope.items()}
+
+
+def _interleave_rows(exact: torch.Tensor, filled: torch.Tensor, is_exact: torch.Tensor) -> torch.Tensor:
+    """Exact and filled rows (B, *, E) merged along dim 1 in position order."""
+    out = exact.new_empty(exact.shape[0], is_exact.numel(), exact.shape[-1])
+    out[:, is_exact] = exact
+    out[:, ~is_exact] = filled
+    return out
 
 
 def _interleave(exact: torch.Tensor, filled: torch.Tensor, is_exact: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ Loss is reported on novel and key tokens (`metrics.token_classes`) and on all to
 perplexity gap to exact with a paired bootstrap 95 % interval over samples.
 
 Splice: the exact and RidgeFill caches mixed at the filled layers (RidgeFill keys with exact
-values, and exact keys with RidgeFill values) say which component carries the error.
+values, and exact keys with RidgeFill values) say which component carries the error. On a hybrid
+those two arms keep RidgeFill's recurrent states, and a third (`splice_exact_state`) keeps
+RidgeFill's K/V with the exact recurrent states: how much of the error the state carries.
 
 Needles: RULER niah_single haystacks, greedy answers, string match, per arm. The needle sits at
 each depth of the haystack before the tail (the rows a fill can reach). Besides RidgeFill and the
@@ -23,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.cache import KVCache, LayerCache
+from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache
 from kvforge.data.prompts import token_sequences
 from kvforge.data.tasks import answered, needle_sample
 from kvforge.engine import Engine
@@ -57,7 +59,10 @@ def eval_ridgefill(
     memo = {} if memo is None else memo
     model = _model_key(engine)
     arms = {"ridgefill": config, "identity": replace(config, fill="identity")}
-    nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, "splice_filled_keys", "splice_filled_values"]}
+    a = engine.adapter
+    hybrid = any(a.is_recurrent(layer) for layer in range(a.num_layers))
+    splices = ["splice_filled_keys", "splice_filled_values", *(["splice_exact_state"] if hybrid else [])]
+    nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, *splices]}
     novel, key = [], []
     sequences = token_sequences(engine.model.tokenizer, settings.prompt_tokens + settings.continuation, "held_out")
     for i in range(settings.samples):
@@ -74,6 +79,8 @@ def eval_ridgefill(
         ridge_cache = caches["ridgefill"]
         caches["splice_filled_keys"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=True)
         caches["splice_filled_values"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=False)
+        if hybrid:
+            caches["splice_exact_state"] = _with_states_of(exact_cache, ridge_cache)
         caches["exact"] = exact_cache
         with torch.inference_mode():  # restore: the memoised exact cache is left as it was
             for name, cache in caches.items():
@@ -130,7 +137,10 @@ def _splice(exact: KVCache, filled: KVCache, split: int, keys_from_fill: bool) -
     layers = []
     for i, (e, f) in enumerate(zip(exact.layers, filled.layers)):
         if i < split:
-            layers.append(e.select_rows(torch.arange(e.length)))
+            layers.append(_copy(e))
+            continue
+        if isinstance(f, RecurrentLayerCache):  # a recurrent state has no keys or values to swap: the fill's
+            layers.append(_copy(f))
             continue
         rows = f.row_positions()[0]  # the exact cache holds row p at index p
         ek, ev = e.keys()[:, :, rows], e.values()[:, :, rows]
@@ -139,6 +149,16 @@ def _splice(exact: KVCache, filled: KVCache, split: int, keys_from_fill: bool) -
         layer.contiguous = f.contiguous
         layers.append(layer)
     return KVCache(layers)
+
+
+def _with_states_of(exact: KVCache, filled: KVCache) -> KVCache:
+    """The filled cache with every recurrent layer's state taken from the exact cache."""
+    return KVCache([_copy(e if isinstance(e, RecurrentLayerCache) else f) for e, f in zip(exact.layers, filled.layers)])
+
+
+def _copy(layer: LayerCache) -> LayerCache:
+    """A copy that scoring may append to and trim without touching the original."""
+    return layer.select_batch(torch.arange(layer.k.shape[0]))
 
 
 def _needles(engine: Engine, maps: RidgeMaps, arms: dict, settings: EvalSettings, progress, memo: dict, model: tuple) -> dict:
@@ -226,6 +246,7 @@ def summary(report: dict, model: str, config: RidgeFillConfig, prompt_tokens: in
         "splice": {
             "filled_keys_exact_values": arms["splice_filled_keys"],
             "exact_keys_filled_values": arms["splice_filled_values"],
+            **({"filled_kv_exact_recurrent_state": arms["splice_exact_state"]} if "splice_exact_state" in arms else {}),
         },
         "novel_tokens": report["novel_tokens"],
         "key_tokens": report["key_tokens"],

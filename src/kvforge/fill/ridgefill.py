@@ -182,17 +182,24 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
     fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
     if not config.attended_rows:
         return PrefillPlan(depth, fill, "ridgefill")
-    read = attention_read_layer(engine.adapter.windows, config.split)
+    a = engine.adapter
+    read = attention_read_layer(a.windows, config.split, [a.is_recurrent(layer) for layer in range(a.num_layers)])
+    if read is None:  # a hybrid with no attention layer below the split: nothing to read the tail's attention from
+        return PrefillPlan(depth, fill, "ridgefill")
     return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span), choose_at=read + 1)
 
 
-def attention_read_layer(windows: list[int | None], split: int) -> int:
+def attention_read_layer(windows: list[int | None], split: int, recurrent: list[bool] | None = None) -> int | None:
     """The exact layer whose attention picks the rows to keep exact: the last global-attention layer
-    below the split, else split - 1. On Gemma 3 the layer below the split is usually a sliding-window
-    layer, whose tail queries cannot see a row more than a window back: the rows a question
-    retrieves from far back are visible only to the global layers (every sixth)."""
-    globals_below = [layer for layer in range(split) if windows[layer] is None]
-    return globals_below[-1] if globals_below else split - 1
+    below the split, else the last attention layer below it; None when every layer below it is
+    recurrent (a hybrid's linear attention has no attention weights to read). On Gemma 3 the layer
+    below the split is usually a sliding-window layer, whose tail queries cannot see a row more
+    than a window back: the rows a question retrieves from far back are visible only to the global
+    layers (every sixth)."""
+    recurrent = recurrent or [False] * len(windows)
+    attention = [layer for layer in range(split) if not recurrent[layer]]
+    globals_below = [layer for layer in attention if windows[layer] is None]
+    return globals_below[-1] if globals_below else (attention[-1] if attention else None)
 
 
 def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -231,7 +238,7 @@ class AttendedRows:
         a, last_exact = self.adapter, layer - 1
         tail = slice(max(0, depth.numel() - self.tail), depth.numel())
         q_pos = positions[:, tail]
-        q, _, _ = a.attention_inputs(last_exact, h_before[:, tail], a.rope(h_before[:, tail], q_pos))  # (1, Hq, Tt, D)
+        q = a.attention_inputs(last_exact, h_before[:, tail], a.rope(h_before[:, tail], q_pos))[0]  # (1, Hq, Tt, D)
         keys, k_pos = cache[last_exact].keys(), cache[last_exact].row_positions()  # (1, H, T, D)
         weight = peak_attention(q, keys, q_pos, k_pos, a.scaling[last_exact], a.windows[last_exact])  # (T,) by cache row
         rel = k_pos[0] - positions[0, 0]  # cache row -> prompt row

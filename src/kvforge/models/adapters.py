@@ -33,9 +33,11 @@ class LlamaAdapter:
         self.kv_heads = c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.hidden_size = c.hidden_size
-        self.scaling = [layer.self_attn.scaling for layer in self.layers]
+        # None on a layer without softmax attention (a hybrid's linear-attention layers)
+        attns = [getattr(layer, "self_attn", None) for layer in self.layers]
+        self.scaling = [None if a is None else a.scaling for a in attns]
         self.windows = [self._window(i) for i in range(self.num_layers)]
-        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.qkv = [None if a is None else fuse_linears([a.q_proj, a.k_proj, a.v_proj]) for a in attns]
         # None for a layer whose MLP is not one gated MLP (a mixture of experts): it runs as its module
         self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
 
@@ -46,6 +48,10 @@ class LlamaAdapter:
         if types is not None:
             return self.config.sliding_window if types[layer] == "sliding_attention" else None
         return getattr(self.config, "sliding_window", None)  # Mistral: every layer
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether a layer mixes tokens through a recurrent state instead of attention (hybrids)."""
+        return False
 
     def rope_key(self, layer: int) -> str | None:
         """Which rotary table a layer uses (families with per-layer-type RoPE override this)."""
@@ -61,12 +67,13 @@ class LlamaAdapter:
         pos = positions.clamp(min=0)
         return {None: self.body.rotary_emb(h, pos)}
 
-    def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D); k after k-norm and RoPE."""
+    def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, ...]:
+        """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D), and the output gate `attention_output`
+        takes (None here; a gated family's (B, Hq, T, D)); k after k-norm and RoPE."""
         q, k, v = self._project(layer, h, 0).split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
         cos, sin = rope[self.rope_key(layer)]
         q = apply_rope(self._q_norm(self.layers[layer].self_attn, q), cos, sin)
-        return q, self._rotate_key(layer, k, rope), v
+        return q, self._rotate_key(layer, k, rope), v, None
 
     def key_value(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the cache rows a layer writes from input h (B, T, E): k, v (B, H, T, D), no query."""
@@ -121,8 +128,8 @@ class LlamaAdapter:
     def _k_norm(self, attn: torch.nn.Module, k: torch.Tensor) -> torch.Tensor:
         return k
 
-    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Residual update from attention output o (B, Hq, T, D)."""
+    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual update from attention output o (B, Hq, T, D) and the gate `attention_inputs` gave."""
         return h + self._output_projection(layer, o)
 
     def _output_projection(self, layer: int, o: torch.Tensor) -> torch.Tensor:
@@ -139,7 +146,8 @@ class LlamaAdapter:
         of experts: router, top-k experts) through its own module, whose routing is the model's."""
         mlp = self.layers[layer].mlp
         if self.gate_up[layer] is None:
-            return mlp(x)
+            out = mlp(x)
+            return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
         weight, bias = self.gate_up[layer]
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
         down = mlp.down_proj
@@ -197,7 +205,7 @@ class Gemma3Adapter(Qwen3Adapter):
         pos = positions.clamp(min=0)
         return {kind: self.body.rotary_emb(h, pos, kind) for kind in set(self.layer_types)}
 
-    def attention_output(self, layer, h, o):
+    def attention_output(self, layer, h, o, gate=None):
         return h + rms_norm(self.layers[layer].post_attention_layernorm, self._output_projection(layer, o))
 
     def mlp_block(self, layer, h):
@@ -216,25 +224,39 @@ _FAMILIES: dict[str, type[LlamaAdapter]] = {
     "gemma3_text": Gemma3Adapter,
 }
 
+# linear-attention hybrids (kvforge.models.hybrid)
+_HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text")
+
 
 def adapter_for(model: torch.nn.Module) -> LlamaAdapter:
     """The family adapter for a transformers causal LM."""
     model_type = model.config.model_type
+    if model_type in _HYBRID_FAMILIES:
+        from kvforge.models.hybrid import Qwen3NextAdapter  # a subclass of this module's Qwen3Adapter
+
+        return Qwen3NextAdapter(model)
     if model_type not in _FAMILIES:
         from kvforge.errors import UnknownModelError
 
         raise UnknownModelError(
-            f"model family {model_type!r} is not supported (supported: {', '.join(sorted(_FAMILIES))})"
+            f"model family {model_type!r} is not supported (supported: {', '.join(sorted([*_FAMILIES, *_HYBRID_FAMILIES]))})"
         )
     return _FAMILIES[model_type](model)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by cos, sin (B, T, D) in the half-split (GPT-NeoX) layout."""
+    """Rotate x (B, H, T, D) by cos, sin (B, T, R) in the half-split (GPT-NeoX) layout; with partial
+    RoPE (R < D) only the first R dimensions turn."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+_ONE_PLUS_W_NORMS = ("Gemma3RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5RMSNorm")
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -245,7 +267,7 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
         normed = F.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon)
         return norm.weight * normed.to(x.dtype)
-    if type(norm).__name__ == "Gemma3RMSNorm":
+    if type(norm).__name__ in _ONE_PLUS_W_NORMS:
         normed = F.rms_norm(x.float(), x.shape[-1:], None, norm.eps)
         return (normed * (1.0 + norm.weight.float())).to(x.dtype)
     return norm(x)  # any other norm: its own forward

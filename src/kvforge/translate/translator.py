@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvforge.cache import atomic_save_safetensors, read_artifact
-from kvforge.errors import ArtifactError
+from kvforge.errors import ArtifactError, UnknownModelError
 
 FORMAT = "kvforge.lingo"
 FORMAT_VERSION = "1"
@@ -45,6 +45,11 @@ class ModelSide:
     @classmethod
     def of(cls, engine) -> "ModelSide":
         a = engine.adapter
+        if any(a.is_recurrent(layer) for layer in range(a.num_layers)):
+            raise UnknownModelError(
+                f"KV-Lingo translates K/V caches, and {engine.model.name} is a hybrid whose linear-attention layers "
+                "hold a recurrent state, not K/V rows: not supported as a source or target"
+            )
         return cls(engine.model.name, engine.model.fingerprint, a.num_layers, a.kv_heads, a.head_dim)
 
     def label(self) -> str:
