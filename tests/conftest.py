@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: no
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+from transformers import DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from kvforge.models.adapters import adapter_for
@@ -56,6 +56,11 @@ def tiny_config(family: str):
                                shared_expert_intermediate_size=32, decoder_sparse_step=2, partial_rotary_factor=0.5)
     if family == "qwen3_5":  # hybrid, dense MLPs, one projection per DeltaNet input
         return Qwen3_5TextConfig(**COMMON, **HYBRID)
+    if family == "deepseek_v3":  # MLA (latent rank 12, rope 8, no-rope 16, values 12); experts on layers 2, 3
+        mla = {k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")}
+        return DeepseekV3Config(**mla, kv_lora_rank=12, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                                n_group=1, topk_group=1, first_k_dense_replace=2, rope_interleave=True)
     raise ValueError(family)
 
 
@@ -63,7 +68,7 @@ HYBRID = dict(
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
 )
-ATTENTION_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+ATTENTION_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3"]
 HYBRID_FAMILIES = ["qwen3_next", "qwen3_5"]
 FAMILIES = ATTENTION_FAMILIES + HYBRID_FAMILIES
 

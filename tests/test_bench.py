@@ -87,6 +87,30 @@ def test_ridgefill_macs_unchanged_where_every_row_is_present():
     assert prefill_macs(adapter, depth, 2, True) == expected
 
 
+def test_a_hybrid_counts_deltanet_rows_by_hand():
+    """qwen3_5 tiny: layers 0-2 Gated DeltaNet (E 64; q, k 2 heads x 8, v 4 heads x 8; conv 4), layer 3
+    gated full attention. RidgeFill at split 1 fills rows 2..T-5 above layer 1."""
+    adapter = tiny_loaded("qwen3_5").adapter
+    c = adapter.config
+    e, mlp = 64, 3 * 64 * c.intermediate_size
+    conv_dim, value_dim, state = 2 * 16 + 32, 32, 4 * 8 * 8
+    into_state = e * (conv_dim + value_dim + 2 * 4) + conv_dim * 4  # projections, conv
+    exact_row = into_state + 3 * state + state + value_dim * e + mlp  # update, read, out_proj, MLP
+    q_dim, kv_dim = 4 * 16, 2 * 16
+    attention_row = e * (2 * q_dim + 2 * kv_dim) + q_dim * e + mlp  # the query projection also yields the gate
+    head = e * c.vocab_size
+    assert exact_macs(adapter, T) == 3 * T * exact_row + T * attention_row + T * (T + 1) // 2 * 2 * q_dim + head
+    depth = torch.full((T,), 4)
+    depth[2:-4] = 1  # rows 0, 1 and the last 4 exact; split 1
+    n = T - 6
+    expected = T * exact_row  # layer 0
+    expected += 6 * exact_row + n * (into_state + 3 * state)  # layer 1 = split: the split state itself is the input
+    expected += 6 * exact_row + n * (e * e + into_state + 3 * state)  # layer 2: the map, then the state update only
+    keys = 1 + 2 + (T - 3) + (T - 2) + (T - 1) + T  # layer 3: exact rows see every row up to theirs
+    expected += 6 * attention_row + keys * 2 * q_dim + n * (e * e + e * 2 * kv_dim)
+    assert prefill_macs(adapter, depth, 1, True) == expected + head
+
+
 def test_decode_span_macs_sums_the_growing_steps():
     adapter = tiny_loaded("gemma3").adapter  # sliding-window layers: the window caps what a step reads
     rows = [30, 30, 5, 5]

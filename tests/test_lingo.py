@@ -28,8 +28,8 @@ def identity_translator(engine: Engine, capture: str) -> Translator:
     return Translator(
         s, s, capture, "cover", "identity", 1, False,
         {"k": [[l] for l in layers], "v": [[l] for l in layers]},
-        {side: [torch.eye(s.width).unsqueeze(0) for _ in layers] for side in "kv"},
-        {side: [torch.zeros(s.width) for _ in layers] for side in "kv"},
+        {side: [torch.eye(s.side_width(side)).unsqueeze(0) for _ in layers] for side in "kv"},
+        {side: [torch.zeros(s.side_width(side)) for _ in layers] for side in "kv"},
     )
 
 
@@ -350,3 +350,51 @@ def test_a_dense_to_moe_translator_recovers_the_known_relation_and_hands_off():
     _, exact = target.prefill([h.target_ids[:-1]])
     last = torch.tensor([h.target_ids[-1]])
     torch.testing.assert_close(target.decode_step(last, h.cache), target.decode_step(last, exact), atol=2e-3, rtol=2e-3)
+
+
+# --- into a latent (MLA) cache (issue 22) ----------------------------------------------------------
+def _mla_twin_with_doubled_latents(seed: int):
+    """Two tiny DeepSeek-V3 (MLA) models computing the same thing, the second caching latents twice
+    the first's: its latent norm weight doubled and the up projection kv_b halved. The translator
+    into the second's latent cache is known: rope keys as they are, latents x2."""
+    from conftest import char_tokenizer, tiny_hf_model
+
+    base, twin = tiny_hf_model("deepseek_v3", seed=seed), tiny_hf_model("deepseek_v3", seed=seed)
+    with torch.no_grad():
+        for layer in twin.model.layers:
+            layer.self_attn.kv_a_layernorm.weight.mul_(2.0)
+            layer.self_attn.kv_b_proj.weight.mul_(0.5)
+    wrap = lambda m, name: LoadedModel(name, "test", m, char_tokenizer(), adapter_for(m), torch.device("cpu"), torch.float32)  # noqa: E731
+    return wrap(base, "tiny-mla"), wrap(twin, "tiny-mla-twin")
+
+
+def test_a_translator_into_a_latent_cache_recovers_the_known_relation_and_hands_off():
+    base, twin = _mla_twin_with_doubled_latents(seed=6)
+    source, target = Engine(base), Engine(twin)
+    ids = target.model.tokenizer(TEXT)["input_ids"]
+    _, a = source.prefill([ids])
+    _, b = target.prefill([ids])
+    assert b[0].keys().shape[1:] == (1, len(ids), 8) and b[0].values().shape[1:] == (1, len(ids), 12)  # rope key, latent
+    for x, y in zip(a.layers, b.layers):
+        torch.testing.assert_close(y.keys(), x.keys(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y.values(), 2 * x.values(), atol=1e-5, rtol=1e-5)
+    tr = fit_lingo(source, target, LingoFitConfig(assign="identity", nu=1, conversations=3, max_chars=300))
+    assert tr.target.side_width("k") == 8 and tr.target.side_width("v") == 12
+    for layer in range(target.num_layers):
+        torch.testing.assert_close(tr.weights["k"][layer][0], torch.eye(8), atol=2e-2, rtol=0)
+        torch.testing.assert_close(tr.weights["v"][layer][0], 2 * torch.eye(12), atol=2e-2, rtol=0)
+    h = hand_off(tr, source, target, TEXT)
+    _, exact = target.prefill([h.target_ids[:-1]])
+    last = torch.tensor([h.target_ids[-1]])
+    torch.testing.assert_close(target.decode_step(last, h.cache), target.decode_step(last, exact), atol=2e-3, rtol=2e-3)
+
+
+def test_a_dense_model_hands_off_into_a_latent_cache(tmp_path):
+    source, target = Engine(tiny_loaded("qwen3", seed=2)), Engine(tiny_loaded("deepseek_v3", seed=3))
+    tr = fit_lingo(source, target, LingoFitConfig(conversations=3, max_chars=300))
+    path = tr.save(tmp_path / "t.safetensors")
+    tr = Translator.load(path)  # the latent's width survives the artifact
+    assert (tr.source.side_width("v"), tr.target.side_width("k"), tr.target.side_width("v")) == (32, 8, 12)
+    h = hand_off(tr, source, target, TEXT)
+    assert h.cache[0].values().shape[-1] == 12 and int(h.cache[0].row_kinds()[0, -1]) == 2
+    assert torch.isfinite(target.decode_step(torch.tensor([h.target_ids[-1]]), h.cache)).all()

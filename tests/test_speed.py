@@ -286,3 +286,30 @@ def test_an_fp32_adapter_runs_speed_on_a_bf16_engine(family):
         assert torch.equal(bf16.prefill([prompt], plan=plan)[0], logits16)
     out = adapted16.generate(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True), plan=plan)[0]
     assert len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize("family, refusal", [("qwen3_moe", "mixtures of experts"), ("qwen3_5", "Gated DeltaNet")])
+def test_lora_refuses_layers_it_cannot_cover(family, refusal):
+    engine = Engine(tiny_loaded(family))
+    with pytest.raises(ValueError, match=refusal):
+        LoraAdapter.new(engine.adapter, 4, 8.0, "tiny", engine.model.fingerprint)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_shallow_rows_never_enter_a_recurrent_state_above_the_cut(family):
+    """SPEED on a hybrid: above the cut a shallow row is absent from a linear-attention layer too --
+    its update is skipped, so the state is the one the full-depth rows alone leave, in order."""
+    engine = Engine(tiny_loaded(family))
+    config = SpeedConfig(cut=1, first=1, rows=(7,), tail=3)
+    prompt = _prompt(2)
+    _, cache = engine.prefill([prompt], plan=speed_plan(T, config, engine.num_layers))
+    full = torch.tensor([0, 7, T - 3, T - 2, T - 1])
+    with torch.inference_mode():  # layer 1 by hand: the full-depth rows' exact inputs, alone
+        ids, positions = torch.tensor([prompt]), torch.arange(T).unsqueeze(0)
+        reference = engine.new_cache(1, T)
+        h = engine.adapter.embed(ids)
+        h = engine.run_layer(0, h, positions, reference, engine.adapter.rope(h, positions))
+        engine.run_layer(1, h[:, full], positions[:, full], reference, engine.adapter.rope(h[:, full], positions[:, full]))
+    assert cache[1].row_positions()[0].tolist() == full.tolist()
+    assert (cache[1].state - reference[1].state).abs().max() < 1e-5
+    assert (cache[1].conv - reference[1].conv).abs().max() < 1e-5

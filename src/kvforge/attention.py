@@ -125,4 +125,4 @@ def grouped_attention(
     elif mask is not None:  # (B, 1, Tq, Tk) -> the same mask for every head of a group
         scores = scores.view(b, heads, group, tq, -1).masked_fill(~mask.unsqueeze(2), float("-inf")).view(b, heads, group * tq, -1)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(weights, v).view(b, hq, tq, d)
+    return torch.matmul(weights, v).view(b, hq, tq, v.shape[-1])

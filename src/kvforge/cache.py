@@ -55,10 +55,11 @@ class LayerCache:
     contiguous: bool = True
 
     @classmethod
-    def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int) -> "LayerCache":
+    def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int, value_dim: int | None = None) -> "LayerCache":
+        """`value_dim`: the values' width where it differs from the keys' (an MLA latent)."""
         return cls(
             k=torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device),
-            v=torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device),
+            v=torch.zeros(batch, heads, capacity, dim if value_dim is None else value_dim, dtype=dtype, device=device),
             positions=torch.full((batch, capacity), -1, dtype=torch.long, device=device),
             kinds=torch.full((batch, capacity), int(RowKind.PADDING), dtype=torch.uint8, device=device),
         )
@@ -160,8 +161,8 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Bytes of the K and V rows in use (positions and provenance not counted)."""
-        per_row = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
-        return 2 * per_row * self.length
+        per_row = self.k.shape[0] * self.k.shape[1] * (self.k.shape[3] + self.v.shape[3]) * self.k.element_size()
+        return per_row * self.length
 
 
 @dataclass

@@ -43,7 +43,8 @@ class Engine:
                 channels, width, shape = a.state_spec(layer)
                 layers.append(RecurrentLayerCache.empty_state(batch, channels, width, shape, self.dtype, self.device, capacity))
             else:
-                layers.append(LayerCache.empty(batch, a.kv_heads, a.head_dim, self.dtype, self.device, capacity))
+                heads, key_dim, value_dim = a.cache_dims(layer)
+                layers.append(LayerCache.empty(batch, heads, key_dim, self.dtype, self.device, capacity, value_dim))
         return KVCache(layers)
 
     # --- the layer loop ----------------------------------------------------------------------
@@ -65,7 +66,7 @@ class Engine:
             return a.mlp_block(layer, a.mix_output(layer, h, mixed))
         q, k, v, gate = a.attention_inputs(layer, h, rope)
         cache[layer].append(k, v, positions, kind)
-        o = attend(q, cache[layer], positions, a.scaling[layer], a.windows[layer], new_rows=h.shape[1])
+        o = attend(q, a.attention_view(layer, cache[layer]), positions, a.scaling[layer], a.windows[layer], new_rows=h.shape[1])
         h = a.attention_output(layer, h, o, gate)
         return a.mlp_block(layer, h)
 
@@ -189,7 +190,7 @@ class Engine:
                 k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
                 kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
             cache[layer].append(k, v, positions[:, present], kinds)
-            o = attend(q, cache[layer], positions[:, active], a.scaling[layer], a.windows[layer])
+            o = attend(q, a.attention_view(layer, cache[layer]), positions[:, active], a.scaling[layer], a.windows[layer])
             # Out of place: autograd may still need the old h when a plan is trained through.
             h_new = a.mlp_block(layer, a.attention_output(layer, h_active, o, gate))
             h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)

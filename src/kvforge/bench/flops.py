@@ -9,6 +9,13 @@ filled row and late layer: the ridge map (E × E; none at the split layer, whose
 split state itself) and the k/v projections, only on rows the layer writes (sliding-window layers
 skip rows nothing reads). The head runs on the last row.
 
+On a hybrid's linear-attention (Gated DeltaNet) layer an exact row costs its input projections,
+the depthwise conv, the recurrence (decay, read, delta update and output read of a Dk × Dv state
+per value head: 4 · Dk · Dv, whatever the prompt length), the output projection and the MLP; a
+filled row still costs the map, the input projections, the conv and the state update (3 · Dk · Dv
+per value head), and skips the output read, the output projection and the MLP. An absent row
+costs nothing.
+
 The ceiling is exact MACs / plan MACs: the speedup if time were proportional to MACs. Whatever
 one layer costs (linear or quadratic), when the layers are alike and a plan drops whole layers
 for most rows the ceiling is close to the layer ratio: a measured speedup above it means the arms
@@ -38,6 +45,13 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
     for layer in range(adapter.num_layers):
         per_row_linear = _per_row_linear(adapter, layer)
         active = depth > layer
+        if adapter.is_recurrent(layer):
+            state_in, state_update = _recurrent_row(adapter, layer)
+            total += int(active.sum()) * per_row_linear
+            if filled:
+                map_macs = e * e if (split is not None and layer > split) else 0
+                total += int((~active).sum()) * (map_macs + state_in + state_update)
+            continue
         window = adapter.windows[layer]
         written = ~active & readable_rows(positions, active, window) if filled else torch.zeros_like(active)
         seen = _keys_seen(active | written, window)[active]
@@ -66,6 +80,9 @@ def decode_macs(adapter, cached_rows: list[int]) -> int:
     e, q_dim, _, _, vocab = _dims(adapter)
     total = 0
     for layer, rows in enumerate(cached_rows):
+        if adapter.is_recurrent(layer):  # a fixed-size state, whatever the rows behind it
+            total += _per_row_linear(adapter, layer)
+            continue
         window = adapter.windows[layer]
         seen = rows + 1 if window is None else min(rows + 1, window)
         total += _per_row_linear(adapter, layer) + seen * 2 * q_dim
@@ -82,14 +99,29 @@ def _per_row_linear(adapter, layer: int) -> int:
     """One row's projections and MLP at `layer`; a mixture-of-experts MLP counts its router and the
     top-k experts a row runs through."""
     e, q_dim, kv_dim, ffn, _ = _dims(adapter)
+    c = adapter.config
     if adapter.gate_up[layer] is None:
-        c = adapter.config
         if not hasattr(c, "num_experts_per_tok"):
             raise ValueError(f"no MAC count for layer {layer}'s MLP ({type(adapter.layers[layer].mlp).__name__})")
-        mlp = e * c.num_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size
+        shared = getattr(c, "shared_expert_intermediate_size", 0) or 0  # Qwen3-Next: a shared expert and its gate
+        mlp = e * c.num_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size + (3 * e * shared + e if shared else 0)
     else:
         mlp = 3 * e * ffn
-    return e * (q_dim + 2 * kv_dim) + q_dim * e + mlp
+    if adapter.is_recurrent(layer):
+        m = adapter.layers[layer].linear_attn
+        state_in, state_update = _recurrent_row(adapter, layer)
+        return state_in + state_update + m.num_v_heads * m.head_k_dim * m.head_v_dim + m.value_dim * e + mlp
+    # the fused q/k/v projection's width (a gated query doubles q's)
+    return e * adapter.qkv[layer][0].shape[0] + q_dim * e + mlp
+
+
+def _recurrent_row(adapter, layer: int) -> tuple[int, int]:
+    """A DeltaNet row's MACs up to its state: input projections and conv, then the state update
+    (decay, read, delta write of a Dk x Dv state per value head)."""
+    m = adapter.layers[layer].linear_attn
+    e = adapter.hidden_size
+    projections = e * (m.conv_dim + m.value_dim + 2 * m.num_v_heads)  # q, k, v; z; b, a
+    return projections + m.conv_dim * m.conv_kernel_size, 3 * m.num_v_heads * m.head_k_dim * m.head_v_dim
 
 
 def exact_macs(adapter, tokens: int) -> int:

@@ -114,8 +114,8 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     other_kl = {label: [] for label in compare}
     token_counts = []
     r2_acc = {side: torch.zeros(t.num_layers, 2, dtype=torch.float64) for side in SIDES}  # SSE, Σ y²
-    r2_sums = {side: torch.zeros(t.num_layers * t.width, dtype=torch.float64) for side in SIDES}
-    geometry = {side: CacheGeometry(s.num_layers, s.width, t.num_layers, t.width) for side in SIDES}
+    r2_sums = {side: torch.zeros(t.num_layers * t.side_width(side), dtype=torch.float64) for side in SIDES}
+    geometry = {side: CacheGeometry(s.num_layers, s.side_width(side), t.num_layers, t.side_width(side)) for side in SIDES}
     rows = 0
     for i, text in enumerate(texts):
         cut = split_text(source, target, text, settings.prefix_chars, translator.align)
@@ -164,7 +164,7 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     bpb = {arm: sum(v) / (LN2 * total_bytes) for arm, v in arms.items()}
     r2 = {}
     for side in SIDES:
-        means = (r2_sums[side] / max(rows, 1)).view(t.num_layers, t.width)
+        means = (r2_sums[side] / max(rows, 1)).view(t.num_layers, t.side_width(side))
         sst = r2_acc[side][:, 1] - rows * (means**2).sum(1)
         r2[side] = (1.0 - r2_acc[side][:, 0] / sst.clamp(min=1e-300)).tolist()
     ranks = {side: geometry[side].effective_ranks() for side in SIDES}

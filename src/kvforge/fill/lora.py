@@ -48,6 +48,12 @@ class LoraAdapter:
         """A fresh adapter: A random (scaled by 1/sqrt(E)), B zero, so it starts as the base model."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        recurrent = [layer for layer in range(adapter.num_layers) if adapter.is_recurrent(layer)]
+        if recurrent:
+            raise ValueError(
+                f"LoRA adapters target softmax attention's q/k/v and the gated MLP; layers {recurrent} are linear-attention "
+                "(Gated DeltaNet) layers, which they do not cover yet"
+            )
         experts = [layer for layer in range(adapter.num_layers) if any(getattr(adapter, t)[layer] is None for t in TARGETS)]
         if experts:
             raise ValueError(f"LoRA adapters need a fused gate/up MLP on every layer; layers {experts} are mixtures of experts")

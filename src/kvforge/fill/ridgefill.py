@@ -239,7 +239,7 @@ class AttendedRows:
         tail = slice(max(0, depth.numel() - self.tail), depth.numel())
         q_pos = positions[:, tail]
         q = a.attention_inputs(last_exact, h_before[:, tail], a.rope(h_before[:, tail], q_pos))[0]  # (1, Hq, Tt, D)
-        keys, k_pos = cache[last_exact].keys(), cache[last_exact].row_positions()  # (1, H, T, D)
+        keys, k_pos = a.attention_view(last_exact, cache[last_exact]).keys(), cache[last_exact].row_positions()  # (1, H, T, D)
         weight = peak_attention(q, keys, q_pos, k_pos, a.scaling[last_exact], a.windows[last_exact])  # (T,) by cache row
         rel = k_pos[0] - positions[0, 0]  # cache row -> prompt row
         ours = (rel >= 0) & (rel < depth.numel())

@@ -37,11 +37,23 @@ class LlamaAdapter:
         attns = [getattr(layer, "self_attn", None) for layer in self.layers]
         self.scaling = [None if a is None else a.scaling for a in attns]
         self.windows = [self._window(i) for i in range(self.num_layers)]
-        self.qkv = [None if a is None else fuse_linears([a.q_proj, a.k_proj, a.v_proj]) for a in attns]
+        self.qkv = [None if a is None else self._fuse_attention(a) for a in attns]
         # None for a layer whose MLP is not one gated MLP (a mixture of experts): it runs as its module
         self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
 
+    def _fuse_attention(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projections that read the layer's normed input, fused into one matmul."""
+        return fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+
     # --- per-layer facts -------------------------------------------------------------------
+    def cache_dims(self, layer: int) -> tuple[int, int, int]:
+        """An attention layer's cached rows: heads, key width, value width."""
+        return self.kv_heads, self.head_dim, self.head_dim
+
+    def attention_view(self, layer: int, cached):
+        """The rows attention reads: the cached ones themselves (MLA expands its latents here)."""
+        return cached
+
     def _window(self, layer: int) -> int | None:
         """Sliding-window size of `layer` (keys with q_pos - k_pos >= window are hidden)."""
         types = getattr(self.config, "layer_types", None)
@@ -224,22 +236,28 @@ _FAMILIES: dict[str, type[LlamaAdapter]] = {
     "gemma3_text": Gemma3Adapter,
 }
 
-# linear-attention hybrids (kvforge.models.hybrid)
+# linear-attention hybrids (kvforge.models.hybrid) and latent attention (kvforge.models.mla):
+# subclasses of this module's adapters, imported when asked for
 _HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text")
+_MLA_FAMILIES = ("deepseek_v3",)
 
 
 def adapter_for(model: torch.nn.Module) -> LlamaAdapter:
     """The family adapter for a transformers causal LM."""
     model_type = model.config.model_type
     if model_type in _HYBRID_FAMILIES:
-        from kvforge.models.hybrid import Qwen3NextAdapter  # a subclass of this module's Qwen3Adapter
+        from kvforge.models.hybrid import Qwen3NextAdapter
 
         return Qwen3NextAdapter(model)
+    if model_type in _MLA_FAMILIES:
+        from kvforge.models.mla import DeepseekV3Adapter
+
+        return DeepseekV3Adapter(model)
     if model_type not in _FAMILIES:
         from kvforge.errors import UnknownModelError
 
         raise UnknownModelError(
-            f"model family {model_type!r} is not supported (supported: {', '.join(sorted([*_FAMILIES, *_HYBRID_FAMILIES]))})"
+            f"model family {model_type!r} is not supported (supported: {', '.join(sorted([*_FAMILIES, *_HYBRID_FAMILIES, *_MLA_FAMILIES]))})"
         )
     return _FAMILIES[model_type](model)
 

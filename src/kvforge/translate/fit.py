@@ -62,7 +62,7 @@ def paired_features(source, target, text: str, capture: str, rule: str):
 
 def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None) -> dict[str, ridge.Moments]:
     s, t = ModelSide.of(source), ModelSide.of(target)
-    moments = {side: ridge.Moments.zeros(s.num_layers * s.width, t.num_layers * t.width) for side in SIDES}
+    moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side), t.num_layers * t.side_width(side)) for side in SIDES}
     for text in texts:
         x, y = paired_features(source, target, text, capture, rule)
         for side in SIDES:
@@ -78,13 +78,13 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
     sources, weights, biases, r2_fit = {}, {}, {}, {}
     for side in SIDES:
         m = moments[side]
-        sources[side] = assign_layers(config.assign, s.num_layers, t.num_layers, config.nu, m, s.width, t.width, config.lam)
+        sources[side] = assign_layers(config.assign, s.num_layers, t.num_layers, config.nu, m, s.side_width(side), t.side_width(side), config.lam)
         weights[side], biases[side], r2_fit[side] = [], [], []
         for layer, chosen in enumerate(sources[side]):
             groups = t.kv_heads if config.head_wise else 1
             ws, bs, sse, sst = [], [], 0.0, 0.0
             for g in range(groups):
-                inputs, outputs = _group_features(chosen, layer, g, s, t, config.head_wise)
+                inputs, outputs = _group_features(chosen, layer, g, s, t, config.head_wise, side)
                 sub = m.select(inputs, outputs)
                 w, b = ridge.solve(sub, config.lam, config.rel_tol)
                 e, total = ridge.residuals(sub, w, b)
@@ -109,12 +109,13 @@ def check_head_wise(config: LingoFitConfig, s: ModelSide, t: ModelSide) -> None:
         raise ValueError(f"head-wise maps need equal KV head counts ({s.name}: {s.kv_heads}, {t.name}: {t.kv_heads}); drop --head-wise")
 
 
-def _group_features(chosen: list[int], layer: int, group: int, s: ModelSide, t: ModelSide, head_wise: bool):
+def _group_features(chosen: list[int], layer: int, group: int, s: ModelSide, t: ModelSide, head_wise: bool, side: str):
     """Input and output feature indices of one map: all heads (head-mixing) or one head."""
+    sw, tw, sd, td = s.side_width(side), t.side_width(side), s.dim(side), t.dim(side)
     if not head_wise:
-        return torch.cat([feature_block(c, s.width) for c in chosen]), feature_block(layer, t.width)
-    inputs = torch.cat([c * s.width + group * s.head_dim + torch.arange(s.head_dim) for c in chosen])
-    return inputs, layer * t.width + group * t.head_dim + torch.arange(t.head_dim)
+        return torch.cat([feature_block(c, sw) for c in chosen]), feature_block(layer, tw)
+    inputs = torch.cat([c * sw + group * sd + torch.arange(sd) for c in chosen])
+    return inputs, layer * tw + group * td + torch.arange(td)
 
 
 def fit_lingo(source, target, config: LingoFitConfig, progress=None) -> Translator:

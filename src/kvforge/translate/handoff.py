@@ -70,8 +70,8 @@ def append_translated(translator: Translator, target, aligned: dict[str, dict[in
     positions = torch.arange(start, start + n, device=target.device).view(1, -1)
     rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
     for layer in range(t.num_layers):
-        k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
-        v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.head_dim).transpose(1, 2)
+        k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
+        v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
         k = target.adapter.finish_keys(layer, k.to(target.dtype), rope, translator.capture)
         cache[layer].append(k, v.to(target.dtype), positions, RowKind.TRANSLATED)
 

@@ -37,10 +37,19 @@ class ModelSide:
     num_layers: int
     kv_heads: int
     head_dim: int
+    value_dim: int = 0  # a value's width where it differs from a key's (an MLA latent); 0: head_dim
 
     @property
     def width(self) -> int:
+        """A key row's width (kv heads x head dim)."""
         return self.kv_heads * self.head_dim
+
+    def dim(self, side: str) -> int:
+        """Per-head width of one side: keys "k" or values "v"."""
+        return self.value_dim if side == "v" and self.value_dim else self.head_dim
+
+    def side_width(self, side: str) -> int:
+        return self.kv_heads * self.dim(side)
 
     @classmethod
     def of(cls, engine) -> "ModelSide":
@@ -50,7 +59,8 @@ class ModelSide:
                 f"KV-Lingo translates K/V caches, and {engine.model.name} is a hybrid whose linear-attention layers "
                 "hold a recurrent state, not K/V rows: not supported as a source or target"
             )
-        return cls(engine.model.name, engine.model.fingerprint, a.num_layers, a.kv_heads, a.head_dim)
+        heads, key_dim, value_dim = a.cache_dims(0)
+        return cls(engine.model.name, engine.model.fingerprint, a.num_layers, heads, key_dim, 0 if value_dim == key_dim else value_dim)
 
     def label(self) -> str:
         return f"{self.name} (fingerprint {self.fingerprint})"
@@ -80,7 +90,7 @@ class Translator:
         n = x.shape[0]
         if not self.head_wise:
             return x.reshape(n, 1, -1)
-        x = x.view(n, x.shape[1], self.source.kv_heads, self.source.head_dim).transpose(1, 2)  # (N, H, ν, D)
+        x = x.view(n, x.shape[1], self.source.kv_heads, self.source.dim(side)).transpose(1, 2)  # (N, H, ν, D)
         return x.reshape(n, self.source.kv_heads, -1)
 
     def apply(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:

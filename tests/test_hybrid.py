@@ -1,0 +1,106 @@
+"""Hybrid models (Gated DeltaNet + full attention): the recurrent state's rollback, persistence
+and memory accounting. Parity with transformers runs in test_engine_parity (FAMILIES)."""
+
+import pytest
+import torch
+
+from conftest import HYBRID_FAMILIES, tiny_loaded
+from kvforge.cache import KVCache, RecurrentLayerCache
+from kvforge.engine import Engine
+from kvforge.generation import GenerationConfig
+from kvforge.speculative.decode import speculative_generate
+
+K = 4
+
+
+class WrongAt:
+    """Drafts the plain continuation with its j-th token wrong, j cycling 0..K (K: all right), so
+    verification accepts every length 0..K in turn and rolls the state back by every amount."""
+
+    def __init__(self, prompt: list[int], plain: list[int], shift: int = 0):
+        self.prompt, self.plain, self.calls = prompt, plain, shift
+
+    def propose(self, context, k):
+        done = len(context) - len(self.prompt)
+        draft = list(self.plain[done : done + k])
+        wrong = self.calls % (K + 1)
+        self.calls += 1
+        if wrong < len(draft):
+            draft[wrong] = 3 + (draft[wrong] - 2) % 94  # any other token of the tiny vocabulary
+        return draft
+
+    def observe(self, tokens):
+        pass
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in (21, 9, 34)]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_accept_length_commits_the_plain_tokens(family, dtype):
+    """Greedy drafting on a hybrid is token-identical to plain decoding at every accept length:
+    a verification over k+1 rows runs the recurrence token by token, as decode steps do, and a
+    rejection restores the state after the last accepted token."""
+    engine = Engine(tiny_loaded(family, dtype=dtype))
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    for prompt in _prompts():
+        plain = engine.generate(prompt, config)[0].token_ids
+        out, stats = speculative_generate(engine, [prompt], [WrongAt(prompt, plain)], config, k=K)
+        assert out[0].token_ids == plain
+        assert all(count > 0 for count in stats.accept_hist[: K + 1]), stats.accept_hist
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_batch_rolls_each_sequence_back_by_its_own_amount(family):
+    engine = Engine(tiny_loaded(family))
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompts = _prompts()
+    plain = [engine.generate(p, config)[0].token_ids for p in prompts]
+    drafters = [WrongAt(p, t, shift=i) for i, (p, t) in enumerate(zip(prompts, plain))]  # out of step with each other
+    out, stats = speculative_generate(engine, prompts, drafters, config, k=K)
+    assert [o.token_ids for o in out] == plain
+    assert stats.accepted > 0
+
+
+def test_rollback_past_the_last_step_is_refused_and_within_it_restores_the_state():
+    engine = Engine(tiny_loaded("qwen3_next"))
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    _, cache = engine.prefill(ids[:, :30])
+    state = cache[0].state.clone()
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        engine.forward(ids[:, 30:35], torch.arange(30, 35).view(1, -1), cache, "none")  # a 5-token step
+        cache.trim(5)
+        assert torch.equal(cache[0].state, state) and cache.lengths() == [30] * 4
+        with pytest.raises(ValueError, match="rolls back only within its last step"):
+            cache.trim(1)  # the step is gone: the state before it is not kept
+        # a long step (prefill) keeps only the state before it: all of it or nothing rolls back
+        _, cache = engine.prefill(ids[:, :3])
+        engine.forward(ids[:, 3:40], torch.arange(3, 40).view(1, -1), cache, "none")
+        with pytest.raises(ValueError, match="whole"):
+            cache.trim(2)
+        cache.trim(37)
+        assert cache.lengths() == [3] * 4
+
+
+def test_a_hybrid_cache_saves_loads_and_decodes_on(tmp_path):
+    engine = Engine(tiny_loaded("qwen3_5"))
+    ids = torch.randint(3, 97, (1, 25), generator=torch.Generator().manual_seed(2))
+    logits, cache = engine.prefill(ids)
+    cache.save(tmp_path / "c.safetensors")
+    loaded, _ = KVCache.load(tmp_path / "c.safetensors")
+    assert isinstance(loaded[0], RecurrentLayerCache) and not isinstance(loaded[3], RecurrentLayerCache)
+    nxt = logits.argmax(-1)
+    assert torch.equal(engine.decode_step(nxt, loaded), engine.decode_step(nxt, cache))
+
+
+def test_a_recurrent_layer_costs_the_same_bytes_at_any_length():
+    engine = Engine(tiny_loaded("qwen3_next"))
+    short = engine.prefill(torch.randint(3, 97, (1, 10)))[1]
+    long = engine.prefill(torch.randint(3, 97, (1, 80)))[1]
+    spec = engine.adapter.state_spec(0)  # conv channels, K-1, (Hv, Dk, Dv)
+    state_bytes = spec[0] * spec[1] * 4 + spec[2][0] * spec[2][1] * spec[2][2] * 4  # fp32 model: both fp32
+    assert short[0].nbytes() == long[0].nbytes() == state_bytes
+    assert long[3].nbytes() == 8 * short[3].nbytes()  # the attention layer's K/V grow with the rows
