@@ -164,3 +164,26 @@ def test_bf16_greedy_generate_matches_transformers_generate(family):
     if first is not None:
         top2 = ref.scores[first][0].float().topk(2).values
         assert top2[0] - top2[1] < BF16_NEAR_TIE, f"diverged at step {first} where transformers' margin is {top2[0] - top2[1]:.3f}"
+
+
+def test_mla_with_a_low_rank_query_matches_transformers():
+    """deepseek_v3's other query path (q_lora_rank: down projection, norm, up projection), and its
+    cache: one rotated rope key (8) and one normed latent (12) per token, not per-head K/V."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import char_tokenizer, tiny_config
+    from kvforge.models.adapters import adapter_for
+    from kvforge.models.loading import LoadedModel
+
+    config = tiny_config("deepseek_v3")
+    config.q_lora_rank = 20
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = LoadedModel("tiny-mla-qlora", "test", hf, char_tokenizer(), adapter_for(hf), torch.device("cpu"), torch.float32)
+    ids = _ids(40)
+    with torch.inference_mode():
+        ref = hf(ids).logits
+    logits, cache = Engine(model).prefill(ids, logits="all")
+    assert (logits - ref).abs().max() < TOL
+    assert cache[0].keys().shape == (1, 1, 40, 8) and cache[0].values().shape == (1, 1, 40, 12)
+    assert cache.nbytes == 4 * 40 * (8 + 12) * 4  # 4 layers, fp32

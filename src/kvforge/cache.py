@@ -178,8 +178,10 @@ class RecurrentLayerCache(LayerCache):
 
     conv: torch.Tensor | None = None  # (B, C, K-1) model dtype
     state: torch.Tensor | None = None  # (B, Hv, Dk, Dv) float32
-    # the last step: conv inputs [state, step] (B, C, K-1+T) and the recurrent state before it and
-    # after each of its tokens (per-token steps) or after its last only
+    # The last step, for rollback: its token count; the conv inputs [before, step] (B, C, K-1+T)
+    # and the recurrent states before it and after each token when it ran token by token, else
+    # only the conv inputs and state before it (a long prefill step keeps no copy of its inputs).
+    step_tokens: int = 0
     step_window: torch.Tensor | None = None
     step_states: list | None = None
 
@@ -195,17 +197,20 @@ class RecurrentLayerCache(LayerCache):
         )
 
     @property
-    def step_tokens(self) -> int:
-        return 0 if self.step_window is None else self.step_window.shape[-1] - self.conv.shape[-1]
+    def per_token(self) -> bool:
+        return self.step_states is not None and len(self.step_states) == self.step_tokens + 1
 
     def advance(self, window: torch.Tensor, states: list[torch.Tensor], positions: torch.Tensor, kind) -> None:
         """Take one step's conv window (B, C, K-1+T) and recurrent states (the state before, then
         after each token or after the last) and log its rows."""
         width = self.conv.shape[-1]
-        self.step_window, self.step_states = window, states
-        self.conv = window[..., window.shape[-1] - width :]
-        self.state = states[-1]
         t = window.shape[-1] - width
+        self.step_tokens = t
+        per_token = len(states) == t + 1
+        self.step_window = window if per_token else window[..., :width].clone()
+        self.step_states = states if per_token else states[:1]
+        self.conv = window[..., t:].clone()  # not a view: it would keep the whole window alive
+        self.state = states[-1]
         empty = self.k.new_empty(self.k.shape[0], 0, t, 0)
         LayerCache.append(self, empty, empty, positions, kind)
 
@@ -215,9 +220,8 @@ class RecurrentLayerCache(LayerCache):
     def rollback(self, drop: list[int]) -> None:
         if max(drop) == 0:
             return
-        step, width = self.step_tokens, self.conv.shape[-1]
-        per_token = self.step_states is not None and len(self.step_states) == step + 1
-        self.conv, self.state = self.conv.clone(), self.state.clone()  # conv is a view of the step's window
+        step, width, per_token = self.step_tokens, self.conv.shape[-1], self.per_token
+        self.conv, self.state = self.conv.clone(), self.state.clone()
         for b, n in enumerate(drop):
             if n == 0:
                 continue
@@ -228,12 +232,12 @@ class RecurrentLayerCache(LayerCache):
                 )
             kept = step - n
             self.conv[b] = self.step_window[b, :, kept : kept + width]
-            self.state[b] = self.step_states[kept if per_token else 0][b]
+            self.state[b] = self.step_states[kept][b]
         if min(drop) == max(drop) and per_token:  # every sequence back to one point: the step is shorter
             kept = step - drop[0]
-            self.step_window, self.step_states = self.step_window[..., : width + kept], self.step_states[: kept + 1]
+            self.step_tokens, self.step_window, self.step_states = kept, self.step_window[..., : width + kept], self.step_states[: kept + 1]
         else:
-            self.step_window = self.step_states = None
+            self.step_tokens, self.step_window, self.step_states = 0, None, None
         LayerCache.rollback(self, drop)
 
     def select_rows(self, index: torch.Tensor) -> "LayerCache":

@@ -100,6 +100,8 @@ def _per_row_linear(adapter, layer: int) -> int:
     top-k experts a row runs through."""
     e, q_dim, kv_dim, ffn, _ = _dims(adapter)
     c = adapter.config
+    if adapter.family == "deepseek_v3":
+        raise ValueError("no MAC count for multi-head latent attention (deepseek_v3) yet")
     if adapter.gate_up[layer] is None:
         if not hasattr(c, "num_experts_per_tok"):
             raise ValueError(f"no MAC count for layer {layer}'s MLP ({type(adapter.layers[layer].mlp).__name__})")
