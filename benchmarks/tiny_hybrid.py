@@ -4,8 +4,8 @@ Face directory. No hybrid with real weights installs on these machines, so this 
 speed only: its outputs are noise and no quality figure means anything on it.
 
     python benchmarks/tiny_hybrid.py ~/.cache/kvforge/models/hybrid-qwen3_5-random
-    kvforge fit ridgefill --model ~/.cache/kvforge/models/hybrid-qwen3_5-random --split fast --calib-tokens 16384
-    kvforge bench ridgefill --model ~/.cache/kvforge/models/hybrid-qwen3_5-random --tokens 4096 --threads 1 --json
+    kvforge fit ridgefill --model ~/.cache/kvforge/models/hybrid-qwen3_5-random --split fast --calib-tokens 24576 --threads 1
+    kvforge bench ridgefill --model ~/.cache/kvforge/models/hybrid-qwen3_5-random --tokens 1024,4096 --threads 1 --json
 """
 
 from __future__ import annotations

@@ -81,6 +81,12 @@ def tiny_hf_model(family: str, seed: int = 0):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+        # transformers initialises a DeltaNet layer's decay rate A in (0, 16): a state then keeps
+        # ~1e-5 of itself per token and forgets everything but the last few rows, so a wrong state
+        # (a bad rollback, a missed row) would go unseen. A in (0.01, 0.1) keeps ~90-99 % per token.
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.copy_(torch.empty_like(layer.linear_attn.A_log).uniform_(0.01, 0.1).log())
     return model.eval()
 
 

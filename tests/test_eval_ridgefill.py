@@ -126,3 +126,31 @@ def test_the_cli_json_carries_the_new_figures(tiny_model_dir, tmp_path, monkeypa
     assert set(out["needle_by_arm"]) == {"ridgefill", "identity", "ridgefill_no_attended"} and out["all_tokens"] == 16
     table = run(*common)
     assert table.exit_code == 0 and "ridgefill_no_attended" in table.stdout and "wholly filled answered" in table.stdout
+
+
+def test_a_hybrid_reports_filled_kv_under_the_exact_recurrent_states():
+    """qwen3_5 tiny (layers 0-2 Gated DeltaNet, 3 full attention), split 1: layer 2's state is
+    updated from predicted inputs and layer 3's K/V are filled. The third splice arm takes RidgeFill's cache with every recurrent
+    state from the exact cache, so it is neither of the two caches it is made of."""
+    from conftest import tiny_loaded
+    from kvforge.cache import RecurrentLayerCache
+    from kvforge.evaluate.ridgefill import _prefill, _with_states_of
+    from kvforge.fill.ridgefill import ridgefill_plan
+
+    engine = Engine(tiny_loaded("qwen3_5"))
+    sequences = [torch.randint(3, 97, (48,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(20)]
+    maps = fit_ridgefill(engine, CalibrationConfig(splits=(1,), tokens=20 * 44, seq_len=48, lam=1e-6), engine.model.name, sequences=sequences)
+    config = replace(CONFIG, split=1, attended_rows=0)  # no attention layer below the split to read attended rows from
+    prompt = sequences[0][:40]
+    exact, ridge = _prefill(engine, prompt, None), _prefill(engine, prompt, ridgefill_plan(engine, prompt, config, maps))
+    spliced = _with_states_of(exact, ridge)
+    assert isinstance(spliced[2], RecurrentLayerCache) and not torch.equal(exact[2].state, ridge[2].state)
+    assert torch.equal(spliced[2].state, exact[2].state) and torch.equal(spliced[2].conv, exact[2].conv)
+    assert torch.equal(spliced[3].keys(), ridge[3].keys()) and not torch.equal(spliced[3].keys(), exact[3].keys())
+
+    report = eval_ridgefill(engine, maps, config, replace(SETTINGS, needles=0))
+    arms = report["arms"]
+    assert math.isfinite(arms["splice_exact_state"]["all_nll"])
+    assert arms["splice_exact_state"]["all_nll"] not in (arms["ridgefill"]["all_nll"], arms["exact"]["all_nll"])
+    out = summary(report, "tiny", config, SETTINGS.prompt_tokens)
+    assert out["splice"]["filled_kv_exact_recurrent_state"] == arms["splice_exact_state"]
