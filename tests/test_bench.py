@@ -150,8 +150,9 @@ def test_logit_diff_covers_every_position():
         _logit_diff(torch.zeros(1, 4, 7), theirs)
 
 
-def test_bench_exact_reports_parity_over_all_positions():
-    engine = Engine(tiny_loaded("llama"))
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "deepseek_v3"])  # K/V rows, recurrent states, latents
+def test_bench_exact_reports_parity_over_all_positions(family):
+    engine = Engine(tiny_loaded(family))
     report = bench_exact(engine, [T], runs=1, decode_tokens=2)
     (row,) = report["results"]
     assert row["max_abs_logit_diff"] < 1e-3 and row["max_abs_logit_diff_last"] <= row["max_abs_logit_diff"]

@@ -105,3 +105,16 @@ def test_corrupt_cache_file_is_a_clear_error(tmp_path):
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ArtifactError, match="cannot read"):
         KVCache.load(path)
+
+
+def test_latent_caches_join_a_batch():
+    """An MLA layer's values (the latent, 12 wide) are wider than its keys (the rope key, 8)."""
+    from conftest import tiny_loaded
+    from kvforge.engine import Engine
+
+    engine = Engine(tiny_loaded("deepseek_v3"))
+    (la, ca), (lb, cb) = engine.prefill([[5, 6, 7]]), engine.prefill([[8, 9]])
+    batch = KVCache.concat_batch([ca, cb])
+    assert batch[0].values().shape == (2, 1, 3, 12)
+    step = engine.decode_step(torch.tensor([4, 4]), batch)
+    assert (step[1] - engine.decode_step(torch.tensor([4]), cb)[0]).abs().max() < 1e-4

@@ -102,8 +102,15 @@ def test_a_recurrent_layer_costs_the_same_bytes_at_any_length():
     long = engine.prefill(torch.randint(3, 97, (1, 80)))[1]
     spec = engine.adapter.state_spec(0)  # conv channels, K-1, (Hv, Dk, Dv)
     state_bytes = spec[0] * spec[1] * 4 + spec[2][0] * spec[2][1] * spec[2][2] * 4  # fp32 model: both fp32
-    assert short[0].nbytes() == long[0].nbytes() == state_bytes
+    # a prefill keeps the state before it too (it rolls back whole): two states' worth
+    assert short[0].nbytes() == long[0].nbytes() == 2 * state_bytes
     assert long[3].nbytes() == 8 * short[3].nbytes()  # the attention layer's K/V grow with the rows
+    # a k-token verification keeps the state after each of its tokens until the next step
+    with torch.inference_mode():
+        engine.forward(torch.randint(3, 97, (1, 5)), torch.arange(80, 85).view(1, -1), long, "none")
+    recurrent = spec[2][0] * spec[2][1] * spec[2][2] * 4
+    window = spec[0] * (spec[1] + 5) * 4
+    assert long[0].nbytes() == state_bytes + window + 5 * recurrent  # now; the record: window, the state before and after tokens 1-4 (after 5 is now)
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -124,3 +131,31 @@ def test_continuous_batching_joins_and_drops_recurrent_states(family):
     nxt = step[1:].argmax(-1)
     _, cb2 = engine.prefill([b + [int(tokens[1])]])
     assert (engine.decode_step(nxt, kept)[0] - engine.decode_step(nxt, cb2)[0]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_left_padding_leaves_a_state_with_history_as_it_was(family):
+    """A batch continuing cached sequences left-pads the shorter continuation: its padding rows
+    must neither decay nor write the state it already holds, nor shift its conv history."""
+    engine = Engine(tiny_loaded(family))
+    a, b = _prompts()[:2]
+    more = [[20, 21, 22], [30]]
+    _, batch = engine.prefill([a, b])
+    together, _ = engine.prefill(more, cache=batch)
+    for i, (prompt, extra) in enumerate(zip((a, b), more)):
+        alone, _ = engine.prefill([prompt + extra])
+        assert (together[i] - alone[0]).abs().max() < 1e-4
+
+
+def test_a_refused_rollback_changes_nothing_and_long_drafts_are_refused_up_front():
+    engine = Engine(tiny_loaded("qwen3_5"))
+    _, cache = engine.prefill([_prompts()[0], _prompts()[1]])
+    with torch.inference_mode():
+        engine.forward(torch.randint(3, 97, (2, 3)), cache.next_positions().view(-1, 1) + torch.arange(3), cache, "none")
+        state, conv, lengths = cache[0].state.clone(), cache[0].conv.clone(), cache.lengths()
+        with pytest.raises(ValueError, match="rolls back only within its last step"):
+            cache.rollback([1, 4])  # sequence 1 asks past the 3-token step
+    assert torch.equal(cache[0].state, state) and torch.equal(cache[0].conv, conv) and cache.lengths() == lengths
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="k 32 is too long"):
+        speculative_generate(engine, [_prompts()[0]], [WrongAt(_prompts()[0], [5] * 40)], config, k=32)

@@ -221,15 +221,17 @@ class RecurrentLayerCache(LayerCache):
         if max(drop) == 0:
             return
         step, width, per_token = self.step_tokens, self.conv.shape[-1], self.per_token
+        for n in drop:  # all checked first: a refused rollback leaves the layer as it was
+            if n > step or (0 < n < step and not per_token):
+                lost = " (its rollback record was not kept: a batch was re-formed or the cache loaded since)" if step == 0 else ""
+                raise ValueError(
+                    f"a recurrent (Gated DeltaNet) layer rolls back only within its last step ({step} tokens"
+                    f"{'' if per_token else ', whole'}){lost}; {n} asked"
+                )
         self.conv, self.state = self.conv.clone(), self.state.clone()
         for b, n in enumerate(drop):
             if n == 0:
                 continue
-            if n > step or (n < step and not per_token):
-                raise ValueError(
-                    f"a recurrent (Gated DeltaNet) layer rolls back only within its last step ({step} tokens"
-                    f"{'' if per_token else ', whole'}); {n} asked"
-                )
             kept = step - n
             self.conv[b] = self.step_window[b, :, kept : kept + width]
             self.state[b] = self.step_states[kept][b]
@@ -260,8 +262,15 @@ class RecurrentLayerCache(LayerCache):
         )
 
     def nbytes(self) -> int:
-        """Bytes of the conv and recurrent states (fixed, whatever the length)."""
-        return self.conv.numel() * self.conv.element_size() + self.state.numel() * self.state.element_size()
+        """Bytes of the conv and recurrent states (fixed, whatever the length) and of the last
+        step's rollback record (after a k-token verification: k + 1 more states until the next step)."""
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        held = size(self.conv) + size(self.state)
+        if self.step_window is not None:
+            held += size(self.step_window)
+        if self.step_states:  # the first is the state before the step, a tensor of its own
+            held += sum(size(s) for s in self.step_states if s is not self.state)
+        return held
 
 
 class KVCache:
@@ -344,7 +353,7 @@ class KVCache:
             heads, dim = first.k.shape[1], first.k.shape[3]
             out = LayerCache(
                 k=first.k.new_zeros(batch, heads, length, dim),
-                v=first.v.new_zeros(batch, heads, length, dim),
+                v=first.v.new_zeros(batch, heads, length, first.v.shape[3]),  # an MLA latent is wider than its key
                 positions=torch.full((batch, length), -1, dtype=torch.long, device=first.k.device),
                 kinds=torch.full((batch, length), int(RowKind.PADDING), dtype=torch.uint8, device=first.k.device),
                 length=length,

@@ -18,8 +18,19 @@ from kvforge.engine import Engine
 
 
 def expected_kv_bytes(engine: Engine, tokens: int) -> int:
-    a = engine.adapter
-    return a.num_layers * 2 * a.kv_heads * a.head_dim * tokens * torch.finfo(engine.dtype).bits // 8
+    """What a prefill of `tokens` rows should hold, from the config alone: an attention layer's
+    K/V rows (an MLA layer: its rope key and latent), a recurrent layer's conv and fp32 state, twice
+    (the state before the prefill is kept for its rollback)."""
+    a, width = engine.adapter, torch.finfo(engine.dtype).bits // 8
+    total = 0
+    for layer in range(a.num_layers):
+        if a.is_recurrent(layer):
+            channels, history, (heads, key_dim, value_dim) = a.state_spec(layer)
+            total += 2 * (channels * history * width + heads * key_dim * value_dim * 4)
+        else:
+            heads, key_dim, value_dim = a.cache_dims(layer)
+            total += heads * (key_dim + value_dim) * tokens * width
+    return total
 
 
 def bench_exact(engine: Engine, lengths: list[int], runs: int = 3, decode_tokens: int = 64, progress=None) -> dict:

@@ -45,20 +45,40 @@ def project(module: torch.nn.Module, x: torch.Tensor, linear) -> tuple[torch.Ten
     return mixed.transpose(1, 2), z, b, a
 
 
-def convolve(module: torch.nn.Module, conv_state: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-    """The causal depthwise conv over [state, new inputs] (B, C, K-1+T) -> activated (B, C, T).
-    A fresh state is zeros, which is the zero padding transformers' prefill uses."""
+def conv_window(conv_state: torch.Tensor, mixed: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """[state, new inputs] (B, C, K-1+T), what the conv reads. A sequence's leading padding rows
+    (left padding in a batch) go in front of its state, so its real rows see their own history
+    and not the padding's zero columns; their own outputs are never read. A fresh state is zeros,
+    which is the zero padding transformers' prefill uses."""
     window = torch.cat([conv_state, mixed.to(conv_state.dtype)], dim=-1)
+    if padding is None:
+        return window
+    width = conv_state.shape[-1]
+    for b, lead in enumerate(_leading(padding).tolist()):
+        if lead:
+            window[b] = torch.cat([window[b, :, width : width + lead], conv_state[b], window[b, :, width + lead :]], dim=-1)
+    return window
+
+
+def _leading(padding: torch.Tensor) -> torch.Tensor:
+    """(B,) how many of each sequence's first rows are padding."""
+    return padding.int().cumprod(dim=1).sum(dim=1)
+
+
+def convolve(module: torch.nn.Module, window: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The causal depthwise conv over a `conv_window` (B, C, K-1+T) -> activated (B, C, T)."""
     weight = module.conv1d.weight  # (C, 1, K)
     out = F.conv1d(window.to(weight.dtype), weight, module.conv1d.bias, groups=weight.shape[0])
-    return F.silu(out).to(mixed.dtype) if module.activation == "silu" else _activation(module.activation)(out).to(mixed.dtype)
+    return F.silu(out).to(dtype) if module.activation == "silu" else _activation(module.activation)(out).to(dtype)
 
 
 def recur(
-    module: torch.nn.Module, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: torch.Tensor, per_token: bool
+    module: torch.nn.Module, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: torch.Tensor, per_token: bool,
+    padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Conv output (B, C, T), b, a (B, T, Hv), the state before (B, Hv, Dk, Dv) fp32 -> core output
-    (B, T, Hv, Dv) and the states after: one per token when `per_token`, else only the last."""
+    (B, T, Hv, Dv) and the states after: one per token when `per_token`, else only the last.
+    A padding row (bool (B, T)) neither decays nor writes the state (decay 1, write strength 0)."""
     rules = importlib.import_module(type(module).__module__)
     bsz, _, t = conv_out.shape
     q, k, v = conv_out.transpose(1, 2).split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
@@ -67,6 +87,8 @@ def recur(
     v = v.reshape(bsz, t, -1, module.head_v_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # fp32 decay: fp16 A could be -inf
+    if padding is not None:
+        beta, g = beta.masked_fill(padding.unsqueeze(-1), 0), g.masked_fill(padding.unsqueeze(-1), 0)
     groups = module.num_v_heads // module.num_k_heads
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)

@@ -64,15 +64,15 @@ class Qwen3NextAdapter(Qwen3Adapter):
         """Rows h (B, T, E) in position order through the layer's input norm, projections, conv and
         recurrence from `conv` (B, C, K-1) and `state` (B, Hv, Dk, Dv). Returns (core, z) for
         `mix_output`, the conv window (B, C, K-1+T) and the states after the rows (after each one
-        when `per_token`). Padding rows (bool (B, T)) enter as zeros, which leave a fresh state
-        at zero: transformers masks them the same way."""
+        when `per_token`). Padding rows (bool (B, T)) enter as zeros (transformers masks them so)
+        and leave the state as it was, also a state with history (`deltanet.recur`, `conv_window`)."""
         m = self.layers[layer].linear_attn
         x = rms_norm(self.layers[layer].input_layernorm, h)
         if padding is not None:
             x = x.masked_fill(padding.unsqueeze(-1), 0)
         mixed, z, b, a = deltanet.project(m, x, linear)
-        window = torch.cat([conv, mixed.to(conv.dtype)], dim=-1)
-        core, states = deltanet.recur(m, deltanet.convolve(m, conv, mixed), b, a, state, per_token)
+        window = deltanet.conv_window(conv, mixed, padding)
+        core, states = deltanet.recur(m, deltanet.convolve(m, window, mixed.dtype), b, a, state, per_token, padding)
         return (core, z), window, states
 
     def mix_output(self, layer: int, h: torch.Tensor, mixed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

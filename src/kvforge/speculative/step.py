@@ -271,6 +271,9 @@ def speculative_step(
     request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: draft
     every step) may skip a request's draft. With a `prefetcher`, requests with an `ngram` cache
     get their next drafts built during the forward."""
+    limit = engine.rollback_rows
+    if limit is not None and k + 1 > limit:
+        raise ValueError(f"k {k} is too long for this model: its recurrent layers roll back steps of at most {limit} rows (k <= {limit - 1})")
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
     step_start, lookup_s = time.perf_counter(), 0.0
