@@ -10,8 +10,6 @@ padding: a padding slot has position -1 and is invisible to attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvforge.attention import attend, readable_rows
@@ -20,17 +18,6 @@ from kvforge.errors import PromptError
 from kvforge.models.deltanet import PER_TOKEN_STEPS
 from kvforge.models.loading import LoadedModel
 from kvforge.plan import PrefillPlan
-
-
-@dataclass
-class Part:
-    """One batch of sequences in a forward that runs several (`Engine.forward_parts`): its rows
-    ids, positions (B, T) over its own cache, and which logits it wants ('last', 'all', 'none')."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    cache: KVCache
-    logits: str = "last"
 
 
 class Engine:
@@ -128,57 +115,6 @@ class Engine:
         if logits == "last":
             return self.adapter.head(h[:, -1:]).squeeze(1).float()
         return self.adapter.head(h).float()
-
-    @torch.inference_mode()
-    def forward_parts(self, parts: list[Part]) -> list[torch.Tensor | None]:
-        """Several batches, each over its own cache, in one pass of the layers: every row-wise op
-        (norms, projections, MLP, head) runs once over all parts' rows, attention and recurrent
-        state updates per part. What continuous batching needs: a prompt's prefill chunk rides on
-        the running batch's decode step, whose rows then cost a share of one matmul instead of a
-        pass of their own over the weights. Each part's logits are what `forward` gives it alone:
-        the same arithmetic, as long as a row's matmul result does not depend on how many rows
-        share the matmul (measured for this CPU's fp32 and bf16 kernels at 2..528 rows; a lone
-        fp32 row takes another kernel) and no mixture-of-experts layer routes them (its experts'
-        matmuls change width)."""
-        if len(parts) == 1:
-            p = parts[0]
-            return [self.forward(p.ids, p.positions, p.cache, p.logits)]
-        a = self.adapter
-        shapes = [p.ids.shape for p in parts]
-        sizes = [b * t for b, t in shapes]
-        h = torch.cat([a.embed(p.ids).flatten(0, 1) for p in parts]).unsqueeze(0)  # (1, N, E)
-        ropes = [a.rope(h[:, :1].expand(b, t, -1), p.positions) for p, (b, t) in zip(parts, shapes)]
-        rope = {key: tuple(torch.cat([r[key][i].flatten(0, 1) for r in ropes]).unsqueeze(0) for i in (0, 1)) for key in ropes[0]}
-        kinds = [_row_kinds(p.positions) for p in parts]
-        for layer in range(self.num_layers):
-            if a.is_recurrent(layer):
-                rows = []
-                for p, x, (b, t), kind in zip(parts, h[0].split(sizes), shapes, kinds):
-                    x = x.view(b, t, -1)
-                    padding = p.positions < 0
-                    mixed = self._recur(layer, x, p.positions, p.cache[layer], kind, padding if bool(padding.any()) else None)
-                    rows.append(a.mix_output(layer, x, mixed).flatten(0, 1))
-                h = a.mlp_block(layer, torch.cat(rows).unsqueeze(0))
-                continue
-            q, k, v, gate = a.attention_inputs(layer, h, rope)  # (1, heads, N, D)
-            outputs = []
-            for p, q_p, k_p, v_p, (b, t), kind in zip(parts, *(x.split(sizes, dim=2) for x in (q, k, v)), shapes, kinds):
-                per_sequence = lambda x: x[0].unflatten(1, (b, t)).transpose(0, 1)  # noqa: E731  (b, heads, t, D)
-                p.cache[layer].append(per_sequence(k_p), per_sequence(v_p), p.positions, kind)
-                o = attend(per_sequence(q_p), a.attention_view(layer, p.cache[layer]), p.positions, a.scaling[layer], a.windows[layer], new_rows=t)
-                outputs.append(o.transpose(0, 1).flatten(1, 2))  # (heads, b t, D)
-            h = a.mlp_block(layer, a.attention_output(layer, h, torch.cat(outputs, dim=1).unsqueeze(0), gate))
-        wanted, rows = [], []
-        for p, x, (b, t) in zip(parts, h[0].split(sizes), shapes):
-            x = x.view(b, t, -1)
-            wanted.append(p.logits)
-            if p.logits != "none":
-                rows.append((x[:, -1:] if p.logits == "last" else x).flatten(0, 1))
-        logits = iter(a.head(torch.cat(rows).unsqueeze(0))[0].float().split([r.shape[0] for r in rows])) if rows else iter(())
-        out = []
-        for want, (b, t) in zip(wanted, shapes):
-            out.append(None if want == "none" else next(logits).view(b, -1) if want == "last" else next(logits).view(b, t, -1))
-        return out
 
     # --- prefill and decode ------------------------------------------------------------------
     def prefill(
