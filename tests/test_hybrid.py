@@ -69,11 +69,15 @@ def test_rollback_past_the_last_step_is_refused_and_within_it_restores_the_state
     engine = Engine(tiny_loaded("qwen3_next"))
     ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     _, cache = engine.prefill(ids[:, :30])
-    state = cache[0].state.clone()
+    recurrent = [i for i, layer in enumerate(cache.layers) if isinstance(layer, RecurrentLayerCache)]
+    before = {i: (cache[i].state.clone(), cache[i].conv.clone()) for i in recurrent}
     with torch.inference_mode():  # the cache's tensors are inference tensors
         engine.forward(ids[:, 30:35], torch.arange(30, 35).view(1, -1), cache, "none")  # a 5-token step
+        assert not torch.equal(cache[0].state, before[0][0])
         cache.trim(5)
-        assert torch.equal(cache[0].state, state) and cache.lengths() == [30] * 4
+        for i in recurrent:  # every recurrent layer's state and conv history as they were
+            assert torch.equal(cache[i].state, before[i][0]) and torch.equal(cache[i].conv, before[i][1])
+        assert cache.lengths() == [30] * 4
         with pytest.raises(ValueError, match="rolls back only within its last step"):
             cache.trim(1)  # the step is gone: the state before it is not kept
         # a long step (prefill) keeps only the state before it: all of it or nothing rolls back
