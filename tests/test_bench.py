@@ -163,13 +163,13 @@ def test_bench_exact_reports_parity_over_all_positions(family):
 def test_bench_speed_ceilings_and_per_round_speedups():
     engine = Engine(tiny_loaded("llama"))
     L = engine.num_layers
-    report = bench_speed(engine, [SpeedConfig(cut=2), SpeedConfig(cut=L)], [T], runs=2, decode_tokens=3)
+    report = bench_speed(engine, [SpeedConfig(cut=2, tail=1), SpeedConfig(cut=L, tail=1)], [T], runs=2, decode_tokens=3)
     row, full = report["results"]
     assert (row["prefill"], row["reason"], row["shallow_rows"]) == ("speed", None, T - 2)
     assert full["prefill"] == "exact" and "is the model's depth" in full["reason"] and full["shallow_rows"] == 0
     assert len(row["ttft_speedup_runs"]) == len(row["tpot_speedup_runs"]) == 2
     exact_rows = [T] * L
-    speed_rows = engine.prefill([list(range(3, 3 + T))], plan=speed_plan(T, SpeedConfig(cut=2), L))[1].lengths()
+    speed_rows = engine.prefill([list(range(3, 3 + T))], plan=speed_plan(T, SpeedConfig(cut=2, tail=1), L))[1].lengths()
     assert speed_rows == [T, T, 2, 2]
     expected = decode_span_macs(engine.adapter, exact_rows, 3) / decode_span_macs(engine.adapter, speed_rows, 3)
     assert row["tpot_ceiling"] == pytest.approx(expected)

@@ -155,8 +155,10 @@ def tiny_adapter(tiny_model_dir, tmp_path_factory):
 def test_generate_with_speed_applies_the_adapters_whole_policy(tiny_model_dir, tiny_adapter):
     prompt = "the quick brown fox jumps over the lazy dog"  # 43 tokens
     args = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 5, "--method", "speed", "--json")
-    plain = _last_json(_run(*args, "--cut", "0.5"))
-    assert plain["setting"] == {"cut": 2, "first": 1, "rows": [], "tail": 1} and plain["shallow_rows"] == 43 - 2
+    plain = _last_json(_run(*args, "--cut", "0.5", "--tail", 8))
+    assert plain["setting"] == {"cut": 2, "first": 1, "rows": [], "tail": 8} and plain["shallow_rows"] == 43 - 9
+    default = _last_json(_run(*args, "--cut", "0.5"))  # the default tail (64) covers this short prompt: it runs exact, and says why
+    assert default["setting"]["tail"] == 64 and default["prefill"] == "exact" and "tail of 64" in default["reason"]
     adapted = _last_json(_run(*args, "--adapter", tiny_adapter))  # cut, anchors and tail: the adapter's
     assert plain["method"] == adapted["method"] == adapted["prefill"] == "speed"
     assert adapted["setting"] == {"cut": 2, "first": 2, "rows": [], "tail": 3} and adapted["shallow_rows"] == 43 - 5
@@ -190,7 +192,7 @@ def test_speed_bad_input_is_one_line(tiny_model_dir, tiny_adapter, tmp_path):
 
 
 def test_bench_and_eval_speed_json(tiny_model_dir, tiny_adapter, tmp_path):
-    bench = _run("bench", "speed", "--model", tiny_model_dir, "--tokens", 40, "--cuts", "2,0.75", "--runs", 1, "--decode-tokens", 3, "--plot", tmp_path / "s.png", "--json")
+    bench = _run("bench", "speed", "--model", tiny_model_dir, "--tokens", 40, "--cuts", "2,0.75", "--tail", 1, "--runs", 1, "--decode-tokens", 3, "--plot", tmp_path / "s.png", "--json")
     assert bench.exit_code == 0, bench.output
     rows = _last_json(bench)["results"]
     assert [(r["tokens"], r["cut"]) for r in rows] == [(40, 2), (40, 3)]

@@ -21,9 +21,9 @@ def test_speed_cache_on_a_real_prompt_holds_the_prompt_only_below_the_cut(real_m
     assert cut == 22  # floor(0.75 * 30)
     prompt = held_out_text_tokens(engine.model.tokenizer, 600)
     logits, cache = engine.prefill([prompt], plan=speed_plan(len(prompt), SpeedConfig(cut), engine.num_layers))
-    assert cache.lengths() == [600] * cut + [2] * (engine.num_layers - cut)  # BoS anchor + last row
+    assert cache.lengths() == [600] * cut + [1 + 64] * (engine.num_layers - cut)  # BoS anchor + the default tail
     exact_logits, exact_cache = engine.prefill([prompt])
-    full_rows = 2 / 600
+    full_rows = 65 / 600
     expected = 1 - (cut + (engine.num_layers - cut) * full_rows) / engine.num_layers
     assert abs((1 - cache.nbytes / exact_cache.nbytes) - expected) < 1e-9
     # the first token's distribution moves but stays a distribution over the same vocabulary

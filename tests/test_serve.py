@@ -243,7 +243,7 @@ def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):
     ran exact instead: with the default tail of 256 a short prompt fills nothing, and says so."""
     from kvforge.bench.serve import bench_serve
 
-    report = bench_serve(str(dirs[0]), artifacts["maps"], ["ridgefill", "speed"], [1], 1, 2, 60, tail=8, attended_rows=0)
+    report = bench_serve(str(dirs[0]), artifacts["maps"], ["ridgefill", "speed"], [1], 1, 2, 60, tail=8, attended_rows=0, speed_tail=1)
     rows = {r["method"]: r for r in report["results"]}
     assert rows["ridgefill"]["ran_exact"] == 0 and 0.5 < rows["ridgefill"]["filled_share"] < 1 and rows["ridgefill"]["shallow_share"] == 0
     assert rows["speed"]["ran_exact"] == 0 and rows["speed"]["shallow_share"] > 0.5 and rows["speed"]["filled_share"] == 0

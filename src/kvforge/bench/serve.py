@@ -133,9 +133,10 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
 
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
-                attended_rows: int | None = None, dtype: str = "auto") -> dict:
+                attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None) -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
-    prompt fills nothing; attended rows with their spans may cover a short prompt's other rows)."""
+    prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
+    `speed_tail`: SPEED's full-depth tail (default 64)."""
     from kvforge.artifacts import artifact_path
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
@@ -145,7 +146,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     if "ridgefill" in methods and maps is None:
         maps = artifact_path("maps", model)
     served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device, dtype=dtype,
-                                      preset=preset, tail=tail, attended_rows=attended_rows))
+                                      preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail))
     tokenizer = served[model].engine.model.tokenizer
     texts = plain_texts("held_out", max(levels) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
     prompts = [tokenizer.decode(tokenizer(t).input_ids[:prompt_tokens]) for t in texts]

@@ -25,7 +25,7 @@ from kvforge.bench.harness import environment, interleaved_samples, synchronize
 from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
-from kvforge.fill.speed import SpeedConfig, speed_plan
+from kvforge.fill.speed import DEFAULT_TAIL, SpeedConfig, speed_plan
 from kvforge.plan import PrefillPlan, PrefillReport
 
 
@@ -85,7 +85,7 @@ def bench_speed(
         "tokens": lengths,
         "cuts": [c.cut for c in configs],
         "anchors_first": configs[0].first if configs else 1,
-        "tail": configs[0].tail if configs else 1,
+        "tail": configs[0].tail if configs else DEFAULT_TAIL,
         "decode_tokens": decode_tokens,
         "runs": runs,
         **environment(engine),

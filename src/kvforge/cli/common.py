@@ -40,7 +40,7 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last 
 MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: the cached ones).")
 PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
 SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
-TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 1).")
+TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 64).")
 AttendedOpt = typer.Option(None, "--attended-rows", help="RidgeFill: rows the tail attends to most kept exact, each with the 16 after it (overrides the preset; 0: none).")
 CutOpt = typer.Option(None, "--cut", help="SPEED cut: layers (e.g. 22) or a fraction of the depth (default 0.75, or the adapter's).")
 AnchorsOpt = typer.Option(None, "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated (default bos, or the adapter's).")

@@ -29,7 +29,7 @@ def fit_speed_cmd(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
     loss: str = typer.Option("ce", "--loss", help="ce: the replies' cross entropy; kl: distil from the base model at full depth."),
     anchors: Optional[str] = AnchorsOpt,
-    tail: int = typer.Option(1, "--tail", help="Full-depth tail tokens of the prompt."),
+    tail: Optional[int] = typer.Option(None, "--tail", help="Full-depth tail tokens of the prompt (default 64)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
