@@ -227,6 +227,42 @@ def test_fit_speed_on_real_chat_text_produces_an_adapter(monkeypatch):
     assert lora.tensors["layers.0.qkv.B"].abs().sum() > 0  # the adapter moved away from the base model
 
 
+def test_an_interrupted_fit_resumes_from_its_checkpoint_to_the_same_adapter(tmp_path):
+    """Stopped after 2 of 4 steps (checkpoint every 2), a rerun with the same settings resumes and
+    ends with the same losses and factors, to the bit, as one straight run; other settings or
+    another kind of checkpoint are refused in one line."""
+    speed, config = SpeedConfig(cut=2, tail=3), SpeedFitConfig(steps=4, max_tokens=200, lr=1e-3)
+    straight = fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_two(step, _loss):
+        if step == 1:
+            raise Interrupt
+
+    checkpoint = tmp_path / "speed.ckpt"
+    with pytest.raises(Interrupt):
+        fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama", stop_after_two, checkpoint, checkpoint_every=2)
+    saved = torch.load(checkpoint, weights_only=True)  # plain tensors, numbers and lists only
+    assert saved["state"]["step"] == 2 and saved["format"] == "kvforge.speed-fit-checkpoint"
+    steps = []
+    resumed = fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama", lambda s, loss: steps.append(s), checkpoint, checkpoint_every=2)
+    assert steps == [2, 3]  # only the steps left ran
+    assert resumed.info["loss_first"] == straight.info["loss_first"] and resumed.info["loss_last"] == straight.info["loss_last"]
+    assert resumed.info["training"]["tokens"] == straight.info["training"]["tokens"]
+    assert resumed.tensors.keys() == straight.tensors.keys()
+    for name in straight.tensors:
+        torch.testing.assert_close(resumed.tensors[name], straight.tensors[name], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="other settings"):
+        fit_speed(Engine(tiny_loaded("llama")), SpeedConfig(cut=2, tail=4), config, "tiny-llama", checkpoint=checkpoint)
+    other = tmp_path / "other.ckpt"
+    torch.save({"format": "kvforge.distill-checkpoint", "version": 2}, other)
+    with pytest.raises(ArtifactError, match="not a version-1 kvforge SPEED fit checkpoint") as error:
+        fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama", checkpoint=other)
+    assert "\n" not in str(error.value)
+
+
 def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
     """loss="kl": the first step's loss is KL(base at full depth || base under SPEED) on the reply
     (the adapter starts as the base model), computed here by hand; the trained adapter lowers that

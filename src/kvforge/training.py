@@ -6,17 +6,28 @@ One optimizer step calls the caller's loss `accumulate` times (one conversation 
 each loss by 1 / accumulate before its backward, so the step's gradient is the mean over its
 conversations, clips the gradient norm, steps AdamW and then the schedule. The schedule's factor
 at step s (0-based) is (s + 1) / warmup during the warmup and then follows half a cosine from 1 to
-0 at step `steps`; warmup = max(1, round(warmup_fraction · steps)). `state_dict` holds only
-tensors, numbers and lists, so a checkpoint of it loads with `torch.load(weights_only=True)`.
+0 at step `steps`; warmup = max(1, round(warmup_fraction · steps)).
+
+A checkpoint (`save_checkpoint` / `load_checkpoint`: the trained tensors, the trainer's state, the
+run's settings and its progress) is written atomically and holds tensors, numbers, lists and
+strings only, so it is read with `torch.load(weights_only=True)`: a checkpoint from elsewhere
+cannot run code, and one that tries is refused. SPEED fitting and KV-Lingo stage 2 both use it.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import pickle
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
 
 import torch
+
+from kvforge.errors import ArtifactError
+
+Progress = TypeVar("Progress")
 
 
 @dataclass(frozen=True)
@@ -80,3 +91,56 @@ class Trainer:
         """Restore what `state_dict` returned, so training resumes bit for bit."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """What a checkpoint file says it is: `format` and `version` are written into it and checked
+    on load; `label` names it in errors ("a version-2 kvforge distillation checkpoint")."""
+
+    format: str
+    version: int
+    label: str
+
+
+def save_checkpoint(path: Path, kind: CheckpointKind, settings: dict, params: list[torch.Tensor], trainer: Trainer, progress: dict) -> None:
+    """Write params, trainer state, settings and progress to `path` atomically (temp file, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({
+        "format": kind.format, "version": kind.version, "config": settings,
+        "params": [p.detach().clone() for p in params], "trainer": trainer.state_dict(), "state": progress,
+    }, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, kind: CheckpointKind, settings: dict, params: list[torch.Tensor], trainer: Trainer,
+                    parse: Callable[[dict], Progress]) -> Progress:
+    """Restore `params` and `trainer` in place from `path` and return `parse(saved progress)`.
+    Anything but a plain checkpoint of this kind, these settings and these shapes is refused with
+    a one-line error and changes nothing."""
+    refuse = f"checkpoint {path} is not a version-{kind.version} kvforge {kind.label} checkpoint"
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if "GLOBAL" in str(exc):  # torch's weights-only unpickler met a class or function
+            raise ArtifactError(f"{refuse}: it holds Python objects beyond tensors and numbers, which could run code; refused") from None
+        raise ArtifactError(f"{refuse}: it is not readable as one; delete it to start over") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{refuse}: it is not readable as one ({type(exc).__name__}); delete it to start over") from None
+    if not isinstance(saved, dict) or saved.get("format") != kind.format or saved.get("version") != kind.version:
+        raise ArtifactError(f"{refuse}; delete it to start over")
+    if saved.get("config") != settings:
+        raise ValueError(f"checkpoint {path} was written with other settings; delete it or pass the same ones")
+    try:
+        values = saved["params"]
+        if len(values) != len(params) or any(v.shape != p.shape for v, p in zip(values, params)):
+            raise ArtifactError(f"checkpoint {path} holds tensors of other shapes than this run's; delete it to start over")
+        progress = parse(saved["state"])
+        with torch.no_grad():
+            for p, value in zip(params, values):
+                p.copy_(value)
+        trainer.load_state_dict(saved["trainer"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ArtifactError(f"{refuse}: {type(exc).__name__} {exc}; delete it to start over") from None
+    return progress

@@ -31,6 +31,7 @@ def fit_speed_cmd(
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = typer.Option(None, "--tail", help="Full-depth tail tokens of the prompt (default 64)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint file, written every 25 steps; a run with the same settings resumes from it."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -54,9 +55,9 @@ def fit_speed_cmd(
 
         def progress(step: int, loss: float) -> None:
             bar.set_postfix(loss=f"{loss:.3f}")
-            bar.update(1)
+            bar.update(step + 1 - bar.n)  # a resumed run starts past 0
 
-        lora = fit_speed(engine, speed, config, model, progress)
+        lora = fit_speed(engine, speed, config, model, progress, checkpoint)
     lora.save(path)
     summary = {"command": "fit speed", "model": model, "method": "speed", "dtype": dtype_of(engine), "tokens": lora.info["training"]["tokens"],
                "out": str(path), **lora.info}

@@ -10,7 +10,10 @@ then carries the full-depth model's whole distribution, and the adapter is pulle
 reference SPEED is judged against instead of toward the data. Only the LoRA factors train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
-gradient accumulation for the effective batch.
+gradient accumulation for the effective batch. With a `checkpoint` path the run writes the LoRA
+factors, the trainer and its progress there every `checkpoint_every` steps (the shared
+`training.save_checkpoint`) and a run started with the same settings resumes from it exactly:
+samples are visited in a fixed order by step number.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -28,7 +32,7 @@ from kvforge.fill.lora import LoraAdapter
 from kvforge.fill.speed import SpeedConfig, speed_plan
 from kvforge.plan import PrefillPlan
 from kvforge.scoring import planned_logits, planned_nll
-from kvforge.training import OptimConfig, Trainer
+from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoint, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class SpeedFitConfig:
 
 
 LOSSES = ("ce", "kl")
+CHECKPOINT = CheckpointKind("kvforge.speed-fit-checkpoint", 1, "SPEED fit")
 
 
 def reply_nll(engine: Engine, sample: ReplySample, plan: PrefillPlan) -> torch.Tensor:
@@ -80,8 +85,11 @@ def fit_speed(
     config: SpeedFitConfig,
     model_name: str,
     progress: Callable[[int, float], None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every: int = 25,
 ) -> LoraAdapter:
-    """Train a LoRA adapter for `speed` on the fit split of the packaged chat data."""
+    """Train a LoRA adapter for `speed` on the fit split of the packaged chat data; resumes from
+    `checkpoint` when that file exists (`progress` is called for the steps still to run)."""
     speed.check(engine.num_layers)
     torch.manual_seed(config.seed)
     for p in engine.model.hf.parameters():
@@ -91,13 +99,15 @@ def fit_speed(
     for p in params:
         p.requires_grad_(True)
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
-    samples = itertools.cycle(_fit_samples(engine, config))
-    losses, tokens, start = [], 0, time.perf_counter()
+    samples = _fit_samples(engine, config)
+    run = {"step": 0, "losses": [], "tokens": 0, "seconds": 0.0}
+    settings = {**asdict(config), **asdict(speed), "rows": list(speed.rows), "model": engine.model.fingerprint}
+    if checkpoint is not None and checkpoint.is_file():
+        run = load_checkpoint(checkpoint, CHECKPOINT, settings, params, trainer, _parse_run)
 
-    def loss(_j: int) -> torch.Tensor:
-        nonlocal tokens
-        sample = next(samples)
-        tokens += len(sample.ids)
+    def loss(j: int) -> torch.Tensor:
+        sample = samples[(run["step"] * config.accumulate + j) % len(samples)]
+        run["tokens"] += len(sample.ids)
         if config.loss == "kl":
             with torch.no_grad():  # the teacher: base weights, every row at full depth
                 teacher = reply_log_probs(engine, sample, None)
@@ -106,13 +116,19 @@ def fit_speed(
                 return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
             return torch.nn.functional.kl_div(reply_log_probs(engine, sample, speed), teacher, log_target=True, reduction="batchmean")
 
-    for step in range(config.steps):
+    while run["step"] < config.steps:
+        start = time.perf_counter()
         total = trainer.step(loss)
-        losses.append(total)
+        run["losses"].append(total)
+        run["step"] += 1
+        run["seconds"] += time.perf_counter() - start
+        if checkpoint is not None and (run["step"] % checkpoint_every == 0 or run["step"] == config.steps):
+            save_checkpoint(checkpoint, CHECKPOINT, settings, params, trainer, run)
         if progress:
-            progress(step, total)
+            progress(run["step"] - 1, total)
     for p in params:
         p.requires_grad_(False)
+    losses = run["losses"]
     window = max(1, min(20, len(losses) // 4))
     lora.info = {
         "method": "speed",
@@ -121,12 +137,17 @@ def fit_speed(
         "anchors_first": speed.first,
         "anchor_rows": list(speed.rows),
         "tail": speed.tail,
-        "training": {**asdict(config), "data": "sharegpt fit split, one reply per conversation", "tokens": tokens},
+        "training": {**asdict(config), "data": "sharegpt fit split, one reply per conversation", "tokens": run["tokens"]},
         "loss_first": sum(losses[:window]) / window,
         "loss_last": sum(losses[-window:]) / window,
-        "seconds": time.perf_counter() - start,
+        "seconds": run["seconds"],
     }
     return lora
+
+
+def _parse_run(saved: dict) -> dict:
+    return {"step": int(saved["step"]), "losses": [float(x) for x in saved["losses"]], "tokens": int(saved["tokens"]),
+            "seconds": float(saved["seconds"])}
 
 
 def _fit_samples(engine: Engine, config: SpeedFitConfig) -> list[ReplySample]:

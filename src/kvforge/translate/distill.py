@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvforge.errors import ArtifactError
 from kvforge.scoring import continuation_logits
-from kvforge.training import OptimConfig, Trainer
+from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoint, save_checkpoint
 from kvforge.translate.handoff import aligned_features, append_translated
 from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
 
-CHECKPOINT_FORMAT = "kvforge.distill-checkpoint"
-CHECKPOINT_VERSION = 2
+CHECKPOINT = CheckpointKind("kvforge.distill-checkpoint", 2, "distillation")
 
 
 @dataclass(frozen=True)
@@ -117,6 +113,10 @@ class DistillState:
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, mean KL)
 
 
+def _parse_state(saved: dict) -> DistillState:
+    return DistillState(int(saved["step"]), [float(x) for x in saved["losses"]], [(int(a), float(b)) for a, b in saved["validation"]])
+
+
 def validation_kl(translator: Translator, target, samples: list[DistillSample]) -> float:
     with torch.no_grad():
         return float(sum(float(student_kl(translator, target, s)) for s in samples) / len(samples))
@@ -132,7 +132,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     state = DistillState()
     if checkpoint is not None and checkpoint.is_file():
-        state = _load_checkpoint(checkpoint, params, trainer, config)
+        state = load_checkpoint(checkpoint, CHECKPOINT, asdict(config), params, trainer, _parse_state)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
@@ -145,7 +145,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
-            _save_checkpoint(checkpoint, params, trainer, state, config)
+            save_checkpoint(checkpoint, CHECKPOINT, asdict(config), params, trainer,
+                            {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation]})
         if progress:
             progress(state, time.perf_counter() - start)
     for side in SIDES:
@@ -183,47 +184,6 @@ def sweep_learning_rates(translator: Translator, target, train: list[DistillSamp
 def half_decade_rates(center: float, count: int = 5) -> list[float]:
     """`count` rates spaced half a decade apart, centred on `center`."""
     return [center * 10 ** (0.5 * (i - (count - 1) / 2)) for i in range(count)]
-
-
-def _save_checkpoint(path: Path, params, trainer: Trainer, state: DistillState, config: DistillConfig) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({
-        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "config": asdict(config),
-        "params": [p.detach().clone() for p in params], "trainer": trainer.state_dict(),
-        "state": {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation]},
-    }, tmp)
-    os.replace(tmp, path)
-
-
-def _load_checkpoint(path: Path, params, trainer: Trainer, config: DistillConfig) -> DistillState:
-    """Restore maps and trainer in place from `path`; returns the saved progress. Anything but a
-    plain checkpoint of these settings is refused with a one-line error."""
-    refuse = f"checkpoint {path} is not a version-{CHECKPOINT_VERSION} kvforge distillation checkpoint"
-    try:
-        saved = torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        if "GLOBAL" in str(exc):  # torch's weights-only unpickler met a class or function
-            raise ArtifactError(f"{refuse}: it holds Python objects beyond tensors and numbers, which could run code; refused") from None
-        raise ArtifactError(f"{refuse}: it is not readable as one; delete it to start over") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise ArtifactError(f"{refuse}: it is not readable as one ({type(exc).__name__}); delete it to start over") from None
-    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT or saved.get("version") != CHECKPOINT_VERSION:
-        raise ArtifactError(f"{refuse}; delete it to start over")
-    if saved.get("config") != asdict(config):
-        raise ValueError(f"checkpoint {path} was written with other settings; delete it or pass the same ones")
-    try:
-        values, s = saved["params"], saved["state"]
-        if len(values) != len(params) or any(v.shape != p.shape for v, p in zip(values, params)):
-            raise ArtifactError(f"checkpoint {path} holds maps of other shapes than this translator's; delete it to start over")
-        state = DistillState(int(s["step"]), [float(x) for x in s["losses"]], [(int(a), float(b)) for a, b in s["validation"]])
-        with torch.no_grad():
-            for p, value in zip(params, values):
-                p.copy_(value)
-        trainer.load_state_dict(saved["trainer"])
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ArtifactError(f"{refuse}: {type(exc).__name__} {exc}; delete it to start over") from None
-    return state
 
 
 def plot_distill(summary: dict, path) -> str:
