@@ -22,8 +22,8 @@ from kvforge.errors import KvforgeError
 def fit_speed_cmd(
     model: str = ModelOpt,
     cut: str = typer.Option("0.75", "--cut", help="Layers (e.g. 22) or a fraction of the depth."),
-    steps: int = typer.Option(200, "--steps", help="Optimizer steps."),
-    lora_rank: int = typer.Option(8, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
+    steps: int = typer.Option(600, "--steps", help="Optimizer steps."),
+    lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),

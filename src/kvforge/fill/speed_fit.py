@@ -37,8 +37,8 @@ from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoi
 
 @dataclass(frozen=True)
 class SpeedFitConfig:
-    steps: int = 200
-    rank: int = 8
+    steps: int = 600  # with rank 32: the best measured (policy gap +6.9 %, 31 min here; issue 21)
+    rank: int = 32
     alpha: float = 16.0
     lr: float = 5e-4
     warmup_fraction: float = 0.05
