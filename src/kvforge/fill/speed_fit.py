@@ -101,7 +101,8 @@ def fit_speed(
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     samples = _fit_samples(engine, config)
     run = {"step": 0, "losses": [], "tokens": 0, "seconds": 0.0}
-    settings = {**asdict(config), **asdict(speed), "rows": list(speed.rows), "model": engine.model.fingerprint}
+    settings = {**asdict(config), **asdict(speed), "rows": list(speed.rows), "model": engine.model.fingerprint,
+                "dtype": str(engine.dtype), "device": str(engine.device)}  # a resume in another dtype would not be the same run
     if checkpoint is not None and checkpoint.is_file():
         run = load_checkpoint(checkpoint, CHECKPOINT, settings, params, trainer, _parse_run)
 
