@@ -143,3 +143,37 @@ def test_a_weight_changed_in_place_is_packed_again():
         after = linear(x, w)
     assert torch.equal(after, torch.nn.functional.linear(x, w))
     assert not torch.equal(after, before)
+
+
+def test_fp32_one_row_through_a_streamed_weight_is_packed_and_within_rounding_of_f_linear():
+    """fp32 keeps F.linear, except one row through a weight larger than the caches (an LM head):
+    MKL's packed GEMM, within fp32 rounding of F.linear's GEMV; under autograd, plain F.linear."""
+    from kvforge.models import adapters
+
+    if not adapters._mkl_packable():
+        pytest.skip("torch built without MKL")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8192, 576, generator=g) * 0.05  # 18.9 MB: above the streamed-weight size
+    assert w.numel() * 4 >= adapters._STREAMED_BYTES
+    x = torch.randn(1, 1, 576, generator=g)
+    with torch.inference_mode():
+        head = adapters.linear(x, w)
+        assert getattr(w, "_kvforge_packed", None) is not None
+        assert torch.allclose(head, F.linear(x, w), atol=1e-5, rtol=1e-5)
+        two = adapters.linear(x.expand(1, 2, 576), w)  # more than one row: F.linear itself
+        assert torch.equal(two, F.linear(x.expand(1, 2, 576), w))
+    trained = w.clone().requires_grad_()
+    assert torch.equal(adapters.linear(x, trained), F.linear(x, trained))
+
+
+def test_freed_memory_is_kept_once_per_process(monkeypatch):
+    from kvforge import allocator
+
+    allocator.keep_freed_memory.cache_clear()
+    monkeypatch.setenv("KVFORGE_KEEP_FREED_MEMORY", "0")
+    assert allocator.keep_freed_memory() is False
+    allocator.keep_freed_memory.cache_clear()
+    monkeypatch.delenv("KVFORGE_KEEP_FREED_MEMORY")
+    import sys
+
+    assert allocator.keep_freed_memory() is sys.platform.startswith("linux")

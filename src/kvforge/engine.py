@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.allocator import keep_freed_memory
 from kvforge.attention import attend, readable_rows
 from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache, RowKind
 from kvforge.errors import PromptError
@@ -29,6 +30,7 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self.chunk_size = chunk_size  # None: the whole prompt in one pass
+        keep_freed_memory()  # each step's activations reuse freed memory instead of faulting it in anew
 
     @property
     def num_layers(self) -> int:

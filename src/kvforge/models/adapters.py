@@ -308,11 +308,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     none up to 1024; the 1536 -> 576 down projection is one), while 2..32 rows agree with each
     other. Whether a shape does is measured once per shape (`_one_row_rounds_apart`); such a
     single row is computed as two (a broadcast view, no copy of the weights), the others as one. Without a packable weight (a
-    view, autograd) it goes through F.linear. fp32 keeps the plain call: its parity is against
-    transformers, bit for bit."""
-    if x.dtype == torch.float32 or x.device.type != "cpu":
+    view, autograd) it goes through F.linear. fp32 keeps transformers' kernel but for one case
+    (`_linear_fp32`): its parity is against transformers."""
+    if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.dtype == torch.float32:
+        return _linear_fp32(x, weight, bias, training)
     packed = None if training else _packed(weight)
     rows = x.reshape(-1, x.shape[-1])
     single = rows.shape[0] == 1 and _one_row_rounds_apart(weight.shape[0], weight.shape[1], weight.dtype, packed is not None)
@@ -325,17 +327,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return (out[:1] if single else out).view(*x.shape[:-1], -1)
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, made at first use and kept on the tensor (remade if
-    the weight changed since: its version counter, storage or dtype); None for a view (a slice would
-    be packed on every call), a non-contiguous weight, or a dtype this CPU's oneDNN cannot run."""
-    if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2 or not _packable(weight.dtype):
+# fp32 weights above this size (bytes) do not stay in this CPU's caches between decode steps
+_STREAMED_BYTES = 16 << 20
+
+
+def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, training: bool) -> torch.Tensor:
+    """fp32 keeps transformers' kernel (F.linear: MKL's SGEMM, its SGEMV for one row) at every width
+    but one: a single row through a weight too large for the caches (the LM head). There SGEMV
+    streams the weight at ~9 GB/s and MKL's packed SGEMM, over a copy packed once, at ~19 GB/s
+    (smollm2-135m's 49152 x 576 head, one thread: 13.2 -> 5.9 ms, a tenth of a decode step). That
+    row then rounds as an SGEMM row does, ~5e-6 off SGEMV's: as far as transformers' own one-row
+    and two-row forwards are apart."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] != 1 or training or weight.numel() * weight.element_size() < _STREAMED_BYTES:
+        return F.linear(x, weight, bias)
+    packed = _packed(weight, _mkl_pack)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkl._mkl_linear(rows.contiguous(), packed, weight, bias, 1)
+    return out.view(*x.shape[:-1], -1)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _packable(weight.dtype) else None
+
+
+def _mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if _mkl_packable() else None
+
+
+def _packed(weight: torch.Tensor, pack=_onednn_pack) -> torch.Tensor | None:
+    """The weight in a library's packed layout (oneDNN's blocked one by default), made at first use
+    and kept on the tensor (remade if the weight changed since: its version counter, storage or
+    dtype); None for a view (a slice would be packed on every call), a non-contiguous weight, or
+    what this CPU's library cannot run."""
+    if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2:
         return None
     # inference tensors (made under inference mode, e.g. LoRA-merged weights) keep no version counter
-    stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype)
+    stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype, pack)
     cached = getattr(weight, "_kvforge_packed", None)
     if cached is None or cached[0] != stamp:
-        cached = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        packed = pack(weight.detach())
+        if packed is None:
+            return None
+        cached = (stamp, packed)
         weight._kvforge_packed = cached
     return cached[1]
 
@@ -355,6 +390,11 @@ def _one_row_rounds_apart(out_features: int, in_features: int, dtype: torch.dtyp
         run = lambda rows: F.linear(rows, w)  # noqa: E731
     with torch.no_grad():
         return any(not torch.equal(run(x[r : r + 1]), run(x[r : r + 1].expand(2, -1))[:1]) for r in range(64))
+
+
+@functools.cache
+def _mkl_packable() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 @functools.cache
