@@ -1,0 +1,78 @@
+"""The compiled few-query attention kernel: against SDPA, and a row's bits independent of the
+step's width, of the batch, and of the length/mask path (what lossless drafting in bf16 needs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvforge import kernels
+from kvforge.attention import grouped_attention, visibility_mask
+
+pytestmark = pytest.mark.skipif(not kernels.available(64), reason="no AVX-512 or no C compiler here")
+
+
+def _buffer(batch, heads, capacity, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, heads, capacity, dim, generator=g).bfloat16()
+    v = torch.randn(batch, heads, capacity, dim, generator=g).bfloat16()
+    return k, v, g
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("length", [1, 15, 16, 37, 100])
+def test_kernel_matches_sdpa_over_the_real_rows(dim, length):
+    k, v, g = _buffer(2, 2, 112, dim, seed=dim + length)
+    q = torch.randn(2, 6, 1, dim, generator=g).bfloat16()
+    ours = grouped_attention(q, k, v, dim**-0.5, length=length).float()
+    ref = F.scaled_dot_product_attention(q.float(), k[:, :, :length].float(), v[:, :, :length].float(), scale=dim**-0.5, enable_gqa=True)
+    # inputs in bf16, scores and weights in fp32, the output rounded once to bf16
+    assert (ours - ref).abs().max() < 2e-2
+
+
+def test_rows_past_the_length_are_never_read():
+    k, v, g = _buffer(1, 2, 64, 64, seed=1)
+    q = torch.randn(1, 6, 1, 64, generator=g).bfloat16()
+    before = grouped_attention(q, k, v, 0.125, length=40)
+    k[:, :, 40:] = float("nan")  # a trimmed draft's stale rows, or garbage
+    v[:, :, 40:] = float("nan")
+    assert torch.equal(grouped_attention(q, k, v, 0.125, length=40), before)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+def test_a_row_has_the_same_bits_in_a_decode_step_and_in_a_verification_step(dim):
+    """Decode of the token at position p (length p + 1) against the same token as row i of a
+    9-row verification step (length p + 9 - i... with the later rows its own, masked)."""
+    k, v, g = _buffer(1, 2, 96, dim, seed=dim)
+    q = torch.randn(1, 6, 9, dim, generator=g).bfloat16()
+    start = 50
+    verify = grouped_attention(q, k, v, 0.3, length=start + 9)
+    for i in range(9):
+        decode = grouped_attention(q[:, :, i : i + 1], k, v, 0.3, length=start + i + 1)
+        assert torch.equal(decode[:, :, 0], verify[:, :, i]), i
+
+
+def test_a_row_has_the_same_bits_alone_and_in_a_batch_and_on_the_mask_path():
+    k, v, g = _buffer(4, 2, 80, 64, seed=3)
+    q = torch.randn(4, 6, 1, 64, generator=g).bfloat16()
+    length = 61
+    batched = grouped_attention(q, k, v, 0.125, length=length)
+    positions = torch.where(torch.arange(80) < length, torch.arange(80), torch.tensor(-1)).expand(4, -1)
+    masked = grouped_attention(q, k, v, 0.125, visibility_mask(torch.full((4, 1), length - 1), positions, None))
+    assert torch.equal(batched, masked)
+    for b in range(4):
+        alone = grouped_attention(q[b : b + 1], k[b : b + 1].contiguous(), v[b : b + 1].contiguous(), 0.125, length=length)
+        assert torch.equal(alone, batched[b : b + 1])
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    kernels._library.cache_clear()
+    monkeypatch.setenv("KVFORGE_KERNELS", "0")
+    try:
+        assert not kernels.available(64)
+    finally:
+        kernels._library.cache_clear()
+        monkeypatch.delenv("KVFORGE_KERNELS")
+    assert kernels.available(64)
+    assert not kernels.available(24)  # widths that are not a multiple of 16 keep torch's ops
