@@ -76,3 +76,11 @@ def test_switched_off_by_the_environment(monkeypatch):
         monkeypatch.delenv("KVFORGE_KERNELS")
     assert kernels.available(64)
     assert not kernels.available(24)  # widths that are not a multiple of 16 keep torch's ops
+
+
+def test_a_step_that_trains_keeps_torchs_ops_and_its_gradient():
+    k, v, g = _buffer(1, 2, 48, 64, seed=4)
+    q = torch.randn(1, 6, 1, 64, generator=g).bfloat16().requires_grad_()
+    out = grouped_attention(q, k, v, 0.125, length=30)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0

@@ -112,7 +112,7 @@ def grouped_attention(
     heads = k.shape[1]
     group = hq // heads
     rows = q.reshape(b, heads, group * tq, d)
-    if _compiled(k, v):
+    if _compiled(q, k, v):
         # the compiled kernel: each K/V row read once for the group's rows, rows past `length` never
         # read, scores and weights in fp32. A visible key's score has the same bits on the length
         # and the mask path, and a row's bits do not depend on the step's width.
@@ -139,8 +139,11 @@ def grouped_attention(
     return torch.matmul(weights, v).view(b, hq, tq, v.shape[-1])
 
 
-def _compiled(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the compiled few-query kernel runs these K/V: whole contiguous bf16 buffers on CPU."""
+def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the compiled few-query kernel runs this step: whole contiguous bf16 buffers on CPU,
+    and nothing to backpropagate through (the kernel has no backward; training keeps torch's ops)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
     return (k.dtype == v.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
             and v.is_contiguous() and k.shape[-1] == v.shape[-1] and kernels.available(k.shape[-1]))
 
