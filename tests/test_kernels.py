@@ -76,6 +76,7 @@ def test_switched_off_by_the_environment(monkeypatch):
         monkeypatch.delenv("KVFORGE_KERNELS")
     assert kernels.available(64)
     assert not kernels.available(24)  # widths that are not a multiple of 16 keep torch's ops
+    assert not kernels.available(512)  # nor wider than the kernel's scratch
 
 
 def test_a_step_that_trains_keeps_torchs_ops_and_its_gradient():

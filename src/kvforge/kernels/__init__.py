@@ -25,6 +25,7 @@ from kvforge.paths import kvforge_home
 
 _SOURCE = Path(__file__).with_name("few_query_attention.c")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-shared", "-fPIC"]
+_MAX_DIM = 256  # MAX_CHUNKS x 16 in the C source
 
 
 @functools.cache
@@ -54,8 +55,9 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available(dim: int) -> bool:
-    """Whether the compiled few-query kernels can run heads of width `dim` here."""
-    return dim % 16 == 0 and _library() is not None
+    """Whether the compiled few-query kernels can run heads of width `dim` here (16..256, a multiple
+    of 16: the kernel's per-block scratch and accumulators are sized for at most 256)."""
+    return 16 <= dim <= _MAX_DIM and dim % 16 == 0 and _library() is not None
 
 
 def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float) -> torch.Tensor:
