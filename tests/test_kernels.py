@@ -85,3 +85,14 @@ def test_a_step_that_trains_keeps_torchs_ops_and_its_gradient():
     out = grouped_attention(q, k, v, 0.125, length=30)
     out.float().sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_shapes_the_kernel_cannot_read_are_refused_before_it_runs():
+    k, v, g = _buffer(1, 2, 32, 64, seed=5)
+    rows = torch.randn(1, 2, 3, 64, generator=g)
+    with pytest.raises(ValueError, match="length 40"):
+        kernels.few_query_scores(rows, k, 40, 0.125)  # more rows than the buffer holds
+    with pytest.raises(ValueError):
+        kernels.few_query_scores(rows[..., :32], k, 10, 0.125)  # another head width
+    with pytest.raises(ValueError):
+        kernels.few_query_values(torch.zeros(1, 2, 3, 16), v, 10)  # weights over another row count

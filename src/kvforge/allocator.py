@@ -35,4 +35,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+    trimmed = bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
+    # some glibc releases refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2); 2.36 here takes 1 GiB
+    mapped = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP)) or bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+    return trimmed and mapped

@@ -114,8 +114,9 @@ def grouped_attention(
     rows = q.reshape(b, heads, group * tq, d)
     if _compiled(q, k, v):
         # the compiled kernel: each K/V row read once for the group's rows, rows past `length` never
-        # read, scores and weights in fp32. A visible key's score has the same bits on the length
-        # and the mask path, and a row's bits do not depend on the step's width.
+        # read (the mask path reads the whole buffer and masks by position), scores and weights in
+        # fp32. A visible key's score has the same bits on the length and the mask path, and a row's
+        # bits do not depend on the step's width.
         read = k.shape[2] if length is None else length
         scores = kernels.few_query_scores(rows.float(), k, read, scaling)
         if length is not None:

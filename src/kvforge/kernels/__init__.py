@@ -36,17 +36,20 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
     target = kvforge_home() / "kernels" / f"few_query_attention-{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True)
-            if done.returncode != 0:
-                return None
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
+    try:  # any failure to build or load (read-only home, noexec mount, a compiler error) keeps torch's ops
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
+                built = Path(tmp) / target.name
+                done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, timeout=120)
+                if done.returncode != 0:
+                    return None
+                os.replace(built, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError):
+        return None
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, f32]
     lib.kvforge_pv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64]
@@ -65,8 +68,9 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     -> scaled scores (B, H, R, C) fp32, -inf past `length`."""
     b, h, r, d = rows.shape
     c = k.shape[2]
-    if not k.is_contiguous() or k.dtype != torch.bfloat16:
-        raise ValueError("few_query_scores reads a whole contiguous bf16 buffer")
+    if not k.is_contiguous() or k.dtype != torch.bfloat16 or k.shape[:2] != (b, h) or k.shape[3] != d or not 0 <= length <= c:
+        raise ValueError(f"few_query_scores: rows {tuple(rows.shape)} against a contiguous bf16 buffer, got {k.dtype} "
+                         f"{tuple(k.shape)} with length {length}")
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, c, dtype=torch.float32)
     _library().kvforge_qk(rows.data_ptr(), k.data_ptr(), scores.data_ptr(), b * h, r, c, length, d, scale)
@@ -78,8 +82,9 @@ def few_query_values(weights: torch.Tensor, v: torch.Tensor, length: int) -> tor
     -> (B, H, R, D) fp32."""
     b, h, r, c = weights.shape
     d = v.shape[-1]
-    if not v.is_contiguous() or v.dtype != torch.bfloat16:
-        raise ValueError("few_query_values reads a whole contiguous bf16 buffer")
+    if not v.is_contiguous() or v.dtype != torch.bfloat16 or v.shape[:3] != (b, h, c) or not 0 <= length <= c:
+        raise ValueError(f"few_query_values: weights {tuple(weights.shape)} over a contiguous bf16 buffer, got {v.dtype} "
+                         f"{tuple(v.shape)} with length {length}")
     weights = weights.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
     _library().kvforge_pv(weights.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d)
