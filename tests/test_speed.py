@@ -293,6 +293,59 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
         SpeedFitConfig(loss="mse")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_full_fine_tuning_deltas_equal_the_model_with_those_weights(family, tmp_path):
+    """A rank-0 adapter on layers 2..3 carries a whole delta on every projection there (q/k/v,
+    o, gate/up, down) and none below; its adapted engine gives the logits of the same model with
+    the deltas written into transformers' own weights (what full fine-tuning would have saved),
+    and survives a save/load round trip."""
+    from conftest import tiny_hf_model
+
+    engine = Engine(tiny_loaded(family))
+    full = LoraAdapter.new(engine.adapter, 0, 1.0, engine.model.name, engine.model.fingerprint, layers=[2, 3])
+    assert {key.rsplit(".", 2)[0] for key in full.tensors} == {"layers.2", "layers.3"}
+    assert {key.split(".")[2] for key in full.tensors} == {"qkv", "o", "gate_up", "down"}
+    g = torch.Generator().manual_seed(3)
+    for value in full.tensors.values():
+        value.add_(0.05 * torch.randn(value.shape, generator=g))
+    full.save(tmp_path / "full.safetensors")
+    loaded = LoraAdapter.load(tmp_path / "full.safetensors")
+    assert loaded.rank == 0 and loaded.layers == (2, 3) and "full fine-tuning of layers 2..3" in loaded.kind
+    prompt = _prompt(6)
+    adapted = adapted_engine(engine, loaded)
+    hf = tiny_hf_model(family)  # the same seed's weights, edited as a fine-tuned checkpoint would be
+    with torch.no_grad():
+        for layer in (2, 3):
+            attn, mlp = hf.model.layers[layer].self_attn, hf.model.layers[layer].mlp
+            qkv = full.delta(layer, "qkv").split([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features])
+            for proj, d in zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv):
+                proj.weight += d
+            attn.o_proj.weight += full.delta(layer, "o")
+            gate, up = full.delta(layer, "gate_up").chunk(2)
+            mlp.gate_proj.weight += gate
+            mlp.up_proj.weight += up
+            mlp.down_proj.weight += full.delta(layer, "down")
+        expected = hf(torch.tensor([prompt])).logits[0, -1]  # prefill returns the last position's
+    got = adapted.prefill([prompt])[0][0]
+    assert (got - expected).abs().max() < 1e-4
+    assert (got - engine.prefill([prompt])[0][0]).abs().max() > 1e-2  # the deltas changed the model
+    for layer in (0, 1):  # untouched below: the base engine's own tensors
+        assert adapted.adapter.qkv[layer][0] is engine.adapter.qkv[layer][0]
+        assert adapted.adapter.down[layer][0] is engine.adapter.down[layer][0]
+
+
+def test_full_fine_tuning_above_the_cut_trains_only_those_layers():
+    engine = Engine(tiny_loaded("llama"))
+    config = SpeedFitConfig(steps=3, max_tokens=200, train="full", lr=1e-3)
+    lora = fit_speed(engine, SpeedConfig(cut=2), config, "tiny-llama")
+    assert lora.rank == 0 and lora.layers == (2, 3) and lora.info["training"]["train"] == "full"
+    assert all(value.abs().sum() > 0 for value in lora.tensors.values())  # every projection above the cut moved
+    with pytest.raises(ValueError, match="--train"):
+        SpeedFitConfig(train="half")
+    with pytest.raises(ValueError, match="--lora-rank"):
+        SpeedFitConfig(rank=0)
+
+
 # Adapted bf16 against adapted fp32 under the same SPEED plan: measured at most 0.018 (llama)
 # and 0.015 (gemma3) in logits (0.028 on another prompt); 0.1 leaves >3x margin and is far below
 # the adapter's own effect on the logits (1.05-1.10 here), which the test also requires.

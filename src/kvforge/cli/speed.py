@@ -24,6 +24,7 @@ def fit_speed_cmd(
     cut: str = typer.Option("0.75", "--cut", help="Layers (e.g. 22) or a fraction of the depth."),
     steps: int = typer.Option(600, "--steps", help="Optimizer steps."),
     lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
+    train: str = typer.Option("lora", "--train", help="lora: LoRA factors on every layer; full: every projection of the layers at and above the cut trained whole (the norms stay)."),
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
@@ -37,7 +38,7 @@ def fit_speed_cmd(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Adapt a model to SPEED: LoRA fine-tuning on the fit split of the chat data under the SPEED mask."""
+    """Adapt a model to SPEED: LoRA (or full fine-tuning above the cut) on the fit split of the chat data under the SPEED mask."""
     from tqdm import tqdm
 
     from kvforge.artifacts import artifact_path
@@ -45,12 +46,13 @@ def fit_speed_cmd(
     from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed
 
     setup_threads(threads)
-    config = SpeedFitConfig(steps=steps, rank=lora_rank, lr=lr, accumulate=accumulate, max_tokens=max_tokens, loss=loss)
+    config = SpeedFitConfig(steps=steps, rank=lora_rank, train=train, lr=lr, accumulate=accumulate, max_tokens=max_tokens, loss=loss)
     engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)
-    if out is None and loss != "ce":  # a distilled adapter does not replace the cross-entropy one
-        path = path.with_name(f"{path.stem}-{loss}{path.suffix}")
+    if out is None:  # a distilled or fully fine-tuned adapter does not replace the default one
+        suffix = "".join(f"-{x}" for x in (loss, train) if x not in ("ce", "lora"))
+        path = path.with_name(f"{path.stem}{suffix}{path.suffix}")
     with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
         def progress(step: int, loss: float) -> None:
@@ -65,7 +67,7 @@ def fit_speed_cmd(
         emit_json(summary)
         return
     err.print(
-        f"wrote {path}: cut {speed.cut}/{engine.num_layers}, rank {lora_rank}, {steps} steps in {lora.info['seconds']:.0f} s; "
+        f"wrote {path}: cut {speed.cut}/{engine.num_layers}, {lora.kind}, {steps} steps in {lora.info['seconds']:.0f} s; "
         f"training loss {lora.info['loss_first']:.3f} → {lora.info['loss_last']:.3f}"
     )
 

@@ -1,14 +1,18 @@
-"""LoRA adapters on the engine's fused projections, saved as a `.safetensors` artifact.
+"""Weight adapters on the engine's projections, saved as a `.safetensors` artifact: LoRA, or full
+fine-tuning of chosen layers.
 
-Shapes: E hidden size, O a fused projection's output rows, r rank.
+Shapes: E a projection's input width, O its output rows, r rank.
 
 A LoRA pair (A (r, E), B (O, r)) per layer and target adds (alpha / r) * B @ A to the target's
 weight. Targets are the fused q/k/v projection (`qkv`) and the fused MLP gate/up projection
-(`gate_up`): the two matmuls every row runs in every layer, held by the family adapter. Training
-swaps in W + delta for the duration of a forward (`applied`), so gradients reach A and B only;
+(`gate_up`): the two matmuls every row runs in every layer, held by the family adapter. Rank 0 is
+full fine-tuning instead: every projection of the chosen layers (`qkv`, the attention output `o`,
+`gate_up`, `down`) carries a whole trained delta D (O, E), zero at the start; the layers left out
+keep the base weights. One mechanism serves both: a delta per (layer, target). Training
+swaps in W + delta for the duration of a forward (`applied`), so gradients reach the deltas only;
 inference runs a second weight set with the delta added once (`adapted_engine`), so an adapted
-model runs at the base model's speed and the base engine keeps the base weights. A and B are
-fp32 whatever the model's dtype; the merged weights take the model's (bf16 included). The artifact
+model runs at the base model's speed and the base engine keeps the base weights. The norms stay
+the base model's. A, B and D are fp32 whatever the model's dtype; the merged weights take the model's (bf16 included). The artifact
 names the base model and its fingerprint, and what the adapter was trained for (SPEED: the cut,
 anchors and tail), so loading it onto another model is refused.
 """
@@ -29,66 +33,101 @@ from kvforge.errors import ArtifactError
 
 FORMAT = "kvforge.lora"
 VERSION = "1"
-TARGETS = ("qkv", "gate_up")
+TARGETS = ("qkv", "gate_up")  # LoRA's
+FULL_TARGETS = ("qkv", "o", "gate_up", "down")  # full fine-tuning's: every projection of a layer
 
 
 @dataclass
 class LoraAdapter:
-    rank: int
+    rank: int  # 0: full fine-tuning (whole deltas, no factors)
     alpha: float
     num_layers: int
     model: str
     fingerprint: str
-    tensors: dict[str, torch.Tensor]  # "layers.{i}.{target}.{A|B}"
+    tensors: dict[str, torch.Tensor]  # "layers.{i}.{target}.{A|B}", or "layers.{i}.{target}.D" at rank 0
     info: dict = field(default_factory=dict)  # what it was trained for and how
     path: Path | None = None
+    layers: tuple[int, ...] | None = None  # the layers carrying deltas; None: every layer
 
     @classmethod
-    def new(cls, adapter, rank: int, alpha: float, model: str, fingerprint: str, seed: int = 0) -> "LoraAdapter":
-        """A fresh adapter: A random (scaled by 1/sqrt(E)), B zero, so it starts as the base model."""
-        if rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        recurrent = [layer for layer in range(adapter.num_layers) if adapter.is_recurrent(layer)]
+    def new(
+        cls, adapter, rank: int, alpha: float, model: str, fingerprint: str, seed: int = 0, layers: list[int] | None = None
+    ) -> "LoraAdapter":
+        """A fresh adapter that starts as the base model: LoRA with A random (scaled by 1/sqrt(E))
+        and B zero, or (rank 0) zero whole deltas on every projection of `layers`."""
+        if rank < 0:
+            raise ValueError(f"LoRA rank must be >= 1 (or 0: full fine-tuning), got {rank}")
+        chosen = list(range(adapter.num_layers)) if layers is None else sorted(set(layers))
+        if not chosen or not all(0 <= layer < adapter.num_layers for layer in chosen):
+            raise ValueError(f"adapter layers must be within 0..{adapter.num_layers - 1}, got {layers}")
+        recurrent = [layer for layer in chosen if adapter.is_recurrent(layer)]
         if recurrent:
             raise ValueError(
-                f"LoRA adapters target softmax attention's q/k/v and the gated MLP; layers {recurrent} are linear-attention "
-                "(Gated DeltaNet) layers, which they do not cover yet"
+                f"weight adapters target softmax attention's projections and the gated MLP; layers {recurrent} are "
+                "linear-attention (Gated DeltaNet) layers, which they do not cover yet"
             )
-        experts = [layer for layer in range(adapter.num_layers) if any(getattr(adapter, t)[layer] is None for t in TARGETS)]
+        targets = TARGETS if rank else FULL_TARGETS
+        experts = [layer for layer in chosen if any(getattr(adapter, t)[layer] is None for t in targets)]
         if experts:
-            raise ValueError(f"LoRA adapters need a fused gate/up MLP on every layer; layers {experts} are mixtures of experts")
+            raise ValueError(f"weight adapters need a gated MLP on every layer they train; layers {experts} are mixtures of experts")
         g = torch.Generator().manual_seed(seed)
         tensors = {}
-        for layer in range(adapter.num_layers):
-            for target in TARGETS:
-                weight = getattr(adapter, target)[layer][0]
-                out_rows, in_cols = weight.shape
-                tensors[_key(layer, target, "A")] = torch.randn(rank, in_cols, generator=g) / in_cols**0.5
-                tensors[_key(layer, target, "B")] = torch.zeros(out_rows, rank)
-        return cls(rank, alpha, adapter.num_layers, model, fingerprint, tensors)
+        for layer in chosen:
+            for target in targets:
+                out_rows, in_cols = getattr(adapter, target)[layer][0].shape
+                if rank:
+                    tensors[_key(layer, target, "A")] = torch.randn(rank, in_cols, generator=g) / in_cols**0.5
+                    tensors[_key(layer, target, "B")] = torch.zeros(out_rows, rank)
+                else:
+                    tensors[_key(layer, target, "D")] = torch.zeros(out_rows, in_cols)
+        return cls(rank, alpha, adapter.num_layers, model, fingerprint, tensors, layers=None if layers is None else tuple(chosen))
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return TARGETS if self.rank else FULL_TARGETS
+
+    @property
+    def trained_layers(self) -> range | tuple[int, ...]:
+        return range(self.num_layers) if self.layers is None else self.layers
+
+    @property
+    def kind(self) -> str:
+        return f"LoRA rank {self.rank}" if self.rank else f"full fine-tuning of layers {_span(self.trained_layers)}"
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / self.rank if self.rank else 1.0
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.tensors.values())
 
     def delta(self, layer: int, target: str) -> torch.Tensor:
+        if not self.rank:
+            return self.tensors[_key(layer, target, "D")]
         return self.scale * self.tensors[_key(layer, target, "B")] @ self.tensors[_key(layer, target, "A")]
+
+    def adapted_weights(self, adapter) -> dict[str, list]:
+        """Each target's per-layer (weight, bias) list with W + delta on the trained layers (new
+        tensors there, the base's own elsewhere)."""
+        out = {}
+        for target in self.targets:
+            weights = list(getattr(adapter, target))
+            for layer in self.trained_layers:
+                weight, bias = weights[layer]
+                weights[layer] = (merged(weight, self.delta(layer, target)), bias)
+            out[target] = weights
+        return out
 
     @contextmanager
     def applied(self, adapter):
-        """Within the block the adapter's fused weights are W + delta (differentiable in A, B)."""
-        saved = {target: list(getattr(adapter, target)) for target in TARGETS}
+        """Within the block the adapter's weights are W + delta (differentiable in the deltas)."""
+        saved = {target: list(getattr(adapter, target)) for target in self.targets}
         try:
-            for target in TARGETS:
-                fused = getattr(adapter, target)
-                for layer, (weight, bias) in enumerate(saved[target]):
-                    fused[layer] = (merged(weight, self.delta(layer, target)), bias)
+            for target, weights in self.adapted_weights(adapter).items():
+                getattr(adapter, target)[:] = weights
             yield
         finally:
-            for target in TARGETS:
+            for target in self.targets:
                 getattr(adapter, target)[:] = saved[target]
 
     def check_model(self, model: str, fingerprint: str, num_layers: int) -> None:
@@ -105,9 +144,10 @@ class LoraAdapter:
             "rank": str(self.rank),
             "alpha": str(self.alpha),
             "num_layers": str(self.num_layers),
+            "layers": "" if self.layers is None else ",".join(map(str, self.layers)),
             "model": self.model,
             "fingerprint": self.fingerprint,
-            "targets": ",".join(TARGETS),
+            "targets": ",".join(self.targets),
             "info": json.dumps(self.info),
         }
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
@@ -121,13 +161,22 @@ class LoraAdapter:
             raise ArtifactError(f"adapter file {path} does not exist")
         with read_artifact(path, FORMAT, VERSION, "adapter") as (f, meta):
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-            adapter = cls(
-                int(meta["rank"]), float(meta["alpha"]), int(meta["num_layers"]), meta["model"], meta["fingerprint"],
-                tensors, json.loads(meta.get("info", "{}")), path,
-            )
-        expected = {_key(l, t, p) for l in range(adapter.num_layers) for t in TARGETS for p in "AB"}
+            try:
+                layers = meta.get("layers") or None  # absent or empty: every layer
+                adapter = cls(
+                    int(meta["rank"]), float(meta["alpha"]), int(meta["num_layers"]), meta["model"], meta["fingerprint"],
+                    tensors, json.loads(meta.get("info", "{}")), path,
+                    None if layers is None else tuple(int(x) for x in layers.split(",")),
+                )
+            except (KeyError, ValueError) as e:
+                raise ArtifactError(f"adapter {path} has unreadable metadata ({e}): re-create it") from None
+        parts = "AB" if adapter.rank else "D"
+        expected = {_key(l, t, p) for l in adapter.trained_layers for t in adapter.targets for p in parts}
         if set(tensors) != expected:
-            raise ArtifactError(f"adapter {path} is incomplete: {len(expected - set(tensors))} LoRA tensors missing")
+            raise ArtifactError(
+                f"adapter {path} does not hold the tensors its metadata names ({len(expected - set(tensors))} missing, "
+                f"{len(set(tensors) - expected)} unexpected): re-create it"
+            )
         return adapter
 
 
@@ -140,9 +189,8 @@ def adapted_engine(engine, lora: LoraAdapter):
     from kvforge.engine import Engine
 
     adapter = copy.copy(engine.adapter)
-    for target in TARGETS:
-        base = getattr(engine.adapter, target)
-        setattr(adapter, target, [(merged(weight, lora.delta(layer, target)), bias) for layer, (weight, bias) in enumerate(base)])
+    for target, weights in lora.adapted_weights(engine.adapter).items():
+        setattr(adapter, target, weights)
     model = copy.copy(engine.model)  # keeps the base fingerprint already computed
     model.adapter = adapter
     h = hashlib.sha256(f"{engine.model.fingerprint}+lora{lora.rank}:{lora.alpha};".encode())
@@ -160,3 +208,8 @@ def merged(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def _key(layer: int, target: str, part: str) -> str:
     return f"layers.{layer}.{target}.{part}"
+
+
+def _span(layers) -> str:
+    layers = list(layers)
+    return f"{layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))

@@ -10,7 +10,10 @@ then carries the full-depth model's whole distribution, and the adapter is pulle
 reference SPEED is judged against instead of toward the data. Only the LoRA factors train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
-gradient accumulation for the effective batch. With a `checkpoint` path the run writes the LoRA
+gradient accumulation for the effective batch. `train="full"` trains every projection of the
+layers at and above the cut whole instead of LoRA factors everywhere: the layers whose inputs the
+policy changes get all the capacity, and the layers below keep the base weights (so the backward
+pass stops at the cut). With a `checkpoint` path the run writes the LoRA
 factors, the trainer and its progress there every `checkpoint_every` steps (the shared
 `training.save_checkpoint`) and a run started with the same settings resumes from it exactly:
 samples are visited in a fixed order by step number.
@@ -38,7 +41,8 @@ from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoi
 @dataclass(frozen=True)
 class SpeedFitConfig:
     steps: int = 600  # with rank 32: the best measured (policy gap +6.9 %, 31 min here; issue 21)
-    rank: int = 32
+    rank: int = 32  # LoRA's; full fine-tuning has none
+    train: str = "lora"  # or "full": whole deltas on every projection at and above the cut
     alpha: float = 16.0
     lr: float = 5e-4
     warmup_fraction: float = 0.05
@@ -53,9 +57,14 @@ class SpeedFitConfig:
             raise ValueError("--steps and accumulation must be >= 1 and --max-tokens >= 32")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.train not in TRAIN:
+            raise ValueError(f"--train must be one of {', '.join(TRAIN)}, got {self.train!r}")
+        if self.train == "lora" and self.rank < 1:
+            raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
 
 
 LOSSES = ("ce", "kl")
+TRAIN = ("lora", "full")
 CHECKPOINT = CheckpointKind("kvforge.speed-fit-checkpoint", 1, "SPEED fit")
 
 
@@ -94,7 +103,9 @@ def fit_speed(
     torch.manual_seed(config.seed)
     for p in engine.model.hf.parameters():
         p.requires_grad_(False)
-    lora = LoraAdapter.new(engine.adapter, config.rank, config.alpha, model_name, engine.model.fingerprint, config.seed)
+    full = config.train == "full"
+    lora = LoraAdapter.new(engine.adapter, 0 if full else config.rank, config.alpha, model_name, engine.model.fingerprint,
+                           config.seed, layers=list(range(speed.cut, engine.num_layers)) if full else None)
     params = lora.parameters()
     for p in params:
         p.requires_grad_(True)

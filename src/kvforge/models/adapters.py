@@ -40,6 +40,10 @@ class LlamaAdapter:
         self.qkv = [None if a is None else self._fuse_attention(a) for a in attns]
         # None for a layer whose MLP is not one gated MLP (a mixture of experts): it runs as its module
         self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
+        # the module's own tensors (no copy), held here beside the fused ones so an adapter can swap
+        # every projection of a layer (full fine-tuning: kvforge.fill.lora)
+        self.o = [None if a is None else (a.o_proj.weight, a.o_proj.bias) for a in attns]
+        self.down = [None if g is None else (l.mlp.down_proj.weight, l.mlp.down_proj.bias) for g, l in zip(self.gate_up, self.layers)]
 
     def _fuse_attention(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections that read the layer's normed input, fused into one matmul."""
@@ -146,8 +150,8 @@ class LlamaAdapter:
 
     def _output_projection(self, layer: int, o: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = o.shape
-        o_proj = self.layers[layer].self_attn.o_proj
-        return linear(o.transpose(1, 2).reshape(b, t, -1), o_proj.weight, o_proj.bias)
+        weight, bias = self.o[layer]
+        return linear(o.transpose(1, 2).reshape(b, t, -1), weight, bias)
 
     def mlp_block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
@@ -162,8 +166,8 @@ class LlamaAdapter:
             return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
         weight, bias = self.gate_up[layer]
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
-        down = mlp.down_proj
-        return linear(mlp.act_fn(gate) * up, down.weight, down.bias)
+        down, down_bias = self.down[layer]
+        return linear(mlp.act_fn(gate) * up, down, down_bias)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h (B, T, E) -> logits (B, T, V)."""

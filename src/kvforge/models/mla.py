@@ -89,11 +89,6 @@ class DeepseekV3Adapter(LlamaAdapter):
         view.contiguous = cached.contiguous
         return view
 
-    def _output_projection(self, layer, o):
-        b, _, t, _ = o.shape
-        o_proj = self.layers[layer].self_attn.o_proj
-        return linear(o.transpose(1, 2).reshape(b, t, -1), o_proj.weight, o_proj.bias)
-
     # --- key stages: the rope key has no k-norm -----------------------------------------------
     def key_norm_scale(self, layer):
         return None
