@@ -89,10 +89,37 @@ def test_a_step_that_trains_keeps_torchs_ops_and_its_gradient():
 
 def test_shapes_the_kernel_cannot_read_are_refused_before_it_runs():
     k, v, g = _buffer(1, 2, 32, 64, seed=5)
-    rows = torch.randn(1, 2, 3, 64, generator=g)
+    rows = torch.randn(1, 2, 3, 64, generator=g).bfloat16()
     with pytest.raises(ValueError, match="length 40"):
         kernels.few_query_scores(rows, k, 40, 0.125)  # more rows than the buffer holds
     with pytest.raises(ValueError):
         kernels.few_query_scores(rows[..., :32], k, 10, 0.125)  # another head width
     with pytest.raises(ValueError):
-        kernels.few_query_values(torch.zeros(1, 2, 3, 16), v, 10)  # weights over another row count
+        kernels.few_query_scores(rows.float(), k, 10, 0.125)  # fp32 queries: the kernel multiplies bf16 pairs
+    weights, inverse = kernels.few_query_softmax(kernels.few_query_scores(rows, k, 10, 0.125), 10)
+    assert weights.shape == (1, 2, 3, 32) and weights.dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        kernels.few_query_values(torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16), inverse, v, 10)  # weights over fewer rows
+    with pytest.raises(ValueError):
+        kernels.few_query_values(weights, inverse[..., :2], v, 10)  # a normalizer missing
+    with pytest.raises(ValueError, match="tokens"):
+        kernels.few_query_softmax(torch.zeros(1, 2, 3, 32), 10, tokens=4)  # more step tokens than rows
+
+
+def test_weights_are_a_softmax_rounded_once_and_normalized_by_their_rounded_sum():
+    """Each row's weights are exp(score - max) rounded to bf16 (zero past the keys the row sees,
+    the causal triangle of a 3-token step included), and the normalizer is one over their sum."""
+    k, v, g = _buffer(1, 2, 40, 64, seed=6)
+    rows = torch.randn(1, 2, 6, 64, generator=g).bfloat16()  # 2 query heads x 3 tokens per KV head
+    scores = kernels.few_query_scores(rows, k, 21, 0.125)
+    expected_scores = (rows.float() @ k[:, :, :21].float().transpose(-1, -2)) * 0.125
+    torch.testing.assert_close(scores[..., :21], expected_scores, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(scores[..., 21:]).all()
+    weights, inverse = kernels.few_query_softmax(scores.clone(), 21, tokens=3)
+    for r in range(6):
+        seen = 21 - (2 - r % 3)
+        s = scores[..., r, :seen]
+        e = torch.exp(s - s.max(-1, keepdim=True).values)
+        torch.testing.assert_close(weights[..., r, :seen].float(), e.bfloat16().float(), rtol=0, atol=2**-8)
+        assert (weights[..., r, seen:22] == 0).all()
+        torch.testing.assert_close(inverse[..., r], 1 / weights[..., r, :seen].float().sum(-1), rtol=1e-5, atol=0)

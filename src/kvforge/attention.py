@@ -112,31 +112,31 @@ def grouped_attention(
     heads = k.shape[1]
     group = hq // heads
     rows = q.reshape(b, heads, group * tq, d)
-    compiled = _compiled(q, k, v)
-    if compiled:
-        # the compiled kernel: each K/V row read once for the group's rows, rows past `length` never
-        # read and scored -inf (the mask path reads the whole buffer and masks by position), scores
-        # and weights in fp32. A visible key's score has the same bits on the length and the mask
-        # path, and a row's bits do not depend on the step's width.
+    if _compiled(q, k, v):
+        # the compiled kernel: each K/V row read once per block of the group's rows, rows past
+        # `length` never read; scores and softmax in fp32, weights rounded to bf16 (as torch's path
+        # rounds them) and normalized by their rounded sum at the end. On the length path each row's softmax covers only the keys it sees (the
+        # step's causal triangle included), so a row's bits do not depend on the step's width; on
+        # the mask path a hidden key's score is -inf and its weight exactly 0.
         read = k.shape[2] if length is None else length
-        scores = kernels.few_query_scores(rows.float(), k, read, scaling)
-    elif k.is_contiguous():  # a whole buffer: Q K^T reads K in place (16 x 1280 keys: 0.86 ms vs 1.5 for K Q^T)
+        scores = kernels.few_query_scores(rows, k, read, scaling)
+        if mask is not None:
+            scores = scores.view(b, heads, group, tq, -1).masked_fill_(~mask.unsqueeze(2), float("-inf")).view(b, heads, group * tq, -1)
+        weights, inverse = kernels.few_query_softmax(scores, read, tq if length is not None else 1)
+        return kernels.few_query_values(weights, inverse, v, read).to(v.dtype).view(b, hq, tq, v.shape[-1])
+    if k.is_contiguous():  # a whole buffer: Q K^T reads K in place (16 x 1280 keys: 0.86 ms vs 1.5 for K Q^T)
         scores = torch.matmul(rows, k.transpose(-1, -2)).float().mul_(scaling)
     else:  # a slice of a larger buffer: the bf16 batched matmul copies a transposed slice (all of K,
         # every step) but not a plain one, so K Q^T
         scores = torch.matmul(k, rows.transpose(-1, -2)).transpose(-1, -2).float() * scaling
     if length is not None:
         per_query = scores.view(b, heads, group, tq, -1)
-        if not compiled:
-            per_query[..., length:] = float("-inf")
+        per_query[..., length:] = float("-inf")
         if tq > 1:  # the step's own rows: each hidden from the step's earlier queries
             later = torch.ones(tq, tq, dtype=torch.bool, device=q.device).triu_(1)
             per_query[..., length - tq : length].masked_fill_(later, float("-inf"))
     elif mask is not None:  # (B, 1, Tq, Tk) -> the same mask for every head of a group
         scores = scores.view(b, heads, group, tq, -1).masked_fill(~mask.unsqueeze(2), float("-inf")).view(b, heads, group * tq, -1)
-    if compiled:
-        weights = torch.softmax(scores, dim=-1)
-        return kernels.few_query_values(weights, v, read).to(v.dtype).view(b, hq, tq, v.shape[-1])
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(weights, v).view(b, hq, tq, v.shape[-1])
 
@@ -146,5 +146,5 @@ def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     and nothing to backpropagate through (the kernel has no backward; training keeps torch's ops)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return (k.dtype == v.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
             and v.is_contiguous() and k.shape[-1] == v.shape[-1] and kernels.available(k.shape[-1]))

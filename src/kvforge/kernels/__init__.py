@@ -2,10 +2,12 @@
 
 `few_query_attention.c`: attention of a few query rows (a decode or verification step) over a
 contiguous bf16 cache buffer. torch's batched matmuls read such a buffer at 7-9 GB/s here (a
-3 x 64 by 64 x T product per head and sequence) where one core streams 17-23 GB/s. Built with the
-system's C compiler at first use into kvforge's cache directory (well under a second: no torch
-headers; called through ctypes with raw pointers); where there is no compiler or no AVX-512, or
-`KVFORGE_KERNELS=0`, `available()` is False and callers keep torch's ops.
+3 x 64 by 64 x T product per head and sequence) where one core streams 17-23 GB/s, and a 9-token
+verification at 4K (27 query rows per KV head) is bound by multiplies, which AVX512-BF16's pair dot
+products halve. Built with the system's C compiler at first use into kvforge's cache directory
+(well under a second: no torch headers; called through ctypes with raw pointers); where there is
+no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
+and callers keep torch's ops.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ import torch
 from kvforge.paths import kvforge_home
 
 _SOURCE = Path(__file__).with_name("few_query_attention.c")
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
 _MAX_DIM = 256  # MAX_CHUNKS x 16 in the C source
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVFORGE_KERNELS", "1") == "0" or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return None
+        return None  # (torch says AVX512 on AVX512-BF16 CPUs too: the library asks the CPU itself below)
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
@@ -50,10 +52,13 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError):
         return None
+    if not lib.kvforge_supported():  # compiled, but this CPU lacks AVX512-BF16 (or BW, VL)
+        return None
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, f32]
-    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.kvforge_qk.restype = lib.kvforge_pv.restype = None
+    lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.kvforge_qk.restype = lib.kvforge_softmax.restype = lib.kvforge_pv.restype = None
     return lib
 
 
@@ -64,28 +69,47 @@ def available(dim: int) -> bool:
 
 
 def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float) -> torch.Tensor:
-    """rows (B, H, R, D) fp32 against the first `length` rows of a bf16 buffer k (B, H, C, D)
+    """bf16 query rows (B, H, R, D) against the first `length` rows of a bf16 buffer k (B, H, C, D)
     -> scaled scores (B, H, R, C) fp32, -inf past `length`."""
     b, h, r, d = rows.shape
     c = k.shape[2]
-    if not k.is_contiguous() or k.dtype != torch.bfloat16 or k.shape[:2] != (b, h) or k.shape[3] != d or not 0 <= length <= c:
-        raise ValueError(f"few_query_scores: rows {tuple(rows.shape)} against a contiguous bf16 buffer, got {k.dtype} "
-                         f"{tuple(k.shape)} with length {length}")
+    if (not k.is_contiguous() or k.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or k.shape[:2] != (b, h)
+            or k.shape[3] != d or not 0 <= length <= c):
+        raise ValueError(f"few_query_scores: bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
+                         f"got {k.dtype} {tuple(k.shape)} with length {length}")
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, c, dtype=torch.float32)
     _library().kvforge_qk(rows.data_ptr(), k.data_ptr(), scores.data_ptr(), b * h, r, c, length, d, scale)
     return scores
 
 
-def few_query_values(weights: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
-    """weights (B, H, R, C) fp32 over the first `length` rows of a bf16 buffer v (B, H, C, D)
-    -> (B, H, R, D) fp32."""
-    b, h, r, c = weights.shape
-    d = v.shape[-1]
-    if not v.is_contiguous() or v.dtype != torch.bfloat16 or v.shape[:3] != (b, h, c) or not 0 <= length <= c:
-        raise ValueError(f"few_query_values: weights {tuple(weights.shape)} over a contiguous bf16 buffer, got {v.dtype} "
-                         f"{tuple(v.shape)} with length {length}")
-    weights = weights.contiguous()
+def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores (B, H, R, C) fp32 -> the softmax's weights, unnormalized (B, H, R, W) bf16 with W = C
+    rounded up to even, and each row's normalizer (B, H, R) fp32 (the inverse of its weights' sum),
+    for `few_query_values`. Row r is token r % `tokens` of a step whose last token is row length - 1:
+    it sees the first length - (tokens - 1 - r % tokens) keys (the causal triangle among the step's
+    own rows); its weights are zero from there on (up to `length`; past it they are not written)."""
+    b, h, r, c = scores.shape
+    if scores.dtype != torch.float32 or not scores.is_contiguous() or not 0 <= length <= c or not 1 <= tokens <= max(r, 1):
+        raise ValueError(f"few_query_softmax: contiguous fp32 scores, got {scores.dtype} {tuple(scores.shape)} "
+                         f"with length {length} and {tokens} tokens")
+    weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
+    inverse = torch.empty(b, h, r, dtype=torch.float32)
+    _library().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
+                               length, tokens)
+    return weights, inverse
+
+
+def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """`few_query_softmax`'s weights (B, H, R, W) and normalizers (B, H, R) over the first `length`
+    rows of a bf16 buffer v (B, H, C, D) -> (B, H, R, D) fp32."""
+    b, h, r, w = weights.shape
+    c, d = v.shape[2], v.shape[-1]
+    if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
+            or w % 2 or w < c or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32):
+        raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
+                         f"buffer, got {v.dtype} {tuple(v.shape)} with length {length}")
+    weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
-    _library().kvforge_pv(weights.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d)
+    _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, length, d)
     return out

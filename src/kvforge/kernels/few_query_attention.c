@@ -1,76 +1,123 @@
 /* Few-query attention over a contiguous bf16 KV buffer, for decode and verification steps.
  *
- * Layout (row-major, contiguous): q (BH, R, D) fp32, k and v (BH, C, D) bf16, scores (BH, R, C)
- * fp32, out (BH, R, D) fp32; BH = batch x KV heads, R = query rows sharing a KV head, C = the
- * buffer's rows, of which the first `length` are real.
+ * Layout (row-major, contiguous): q (BH, R, D) bf16, k and v (BH, C, D) bf16, scores (BH, R, C)
+ * fp32, weights (BH, R, W) bf16 with W >= C rounded up to even, inverse (BH, R) fp32 (each row's
+ * 1 / sum of weights), out (BH, R, D) fp32; BH = batch x
+ * KV heads, R = query rows sharing a KV head, C = the buffer's rows, of which the first `length`
+ * are real. Row r is query token r % T of a T-token step whose last token sits at row length - 1,
+ * so it sees the first length - (T - 1 - r % T) rows (T = 1: all `length`).
  *
- * Each key and value row is read once for all R query rows of its head, straight from the
- * buffer, and rows past `length` are never read (their scores are -inf, their weights unused).
- * Invariant: a query row's result depends only on its own query and the real rows, never on R,
- * BH, `length` beyond its own keys or C: every score is a 16-lane FMA chain over D followed by
- * one fixed reduction tree (keys are scored 16 at a time, a short last block through a zeroed
- * copy, so a key's bits do not depend on where a block starts), and values accumulate in key
- * order. A one-token decode step and a (k + 1)-row verification therefore give a row the same
- * bits, which lossless speculative decoding needs. Requires AVX-512F and D in {16, 32, ..., 256}. */
+ * Three passes, each a few instructions per multiply: scores by bf16 pair dot products
+ * (AVX512-BF16's dpbf16, 32 products per instruction into fp32; q and k are bf16 numbers, so
+ * every product is exact and only the fp32 sums round), a softmax in fp32 whose weights are
+ * rounded to bf16 (as torch's bf16 attention rounds them), and the weighted values by the same
+ * pair dot products over pairs of keys, divided by the rounded weights' sum at the end. Each key and value row is read once per block of query
+ * rows, straight from the buffer; rows at or past `length` are never read.
+ *
+ * Invariant: a query row's result depends only on its own query and the rows it sees, never on R,
+ * T, BH, rows it does not see, or C: a score is a fixed sequence of dpbf16 over D and one fixed
+ * reduction tree (keys are scored 16 at a time, a short last block through a zeroed copy, so a
+ * key's bits do not depend on where a block starts); the softmax runs over the row's own keys in
+ * 16-lane blocks; the values accumulate pair by pair in key order, and a key the row does not
+ * see has weight exactly 0. A one-token decode step and a (k + 1)-row verification therefore give
+ * a row the same bits, which lossless speculative decoding needs. Requires AVX-512 F, BW, VL and
+ * BF16 (`kvforge_supported`) and D in {16, 32, ..., 256}. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 16
-#define MAX_CHUNKS 16 /* D / 16 */
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m256i half = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* a[j] (16 lanes each) -> lane j = the sum of a[j]'s lanes, one fixed tree for every j. */
-static inline __m512 transpose_sum(__m512 a[16]) {
-    __m512 b[8], c[4];
-    for (int j = 0; j < 8; j++)
-        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
-    for (int j = 0; j < 4; j++) {
-        __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
-        c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* c[j], per 128-bit lane L: the lane-L partial sums of a[4j .. 4j+3] */
-    __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
-}
+#define BLOCK 16    /* keys scored per block: one 16-lane vector of scores */
+#define MAX_DIM 256 /* the tail block's scratch */
+#define ROWS 4      /* query rows whose value sums share registers */
+#define CHUNKS 4    /* 16-dim chunks of the output per pass over the values */
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Scores of `rows` query rows against 16 keys: the keys converted once into an fp32 scratch
- * (L1-resident), 16 accumulators per row in registers. */
-INLINE void score_block(const float *q, const uint16_t *keys, float *out, long rows, long capacity, const long dim,
-                        float scale) {
-    float kf[BLOCK * 16 * MAX_CHUNKS];
-    for (int j = 0; j < BLOCK; j++) {
-        for (long c = 0; c < dim; c += 32) /* the block after the next, one cache line per 32 keys' dims */
-            _mm_prefetch((const char *)(keys + (2 * BLOCK + j) * dim + c), _MM_HINT_T0);
-        for (long c = 0; c < dim; c += 16) _mm512_storeu_ps(kf + j * dim + c, load_bf16(keys + j * dim + c));
+int kvforge_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+/* The 32 bits at p (a bf16 pair) in every lane, by a load-broadcast (never through a GPR). */
+INLINE __m512i broadcast_pair(const uint16_t *p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
+INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* o[i], lane j = r[j]'s 32-bit lane i: a 16 x 16 transpose (32-bit unpacks within 128-bit
+ * lanes, then 64-bit, then two rounds of 128-bit lane shuffles). */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
     }
-    __m512 scaled = _mm512_set1_ps(scale);
-    for (long r = 0; r < rows; r++) {
-        const float *qr = q + r * dim;
-        __m512 acc[BLOCK];
-        for (int j = 0; j < BLOCK; j++) acc[j] = _mm512_setzero_ps();
-        for (long c = 0; c < dim; c += 16) {
-            __m512 qc = _mm512_loadu_ps(qr + c);
-            for (int j = 0; j < BLOCK; j++) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kf + j * dim + c), acc[j]);
-        }
-        _mm512_storeu_ps(out + r * capacity, _mm512_mul_ps(transpose_sum(acc), scaled));
+    for (int m = 0; m < 4; m++) { /* b[4m + e], 128-bit lane L: element 4L + e of rows 4m .. 4m + 3 */
+        b[4 * m + 0] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+        b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+    }
+    for (int e = 0; e < 4; e++) { /* row 4L + e gathers lane L of b[e], b[4 + e], b[8 + e], b[12 + e] */
+        __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44), c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+        __m512i c2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44), c3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
     }
 }
 
-INLINE void qk(const float *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
+/* 16 keys of `dim` bf16 -> kt[p] = dimension pair p of each key, one 32-bit lane per key. */
+INLINE void transpose_keys(const uint16_t *keys, __m512i *kt, const long dim) {
+    const long pairs = dim / 2;
+    for (long p0 = 0; p0 < pairs; p0 += 16) {
+        const __mmask16 present = pairs - p0 >= 16 ? 0xFFFF : 0x00FF; /* D = 16 + 32n: a last group of 8 pairs */
+        __m512i r[16];
+        for (int j = 0; j < BLOCK; j++) r[j] = _mm512_maskz_loadu_epi32(present, keys + j * dim + 2 * p0);
+        transpose16(r);
+        for (long i = 0; i < 16 && p0 + i < pairs; i++) kt[p0 + i] = r[i];
+    }
+}
+
+/* Scores of `rows` query rows against 16 keys, one lane per key: the keys transposed once into
+ * pairs per lane, then for each block of ROWS rows two dpbf16 chains per row (even and odd pairs,
+ * summed once at the end) with the query's pair broadcast. */
+INLINE void score_block(const uint16_t *q, const uint16_t *keys, float *out, long rows, long stride, const long dim,
+                        float scale) {
+    __m512i kt[MAX_DIM / 2];
+    for (int j = 0; j < BLOCK; j++)
+        for (long c = 0; c < dim; c += 32) /* the block after the next */
+            _mm_prefetch((const char *)(keys + (2 * BLOCK + j) * dim + c), _MM_HINT_T0);
+    transpose_keys(keys, kt, dim);
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (long r0 = 0; r0 < rows; r0 += ROWS) {
+        const long n = rows - r0 < ROWS ? rows - r0 : ROWS;
+        __m512 even[ROWS], odd[ROWS];
+        for (int r = 0; r < ROWS; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        for (long p = 0; p < dim / 2; p += 2) {
+            for (int r = 0; r < ROWS; r++) {
+                if (r < n) {
+                    const uint16_t *qr = q + (r0 + r) * dim + 2 * p;
+                    even[r] = dot_pairs(even[r], kt[p], broadcast_pair(qr));
+                    odd[r] = dot_pairs(odd[r], kt[p + 1], broadcast_pair(qr + 2));
+                }
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            if (r < n) _mm512_storeu_ps(out + (r0 + r) * stride, _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), scaled));
+    }
+}
+
+INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
                const long dim, float scale) {
-    uint16_t tail[BLOCK * 16 * MAX_CHUNKS];
+    uint16_t tail[BLOCK * MAX_DIM];
     float tail_scores[BLOCK * 64];
     for (long g = 0; g < bh; g++) {
-        const float *qg = q + g * rows * dim;
+        const uint16_t *qg = q + g * rows * dim;
         const uint16_t *kg = k + g * capacity * dim;
         float *sg = scores + g * rows * capacity;
         long t = 0;
@@ -90,29 +137,105 @@ INLINE void qk(const float *q, const uint16_t *k, float *scores, long bh, long r
     }
 }
 
-INLINE void pv(const float *weights, const uint16_t *v, float *out, long bh, long rows, long capacity, long length,
-               const long dim) {
+/* exp(x) for x <= 0 (a score minus its row's maximum): Cephes' expf polynomial after reduction
+ * by ln 2 (within 2 ulp of expf), scaled by 2^n; below -87.3 (-inf included) exactly 0. */
+INLINE __m512 exp_nonpositive(__m512 x) {
+    const __mmask16 vanishes = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(~vanishes, _mm512_scalef_ps(y, n));
+}
+
+INLINE __mmask16 first(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* The softmax of each row over the keys it sees, in two passes: its maximum, then the
+ * exponentials rounded to bf16 (the weights, unnormalized: at most 1) with their sum, whose
+ * inverse `pv` multiplies in at the end, so the weights a row uses sum to exactly 1 after
+ * rounding. A row's weights are zero from its last key to `length` rounded up to even. */
+static void softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long capacity,
+                    long wstride, long length, long tokens) {
+    const long padded = (length + 1) & ~1L;
+    for (long i = 0; i < bh * rows; i++) {
+        const float *s = scores + i * capacity;
+        uint16_t *w = weights + i * wstride;
+        const long n = length - (tokens - 1 - (i % rows) % tokens);
+        long t;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (t = 0; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+        if (t < n) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, first(n - t), s + t));
+        const float m = n > 0 ? _mm512_reduce_max_ps(top) : -INFINITY;
+        if (m == -INFINITY) { /* sees nothing (a fully masked row): no weight anywhere */
+            memset(w, 0, sizeof(uint16_t) * padded);
+            inverse[i] = 0.0f;
+            continue;
+        }
+        const __m512 shift = _mm512_set1_ps(m);
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t < n; t += 16) {
+            const __mmask16 valid = first(n - t);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, valid, s + t), shift));
+            __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, e));
+            _mm256_mask_storeu_epi16(w + t, valid, rounded);
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        }
+        inverse[i] = 1.0f / _mm512_reduce_add_ps(sum);
+        if (padded > n) memset(w + n, 0, sizeof(uint16_t) * (padded - n));
+    }
+}
+
+/* v rows t and t + 1, 16 dims from c, interleaved into pairs (row t's value low); a row at or
+ * past `length` reads as zero and is never touched. */
+INLINE __m512i value_pairs(const uint16_t *v, long t, long c, long length, const long dim, __m512i interleave) {
+    __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + t * dim + c)));
+    __m512i b = t + 1 < length ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (t + 1) * dim + c)))
+                               : _mm512_setzero_si512();
+    return _mm512_permutex2var_epi16(a, interleave, b);
+}
+
+INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
+               long wstride, long capacity, long length, const long dim) {
     const long chunks = dim / 16;
+    __m512i interleave; /* lane 2i: a's element i, lane 2i + 1: b's (index 32 + i) */
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
+        interleave = _mm512_loadu_si512(idx);
+    }
     for (long g = 0; g < bh; g++) {
-        const float *wg = weights + g * rows * capacity;
+        const uint16_t *wg = weights + g * rows * wstride;
         const uint16_t *vg = v + g * capacity * dim;
         float *og = out + g * rows * dim;
-        for (long r0 = 0; r0 < rows; r0 += 4) { /* four rows' accumulators in registers */
-            long n = rows - r0 < 4 ? rows - r0 : 4;
-            __m512 acc[4][MAX_CHUNKS];
-            for (long r = 0; r < 4; r++)
-                for (long c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
-            for (long t = 0; t < length; t++) {
-                const uint16_t *vt = vg + t * dim;
-                for (long c = 0; c < dim; c += 32) _mm_prefetch((const char *)(vt + 16 * dim + c), _MM_HINT_T0);
-                for (long c = 0; c < chunks; c++) {
-                    __m512 vc = load_bf16(vt + c * 16);
-                    for (long r = 0; r < n; r++)
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(wg[(r0 + r) * capacity + t]), vc, acc[r][c]);
+        for (long c0 = 0; c0 < chunks; c0 += CHUNKS) {
+            const long nc = chunks - c0 < CHUNKS ? chunks - c0 : CHUNKS;
+            for (long r0 = 0; r0 < rows; r0 += ROWS) {
+                const long nr = rows - r0 < ROWS ? rows - r0 : ROWS;
+                __m512 acc[ROWS][CHUNKS];
+                for (long r = 0; r < ROWS; r++)
+                    for (long c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_setzero_ps();
+                for (long t = 0; t < length; t += 2) {
+                    _mm_prefetch((const char *)(vg + (t + 16) * dim + c0 * 16), _MM_HINT_T0);
+                    __m512i vp[CHUNKS];
+                    for (long c = 0; c < nc; c++) vp[c] = value_pairs(vg, t, (c0 + c) * 16, length, dim, interleave);
+                    for (long r = 0; r < nr; r++) {
+                        __m512i wp = broadcast_pair(wg + (r0 + r) * wstride + t);
+                        for (long c = 0; c < nc; c++) acc[r][c] = dot_pairs(acc[r][c], vp[c], wp);
+                    }
+                }
+                for (long r = 0; r < nr; r++) {
+                    const __m512 norm = _mm512_set1_ps(inverse[g * rows + r0 + r]);
+                    for (long c = 0; c < nc; c++) _mm512_storeu_ps(og + (r0 + r) * dim + (c0 + c) * 16, _mm512_mul_ps(acc[r][c], norm));
                 }
             }
-            for (long r = 0; r < n; r++)
-                for (long c = 0; c < chunks; c++) _mm512_storeu_ps(og + (r0 + r) * dim + c * 16, acc[r][c]);
         }
     }
 }
@@ -127,14 +250,19 @@ INLINE void pv(const float *weights, const uint16_t *v, float *out, long bh, lon
     default: call(dim);                                                                            \
     }
 
-void kvforge_qk(const float *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
+void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
                 long dim, float scale) {
 #define QK(d) qk(q, k, scores, bh, rows, capacity, length, d, scale)
     BY_DIM(QK, dim)
 }
 
-void kvforge_pv(const float *weights, const uint16_t *v, float *out, long bh, long rows, long capacity, long length,
-                long dim) {
-#define PV(d) pv(weights, v, out, bh, rows, capacity, length, d)
+void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long capacity,
+                     long wstride, long length, long tokens) {
+    softmax(scores, weights, inverse, bh, rows, capacity, wstride, length, tokens);
+}
+
+void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
+                long wstride, long capacity, long length, long dim) {
+#define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, length, d)
     BY_DIM(PV, dim)
 }
