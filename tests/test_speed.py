@@ -336,10 +336,12 @@ def test_full_fine_tuning_deltas_equal_the_model_with_those_weights(family, tmp_
 
 def test_full_fine_tuning_above_the_cut_trains_only_those_layers():
     engine = Engine(tiny_loaded("llama"))
-    config = SpeedFitConfig(steps=3, max_tokens=200, train="full", lr=1e-3)
+    config = SpeedFitConfig(steps=3, max_tokens=200, train="full-above-cut", lr=1e-3)
     lora = fit_speed(engine, SpeedConfig(cut=2), config, "tiny-llama")
-    assert lora.rank == 0 and lora.layers == (2, 3) and lora.info["training"]["train"] == "full"
+    assert lora.rank == 0 and lora.layers == (2, 3) and lora.info["training"]["train"] == "full-above-cut"
     assert all(value.abs().sum() > 0 for value in lora.tensors.values())  # every projection above the cut moved
+    everywhere = fit_speed(Engine(tiny_loaded("llama")), SpeedConfig(cut=2), SpeedFitConfig(steps=2, max_tokens=200, train="full"), "tiny-llama")
+    assert everywhere.layers is None and {key.split(".")[1] for key in everywhere.tensors} == {"0", "1", "2", "3"}
     with pytest.raises(ValueError, match="--train"):
         SpeedFitConfig(train="half")
     with pytest.raises(ValueError, match="--lora-rank"):

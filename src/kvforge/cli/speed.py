@@ -24,7 +24,7 @@ def fit_speed_cmd(
     cut: str = typer.Option("0.75", "--cut", help="Layers (e.g. 22) or a fraction of the depth."),
     steps: int = typer.Option(600, "--steps", help="Optimizer steps."),
     lora_rank: int = typer.Option(32, "--lora-rank", help="LoRA rank on the fused q/k/v and gate/up projections."),
-    train: str = typer.Option("lora", "--train", help="lora: LoRA factors on every layer; full: every projection of the layers at and above the cut trained whole (the norms stay)."),
+    train: str = typer.Option("lora", "--train", help="lora: LoRA factors on every layer; full: every projection of every layer trained whole; full-above-cut: only the layers at and above the cut (the norms stay)."),
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),

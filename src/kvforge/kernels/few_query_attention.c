@@ -31,6 +31,7 @@
 #define MAX_DIM 256 /* the tail block's scratch */
 #define ROWS 4      /* query rows whose value sums share registers */
 #define CHUNKS 4    /* 16-dim chunks of the output per pass over the values */
+#define PREFETCH 8  /* key blocks read ahead (measured: 2 starved the transposes when K came from memory) */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -86,13 +87,13 @@ INLINE void transpose_keys(const uint16_t *keys, __m512i *kt, const long dim) {
 /* Scores of `rows` query rows against 16 keys, one lane per key: the keys transposed once into
  * pairs per lane, then for each block of ROWS rows two dpbf16 chains per row (even and odd pairs,
  * summed once at the end) with the query's pair broadcast. */
-INLINE void score_block(const uint16_t *q, const uint16_t *keys, float *out, long rows, long stride, const long dim,
-                        float scale) {
+INLINE void score_block(const uint16_t *q, const uint16_t *keys, const uint16_t *ahead, float *out, long rows, long stride,
+                        const long dim, float scale) {
     __m512i kt[MAX_DIM / 2];
-    for (int j = 0; j < BLOCK; j++)
-        for (long c = 0; c < dim; c += 32) /* the block after the next */
-            _mm_prefetch((const char *)(keys + (2 * BLOCK + j) * dim + c), _MM_HINT_T0);
     transpose_keys(keys, kt, dim);
+    if (ahead) /* after this block's loads, so the two do not compete for the miss buffers */
+        for (int j = 0; j < BLOCK; j++)
+            for (long c = 0; c < dim; c += 32) _mm_prefetch((const char *)(ahead + j * dim + c), _MM_HINT_T0);
     const __m512 scaled = _mm512_set1_ps(scale);
     for (long r0 = 0; r0 < rows; r0 += ROWS) {
         const long n = rows - r0 < ROWS ? rows - r0 : ROWS;
@@ -121,13 +122,18 @@ INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lon
         const uint16_t *kg = k + g * capacity * dim;
         float *sg = scores + g * rows * capacity;
         long t = 0;
-        for (; t + BLOCK <= length; t += BLOCK) score_block(qg, kg + t * dim, sg + t, rows, capacity, dim, scale);
+        for (; t + BLOCK <= length; t += BLOCK) {
+            /* PREFETCH blocks ahead, running on into the next head's first rows near the end */
+            const long u = t + PREFETCH * BLOCK;
+            const uint16_t *ahead = u < length ? kg + u * dim : g + 1 < bh ? kg + (capacity + u - length) * dim : NULL;
+            score_block(qg, kg + t * dim, ahead, sg + t, rows, capacity, dim, scale);
+        }
         if (t < length) { /* a short last block: the same arithmetic on a zero-padded copy */
             memset(tail, 0, sizeof(uint16_t) * BLOCK * dim);
             memcpy(tail, kg + t * dim, sizeof(uint16_t) * (length - t) * dim);
             for (long r0 = 0; r0 < rows; r0 += 64) {
                 long n = rows - r0 < 64 ? rows - r0 : 64;
-                score_block(qg + r0 * dim, tail, tail_scores, n, BLOCK, dim, scale);
+                score_block(qg + r0 * dim, tail, NULL, tail_scores, n, BLOCK, dim, scale);
                 for (long r = 0; r < n; r++)
                     memcpy(sg + (r0 + r) * capacity + t, tail_scores + r * BLOCK, sizeof(float) * (length - t));
             }
@@ -223,7 +229,10 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
                 for (long r = 0; r < ROWS; r++)
                     for (long c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_setzero_ps();
                 for (long t = 0; t < length; t += 2) {
-                    _mm_prefetch((const char *)(vg + (t + 16) * dim + c0 * 16), _MM_HINT_T0);
+                    for (long c = c0 * 16; c < (c0 + nc) * 16; c += 32) { /* 8 pairs ahead, every line read */
+                        _mm_prefetch((const char *)(vg + (t + 16) * dim + c), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vg + (t + 17) * dim + c), _MM_HINT_T0);
+                    }
                     __m512i vp[CHUNKS];
                     for (long c = 0; c < nc; c++) vp[c] = value_pairs(vg, t, (c0 + c) * 16, length, dim, interleave);
                     for (long r = 0; r < nr; r++) {
