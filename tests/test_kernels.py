@@ -27,7 +27,7 @@ def test_kernel_matches_sdpa_over_the_real_rows(dim, length):
     q = torch.randn(2, 6, 1, dim, generator=g).bfloat16()
     ours = grouped_attention(q, k, v, dim**-0.5, length=length).float()
     ref = F.scaled_dot_product_attention(q.float(), k[:, :, :length].float(), v[:, :, :length].float(), scale=dim**-0.5, enable_gqa=True)
-    # inputs in bf16, scores and weights in fp32, the output rounded once to bf16
+    # inputs in bf16, scores and the softmax in fp32, weights rounded to bf16, the output rounded once to bf16
     assert (ours - ref).abs().max() < 2e-2
 
 
@@ -40,12 +40,14 @@ def test_rows_past_the_length_are_never_read():
     assert torch.equal(grouped_attention(q, k, v, 0.125, length=40), before)
 
 
-@pytest.mark.parametrize("dim", [16, 64])
-def test_a_row_has_the_same_bits_in_a_decode_step_and_in_a_verification_step(dim):
+@pytest.mark.parametrize("dim, query_heads", [(16, 6), (64, 6), (48, 6), (64, 16)])
+def test_a_row_has_the_same_bits_in_a_decode_step_and_in_a_verification_step(dim, query_heads):
     """Decode of the token at position p (length p + 1) against the same token as row i of a
-    9-row verification step (length p + 9 - i... with the later rows its own, masked)."""
+    9-row verification step (length p + 9 - i... with the later rows its own, masked). Width 48
+    transposes a whole group of 16 dimension pairs and a half one; 16 query heads over 2 KV heads
+    make 72 rows per head, past the 64 a short last key block takes at a time."""
     k, v, g = _buffer(1, 2, 96, dim, seed=dim)
-    q = torch.randn(1, 6, 9, dim, generator=g).bfloat16()
+    q = torch.randn(1, query_heads, 9, dim, generator=g).bfloat16()
     start = 50
     verify = grouped_attention(q, k, v, 0.3, length=start + 9)
     for i in range(9):
@@ -104,6 +106,11 @@ def test_shapes_the_kernel_cannot_read_are_refused_before_it_runs():
         kernels.few_query_values(weights, inverse[..., :2], v, 10)  # a normalizer missing
     with pytest.raises(ValueError, match="tokens"):
         kernels.few_query_softmax(torch.zeros(1, 2, 3, 32), 10, tokens=4)  # more step tokens than rows
+    with pytest.raises(ValueError, match="tokens"):
+        kernels.few_query_softmax(torch.zeros(1, 2, 3, 32), 10, tokens=2)  # rows not whole steps
+    wide = torch.zeros(1, 2, 32, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError):
+        kernels.few_query_scores(torch.zeros(1, 2, 3, 512, dtype=torch.bfloat16), wide, 10, 0.1)  # wider than the scratch
 
 
 def test_weights_are_a_softmax_rounded_once_and_normalized_by_their_rounded_sum():

@@ -27,7 +27,7 @@ from kvforge.paths import kvforge_home
 
 _SOURCE = Path(__file__).with_name("few_query_attention.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
-_MAX_DIM = 256  # MAX_CHUNKS x 16 in the C source
+_MAX_DIM = 256  # MAX_DIM in the C source
 
 
 @functools.cache
@@ -62,10 +62,14 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _widths_ok(dim: int) -> bool:
+    return 16 <= dim <= _MAX_DIM and dim % 16 == 0
+
+
 def available(dim: int) -> bool:
     """Whether the compiled few-query kernels can run heads of width `dim` here (16..256, a multiple
     of 16: the kernel's per-block scratch and accumulators are sized for at most 256)."""
-    return 16 <= dim <= _MAX_DIM and dim % 16 == 0 and _library() is not None
+    return _widths_ok(dim) and _library() is not None
 
 
 def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float) -> torch.Tensor:
@@ -74,7 +78,7 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     b, h, r, d = rows.shape
     c = k.shape[2]
     if (not k.is_contiguous() or k.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or k.shape[:2] != (b, h)
-            or k.shape[3] != d or not 0 <= length <= c):
+            or k.shape[3] != d or not 0 <= length <= c or not _widths_ok(d)):
         raise ValueError(f"few_query_scores: bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
                          f"got {k.dtype} {tuple(k.shape)} with length {length}")
     rows = rows.contiguous()
@@ -90,7 +94,8 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
     it sees the first length - (tokens - 1 - r % tokens) keys (the causal triangle among the step's
     own rows); its weights are zero from there on (up to `length`; past it they are not written)."""
     b, h, r, c = scores.shape
-    if scores.dtype != torch.float32 or not scores.is_contiguous() or not 0 <= length <= c or not 1 <= tokens <= max(r, 1):
+    if (scores.dtype != torch.float32 or not scores.is_contiguous() or not 0 <= length <= c or not 1 <= tokens <= max(r, 1)
+            or r % tokens):
         raise ValueError(f"few_query_softmax: contiguous fp32 scores, got {scores.dtype} {tuple(scores.shape)} "
                          f"with length {length} and {tokens} tokens")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
@@ -106,7 +111,8 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
     b, h, r, w = weights.shape
     c, d = v.shape[2], v.shape[-1]
     if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
-            or w % 2 or w < c or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32):
+            or w % 2 or w < c or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32
+            or not _widths_ok(d)):
         raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
                          f"buffer, got {v.dtype} {tuple(v.shape)} with length {length}")
     weights, inverse = weights.contiguous(), inverse.contiguous()

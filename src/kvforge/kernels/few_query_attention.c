@@ -242,7 +242,10 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
                 }
                 for (long r = 0; r < nr; r++) {
                     const __m512 norm = _mm512_set1_ps(inverse[g * rows + r0 + r]);
-                    for (long c = 0; c < nc; c++) _mm512_storeu_ps(og + (r0 + r) * dim + (c0 + c) * 16, _mm512_mul_ps(acc[r][c], norm));
+                    for (long c = 0; c < nc; c++) /* + 0: a -0 (all contributions flushed or cancelled) reads +0
+                                                   * whether or not the row's unseen keys added (+0) v after it */
+                        _mm512_storeu_ps(og + (r0 + r) * dim + (c0 + c) * 16,
+                                         _mm512_mul_ps(_mm512_add_ps(acc[r][c], _mm512_setzero_ps()), norm));
                 }
             }
         }
