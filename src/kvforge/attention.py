@@ -115,9 +115,10 @@ def grouped_attention(
     if _compiled(q, k, v):
         # the compiled kernel: each K/V row read once per block of the group's rows, rows past
         # `length` never read; scores and softmax in fp32, weights rounded to bf16 (as torch's path
-        # rounds them) and normalized by their rounded sum at the end. On the length path each row's softmax covers only the keys it sees (the
-        # step's causal triangle included), so a row's bits do not depend on the step's width; on
-        # the mask path a hidden key's score is -inf and its weight exactly 0.
+        # rounds them) and normalized by their rounded sum at the end. On the length path each
+        # row's softmax covers only the keys it sees (the step's causal triangle included), so a
+        # row's bits do not depend on the step's width; on the mask path a hidden key's score is
+        # -inf and its weight exactly 0.
         read = k.shape[2] if length is None else length
         scores = kernels.few_query_scores(rows, k, read, scaling)
         if mask is not None:

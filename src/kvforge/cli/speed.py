@@ -38,7 +38,7 @@ def fit_speed_cmd(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Adapt a model to SPEED: LoRA (or full fine-tuning above the cut) on the fit split of the chat data under the SPEED mask."""
+    """Adapt a model to SPEED: LoRA (or full fine-tuning) on the fit split of the chat data under the SPEED mask."""
     from tqdm import tqdm
 
     from kvforge.artifacts import artifact_path

@@ -12,8 +12,8 @@ keep the base weights. One mechanism serves both: a delta per (layer, target). T
 swaps in W + delta for the duration of a forward (`applied`), so gradients reach the deltas only;
 inference runs a second weight set with the delta added once (`adapted_engine`), so an adapted
 model runs at the base model's speed and the base engine keeps the base weights. The norms stay
-the base model's. A, B and D are fp32 whatever the model's dtype; the merged weights take the model's (bf16 included). The artifact
-names the base model and its fingerprint, and what the adapter was trained for (SPEED: the cut,
+the base model's. A, B and D are fp32 whatever the model's dtype; the merged weights take the
+model's (bf16 included). The artifact names the base model and its fingerprint, and what the adapter was trained for (SPEED: the cut,
 anchors and tail), so loading it onto another model is refused.
 """
 

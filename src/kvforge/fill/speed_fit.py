@@ -7,7 +7,7 @@ reply token sees exactly what a decode token sees at inference. The loss is the 
 next-token cross entropy (teacher forced, `scoring.planned_nll`), or (`loss="kl"`) the KL divergence
 from the frozen base model's full-depth next-token distribution on the same text: every reply token
 then carries the full-depth model's whole distribution, and the adapter is pulled toward the
-reference SPEED is judged against instead of toward the data. Only the LoRA factors train
+reference SPEED is judged against instead of toward the data. Only the adapter's deltas train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
 gradient accumulation for the effective batch. `train="full"` trains every projection of every
@@ -15,10 +15,10 @@ layer whole instead of LoRA factors; `"full-above-cut"` only those of the layers
 cut, whose inputs the policy changes (the backward pass then stops at the cut). Measured: that is
 the wrong place for capacity (policy gap +16.2 % against LoRA everywhere's +6.9 %): above the cut a
 reply token sees no prompt row, so what it knows of the prompt must be gathered below the cut. Every
-layer whole gave +7.9 %, no better than LoRA at 4x the time: LoRA stays the default. With a `checkpoint` path the run writes the LoRA
-factors, the trainer and its progress there every `checkpoint_every` steps (the shared
-`training.save_checkpoint`) and a run started with the same settings resumes from it exactly:
-samples are visited in a fixed order by step number.
+layer whole gave +7.9 %, no better than LoRA at 4x the time: LoRA stays the default. With a
+`checkpoint` path the run writes the adapter's tensors, the trainer and its progress there every
+`checkpoint_every` steps (the shared `training.save_checkpoint`) and a run started with the same
+settings resumes from it exactly: samples are visited in a fixed order by step number.
 """
 
 from __future__ import annotations

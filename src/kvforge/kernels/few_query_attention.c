@@ -28,7 +28,7 @@
 #include <string.h>
 
 #define BLOCK 16    /* keys scored per block: one 16-lane vector of scores */
-#define MAX_DIM 256 /* the tail block's scratch */
+#define MAX_DIM 256 /* the scratch: the tail block, the transposed keys */
 #define ROWS 4      /* query rows whose value sums share registers */
 #define CHUNKS 4    /* 16-dim chunks of the output per pass over the values */
 #define PREFETCH 8  /* key blocks read ahead (measured: 2 starved the transposes when K came from memory) */
@@ -48,7 +48,7 @@ INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-/* o[i], lane j = r[j]'s 32-bit lane i: a 16 x 16 transpose (32-bit unpacks within 128-bit
+/* In place: afterwards r[i], lane j = r[j]'s 32-bit lane i before: a 16 x 16 transpose (32-bit unpacks within 128-bit
  * lanes, then 64-bit, then two rounds of 128-bit lane shuffles). */
 INLINE void transpose16(__m512i r[16]) {
     __m512i a[16], b[16];
