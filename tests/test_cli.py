@@ -237,6 +237,10 @@ def test_dtype_bf16_runs_fp32_artifacts_and_is_recorded(tiny_model_dir, tiny_map
     obj = _last_json(bench)
     assert obj["dtype"] == "bfloat16" and obj["results"][0]["kv_bytes"] == obj["results"][0]["kv_bytes_expected"]
     assert obj["results"][0]["max_abs_logit_diff"] < 0.1  # against transformers in bf16 too
+    parity = _run("eval", "exact", "--model", tiny_model_dir, "--prompts", 1, "-n", 4, "--dtype", "bf16", "--json")
+    assert parity.exit_code == 0, parity.output
+    obj = _last_json(parity)  # both engines' bf16 measured against transformers' fp32: bf16's own rounding
+    assert obj["dtype"] == "bfloat16" and 0 < obj["transformers_diff_vs_fp32"] < 0.1 and 0 < obj["max_abs_logit_diff_vs_fp32"] < 0.1
     _assert_one_line_errors([(("generate", "--model", tiny_model_dir, "--prompt", "hi", "--dtype", "int8"), "unknown dtype 'int8'")])
 
 

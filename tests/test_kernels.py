@@ -94,6 +94,8 @@ def test_shapes_the_kernel_cannot_read_are_refused_before_it_runs():
     rows = torch.randn(1, 2, 3, 64, generator=g).bfloat16()
     with pytest.raises(ValueError, match="length 40"):
         kernels.few_query_scores(rows, k, 40, 0.125)  # more rows than the buffer holds
+    with pytest.raises(ValueError, match="8 columns"):
+        kernels.few_query_scores(rows, k, 10, 0.125, columns=8)  # fewer columns than scores
     with pytest.raises(ValueError):
         kernels.few_query_scores(rows[..., :32], k, 10, 0.125)  # another head width
     with pytest.raises(ValueError):
@@ -101,7 +103,7 @@ def test_shapes_the_kernel_cannot_read_are_refused_before_it_runs():
     weights, inverse = kernels.few_query_softmax(kernels.few_query_scores(rows, k, 10, 0.125), 10)
     assert weights.shape == (1, 2, 3, 32) and weights.dtype == torch.bfloat16
     with pytest.raises(ValueError):
-        kernels.few_query_values(torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16), inverse, v, 10)  # weights over fewer rows
+        kernels.few_query_values(torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16), inverse, v, 10)  # weights over fewer rows
     with pytest.raises(ValueError):
         kernels.few_query_values(weights, inverse[..., :2], v, 10)  # a normalizer missing
     with pytest.raises(ValueError, match="tokens"):
@@ -130,3 +132,52 @@ def test_weights_are_a_softmax_rounded_once_and_normalized_by_their_rounded_sum(
         torch.testing.assert_close(weights[..., r, :seen].float(), e.bfloat16().float(), rtol=0, atol=2**-8)
         assert (weights[..., r, seen:22] == 0).all()
         torch.testing.assert_close(inverse[..., r], 1 / weights[..., r, :seen].float().sum(-1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [33, 100])
+def test_a_prefill_in_chunks_gives_each_row_the_bits_of_its_own_decode_step(tokens):
+    """A long step (a prefill) runs the kernel a few tokens at a time; each row must come out as
+    a one-token step at its own position gives it (the kernel's invariant), so prefilling and
+    decoding agree to the bit and the chunk boundaries never show."""
+    from kvforge import attention
+
+    k, v, g = _buffer(2, 3, 160, 64, seed=tokens)
+    prefix = 7  # rows already in the cache before this step
+    q = torch.randn(2, 9, tokens, 64, generator=g).bfloat16()
+    length = prefix + tokens
+    whole = grouped_attention(q, k, v, 0.125, length=length)
+    assert tokens > attention.PREFILL_CHUNK  # the chunked path ran
+    for t in (0, 31, 32, tokens - 1):
+        alone = grouped_attention(q[:, :, t : t + 1], k, v, 0.125, length=prefix + t + 1)
+        assert torch.equal(whole[:, :, t : t + 1], alone)
+    causal = torch.ones(tokens, length, dtype=torch.bool).tril(prefix)
+    ref = F.scaled_dot_product_attention(q.float(), k[:, :, :length].float(), v[:, :, :length].float(), attn_mask=causal,
+                                         scale=0.125, enable_gqa=True)
+    assert (whole.float() - ref).abs().max() < 2e-2
+
+
+def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
+    """attend() sends a contiguous layer's long bf16 step to the kernel (SDPA's bf16 flash kernel
+    is 2-3x slower on CPU); a sliding-window layer longer than its window keeps SDPA's mask."""
+    from unittest import mock
+
+    from kvforge.attention import attend
+    from kvforge.cache import KVCache
+
+    g = torch.Generator().manual_seed(3)
+    layer = KVCache.empty(1, 1, 3, 64, torch.bfloat16, capacity=128)[0]
+    k, v = torch.randn(1, 3, 70, 64, generator=g).bfloat16(), torch.randn(1, 3, 70, 64, generator=g).bfloat16()
+    positions = torch.arange(70)[None]
+    layer.append(k, v, positions)
+    q = torch.randn(1, 9, 70, 64, generator=g).bfloat16()
+    with mock.patch.object(kernels, "few_query_scores", wraps=kernels.few_query_scores) as scores:
+        ours = attend(q, layer, positions, 0.125, new_rows=70)
+    assert scores.call_count == 3  # 70 tokens in chunks of 32
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert (ours.float() - ref.float()).abs().max() < 2e-2
+    with mock.patch.object(kernels, "few_query_scores", wraps=kernels.few_query_scores) as scores:
+        windowed = attend(q, layer, positions, 0.125, window=16, new_rows=70)
+    assert scores.call_count == 0
+    mask = visibility_mask(positions, positions, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    assert torch.equal(windowed, ref)

@@ -79,7 +79,11 @@ def eval_exact_cmd(
     if json_out:
         emit_json(report)
         return
-    table = Table("prompt tokens", "max |Δlogit|", "greedy identical", "first divergence")
+    low = "transformers_diff_vs_fp32" in report  # a low precision: both engines against transformers' fp32 too
+    table = Table("prompt tokens", "max |Δlogit|", *(["ours vs fp32", "transformers vs fp32"] if low else []),
+                  "greedy identical", "first divergence")
     for r in report["results"]:
-        table.add_row(str(r["tokens"]), f"{r['max_abs_logit_diff']:.2e}", str(r["greedy_identical"]), str(r["first_divergence"]))
+        table.add_row(str(r["tokens"]), f"{r['max_abs_logit_diff']:.2e}",
+                      *([f"{r['max_abs_logit_diff_vs_fp32']:.2e}", f"{r['transformers_diff_vs_fp32']:.2e}"] if low else []),
+                      str(r["greedy_identical"]), str(r["first_divergence"]))
     Console().print(table)

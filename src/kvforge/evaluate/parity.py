@@ -2,10 +2,14 @@
 
 For each prompt: the largest logit difference over every prompt position, and whether greedy
 decoding (up to `max_new_tokens`, or EOS) gives the same tokens as transformers' own `generate`.
+In a low precision both engines are also measured against transformers in fp32 (a copy of the
+same weights): what a user gives up to bf16 in each, so our difference to transformers' bf16
+reads against the size of bf16's own rounding.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -27,6 +31,7 @@ def parity_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, progress=None) -> dict:
     hf = engine.model.hf
+    hf32 = copy.deepcopy(hf).float() if engine.dtype != torch.float32 else None
     rows = []
     for i, ids in enumerate(parity_prompts(engine.model.tokenizer, prompts)):
         if progress:
@@ -35,6 +40,7 @@ def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, prog
         ours_logits, _ = engine.prefill(x, logits="all")
         with torch.inference_mode():
             hf_logits = hf(x).logits.float()
+            fp32_logits = hf32(x).logits if hf32 is not None else None
             hf_tokens = hf.generate(
                 x,
                 attention_mask=torch.ones_like(x),
@@ -49,6 +55,10 @@ def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, prog
                 "tokens": len(ids),
                 "method": "exact",
                 "max_abs_logit_diff": float((ours_logits - hf_logits).abs().max()),
+                **({} if fp32_logits is None else {
+                    "max_abs_logit_diff_vs_fp32": float((ours_logits.float() - fp32_logits).abs().max()),
+                    "transformers_diff_vs_fp32": float((hf_logits - fp32_logits).abs().max()),
+                }),
                 "greedy_identical": ours_tokens == hf_tokens,
                 "first_divergence": diverge,
                 "divergence_gap": None if diverge is None else _top2_gap(hf, ids + hf_tokens[:diverge]),
@@ -62,6 +72,10 @@ def eval_parity(engine: Engine, prompts: int = 5, max_new_tokens: int = 64, prog
         "tokens": [r["tokens"] for r in rows],
         "max_new_tokens": max_new_tokens,
         "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        **({} if hf32 is None else {
+            "max_abs_logit_diff_vs_fp32": max(r["max_abs_logit_diff_vs_fp32"] for r in rows),
+            "transformers_diff_vs_fp32": max(r["transformers_diff_vs_fp32"] for r in rows),
+        }),
         "greedy_identical": identical,
         "greedy_identical_pct": 100.0 * identical / len(rows),
         # Where the two greedy paths part, how far transformers' own best token was ahead of its

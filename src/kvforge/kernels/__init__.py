@@ -55,7 +55,7 @@ def _library() -> ctypes.CDLL | None:
     if not lib.kvforge_supported():  # compiled, but this CPU lacks AVX512-BF16 (or BW, VL)
         return None
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
-    lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, f32]
+    lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32]
     lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.kvforge_qk.restype = lib.kvforge_softmax.restype = lib.kvforge_pv.restype = None
@@ -72,18 +72,20 @@ def available(dim: int) -> bool:
     return _widths_ok(dim) and _library() is not None
 
 
-def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float, columns: int | None = None) -> torch.Tensor:
     """bf16 query rows (B, H, R, D) against the first `length` rows of a bf16 buffer k (B, H, C, D)
-    -> scaled scores (B, H, R, C) fp32, -inf past `length`."""
+    -> scaled scores (B, H, R, S) fp32, -inf past `length`; S = `columns` (length..C, default C:
+    a prefill chunk asks for `length` alone instead of the whole buffer's width)."""
     b, h, r, d = rows.shape
     c = k.shape[2]
+    columns = c if columns is None else columns
     if (not k.is_contiguous() or k.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or k.shape[:2] != (b, h)
-            or k.shape[3] != d or not 0 <= length <= c or not _widths_ok(d)):
+            or k.shape[3] != d or not 0 <= length <= columns <= c or not _widths_ok(d)):
         raise ValueError(f"few_query_scores: bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
-                         f"got {k.dtype} {tuple(k.shape)} with length {length}")
+                         f"got {k.dtype} {tuple(k.shape)} with length {length} and {columns} columns")
     rows = rows.contiguous()
-    scores = torch.empty(b, h, r, c, dtype=torch.float32)
-    _library().kvforge_qk(rows.data_ptr(), k.data_ptr(), scores.data_ptr(), b * h, r, c, length, d, scale)
+    scores = torch.empty(b, h, r, columns, dtype=torch.float32)
+    _library().kvforge_qk(rows.data_ptr(), k.data_ptr(), scores.data_ptr(), b * h, r, c, length, columns, d, scale)
     return scores
 
 
@@ -111,7 +113,7 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
     b, h, r, w = weights.shape
     c, d = v.shape[2], v.shape[-1]
     if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
-            or w % 2 or w < c or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32
+            or w % 2 or w < length or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32
             or not _widths_ok(d)):
         raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
                          f"buffer, got {v.dtype} {tuple(v.shape)} with length {length}")

@@ -1,8 +1,9 @@
-/* Few-query attention over a contiguous bf16 KV buffer, for decode and verification steps.
+/* Attention of query rows over a contiguous bf16 KV buffer: decode and verification steps, and
+ * a prefill in chunks of a few tokens.
  *
- * Layout (row-major, contiguous): q (BH, R, D) bf16, k and v (BH, C, D) bf16, scores (BH, R, C)
- * fp32, weights (BH, R, W) bf16 with W >= C rounded up to even, inverse (BH, R) fp32 (each row's
- * 1 / sum of weights), out (BH, R, D) fp32; BH = batch x
+ * Layout (row-major, contiguous): q (BH, R, D) bf16, k and v (BH, C, D) bf16, scores (BH, R, S)
+ * fp32 with length <= S <= C, weights (BH, R, W) bf16 with W >= S rounded up to even, inverse
+ * (BH, R) fp32 (each row's 1 / sum of weights), out (BH, R, D) fp32; BH = batch x
  * KV heads, R = query rows sharing a KV head, C = the buffer's rows, of which the first `length`
  * are real. Row r is query token r % T of a T-token step whose last token sits at row length - 1,
  * so it sees the first length - (T - 1 - r % T) rows (T = 1: all `length`).
@@ -32,6 +33,7 @@
 #define ROWS 4      /* query rows whose value sums share registers */
 #define CHUNKS 4    /* 16-dim chunks of the output per pass over the values */
 #define PREFETCH 8  /* key blocks read ahead (measured: 2 starved the transposes when K came from memory) */
+#define TILE 128    /* keys (even) per pass of every row block over the values: 16 KB of V per 64 dims */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -114,19 +116,19 @@ INLINE void score_block(const uint16_t *q, const uint16_t *keys, const uint16_t 
 }
 
 INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
-               const long dim, float scale) {
+               long columns, const long dim, float scale) {
     uint16_t tail[BLOCK * MAX_DIM];
     float tail_scores[BLOCK * 64];
     for (long g = 0; g < bh; g++) {
         const uint16_t *qg = q + g * rows * dim;
         const uint16_t *kg = k + g * capacity * dim;
-        float *sg = scores + g * rows * capacity;
+        float *sg = scores + g * rows * columns;
         long t = 0;
         for (; t + BLOCK <= length; t += BLOCK) {
             /* PREFETCH blocks ahead, running on into the next head's first rows near the end */
             const long u = t + PREFETCH * BLOCK;
             const uint16_t *ahead = u < length ? kg + u * dim : g + 1 < bh ? kg + (capacity + u - length) * dim : NULL;
-            score_block(qg, kg + t * dim, ahead, sg + t, rows, capacity, dim, scale);
+            score_block(qg, kg + t * dim, ahead, sg + t, rows, columns, dim, scale);
         }
         if (t < length) { /* a short last block: the same arithmetic on a zero-padded copy */
             memset(tail, 0, sizeof(uint16_t) * BLOCK * dim);
@@ -135,11 +137,11 @@ INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lon
                 long n = rows - r0 < 64 ? rows - r0 : 64;
                 score_block(qg + r0 * dim, tail, NULL, tail_scores, n, BLOCK, dim, scale);
                 for (long r = 0; r < n; r++)
-                    memcpy(sg + (r0 + r) * capacity + t, tail_scores + r * BLOCK, sizeof(float) * (length - t));
+                    memcpy(sg + (r0 + r) * columns + t, tail_scores + r * BLOCK, sizeof(float) * (length - t));
             }
         }
         for (long r = 0; r < rows; r++)
-            for (long u = length; u < capacity; u++) sg[r * capacity + u] = -INFINITY;
+            for (long u = length; u < columns; u++) sg[r * columns + u] = -INFINITY;
     }
 }
 
@@ -168,11 +170,11 @@ INLINE __mmask16 first(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n)
  * exponentials rounded to bf16 (the weights, unnormalized: at most 1) with their sum, whose
  * inverse `pv` multiplies in at the end, so the weights a row uses sum to exactly 1 after
  * rounding. A row's weights are zero from its last key to `length` rounded up to even. */
-static void softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long capacity,
+static void softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
                     long wstride, long length, long tokens) {
     const long padded = (length + 1) & ~1L;
     for (long i = 0; i < bh * rows; i++) {
-        const float *s = scores + i * capacity;
+        const float *s = scores + i * columns;
         uint16_t *w = weights + i * wstride;
         const long n = length - (tokens - 1 - (i % rows) % tokens);
         long t;
@@ -223,29 +225,39 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
         float *og = out + g * rows * dim;
         for (long c0 = 0; c0 < chunks; c0 += CHUNKS) {
             const long nc = chunks - c0 < CHUNKS ? chunks - c0 : CHUNKS;
-            for (long r0 = 0; r0 < rows; r0 += ROWS) {
-                const long nr = rows - r0 < ROWS ? rows - r0 : ROWS;
-                __m512 acc[ROWS][CHUNKS];
-                for (long r = 0; r < ROWS; r++)
-                    for (long c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_setzero_ps();
-                for (long t = 0; t < length; t += 2) {
-                    for (long c = c0 * 16; c < (c0 + nc) * 16; c += 32) { /* 8 pairs ahead, every line read */
-                        _mm_prefetch((const char *)(vg + (t + 16) * dim + c), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(vg + (t + 17) * dim + c), _MM_HINT_T0);
+            /* keys in tiles that stay in L1 while every block of rows reads them (a prefill chunk
+             * has ~100 rows per head); a row's sums wait in `out` between tiles, exactly as in
+             * registers, so the bits do not depend on the tiling */
+            for (long t0 = 0; t0 == 0 || t0 < length; t0 += TILE) {
+                const long t1 = length - t0 < TILE ? length : t0 + TILE;
+                for (long r0 = 0; r0 < rows; r0 += ROWS) {
+                    const long nr = rows - r0 < ROWS ? rows - r0 : ROWS;
+                    __m512 acc[ROWS][CHUNKS];
+                    for (long r = 0; r < ROWS; r++)
+                        for (long c = 0; c < CHUNKS; c++)
+                            acc[r][c] = t0 == 0 || r >= nr || c >= nc ? _mm512_setzero_ps()
+                                                                      : _mm512_loadu_ps(og + (r0 + r) * dim + (c0 + c) * 16);
+                    for (long t = t0; t < t1; t += 2) {
+                        for (long c = c0 * 16; c < (c0 + nc) * 16; c += 32) { /* 8 pairs ahead, every line read */
+                            _mm_prefetch((const char *)(vg + (t + 16) * dim + c), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(vg + (t + 17) * dim + c), _MM_HINT_T0);
+                        }
+                        __m512i vp[CHUNKS];
+                        for (long c = 0; c < nc; c++) vp[c] = value_pairs(vg, t, (c0 + c) * 16, length, dim, interleave);
+                        for (long r = 0; r < nr; r++) {
+                            __m512i wp = broadcast_pair(wg + (r0 + r) * wstride + t);
+                            for (long c = 0; c < nc; c++) acc[r][c] = dot_pairs(acc[r][c], vp[c], wp);
+                        }
                     }
-                    __m512i vp[CHUNKS];
-                    for (long c = 0; c < nc; c++) vp[c] = value_pairs(vg, t, (c0 + c) * 16, length, dim, interleave);
+                    const int last = t1 >= length;
                     for (long r = 0; r < nr; r++) {
-                        __m512i wp = broadcast_pair(wg + (r0 + r) * wstride + t);
-                        for (long c = 0; c < nc; c++) acc[r][c] = dot_pairs(acc[r][c], vp[c], wp);
+                        const __m512 norm = _mm512_set1_ps(inverse[g * rows + r0 + r]);
+                        for (long c = 0; c < nc; c++) /* + 0: a -0 (all contributions flushed or cancelled) reads +0
+                                                       * whether or not the row's unseen keys added (+0) v after it */
+                            _mm512_storeu_ps(og + (r0 + r) * dim + (c0 + c) * 16,
+                                             last ? _mm512_mul_ps(_mm512_add_ps(acc[r][c], _mm512_setzero_ps()), norm)
+                                                  : acc[r][c]);
                     }
-                }
-                for (long r = 0; r < nr; r++) {
-                    const __m512 norm = _mm512_set1_ps(inverse[g * rows + r0 + r]);
-                    for (long c = 0; c < nc; c++) /* + 0: a -0 (all contributions flushed or cancelled) reads +0
-                                                   * whether or not the row's unseen keys added (+0) v after it */
-                        _mm512_storeu_ps(og + (r0 + r) * dim + (c0 + c) * 16,
-                                         _mm512_mul_ps(_mm512_add_ps(acc[r][c], _mm512_setzero_ps()), norm));
                 }
             }
         }
@@ -263,14 +275,14 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
     }
 
 void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
-                long dim, float scale) {
-#define QK(d) qk(q, k, scores, bh, rows, capacity, length, d, scale)
+                long columns, long dim, float scale) {
+#define QK(d) qk(q, k, scores, bh, rows, capacity, length, columns, d, scale)
     BY_DIM(QK, dim)
 }
 
-void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long capacity,
+void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
                      long wstride, long length, long tokens) {
-    softmax(scores, weights, inverse, bh, rows, capacity, wstride, length, tokens);
+    softmax(scores, weights, inverse, bh, rows, columns, wstride, length, tokens);
 }
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
