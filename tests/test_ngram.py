@@ -318,6 +318,19 @@ def test_the_gate_backs_off_after_failed_retries_when_asked():
         fixed.record(0, drafted=8, accepted=0)
 
 
+def test_the_drafting_default_retries_soon_and_backs_off():
+    """kvforge's drafting gate retries after 2 idle steps and doubles the wait after each failed
+    retry up to 64 (a copy task's drafts come back within a step or two of a mismatch; a request
+    that never accepts drafts ever more rarely); the bad settings are one-line errors."""
+    from kvforge.speculative.step import DraftConfig
+
+    gate = DraftConfig().new_gate()
+    assert (gate.retry, gate.max_retry) == (2, 64)
+    assert DraftConfig(gate=False).new_gate() is None
+    with pytest.raises(ValueError, match="gate_retry"):
+        DraftConfig(gate_retry=8, gate_max_retry=4)
+
+
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
     """A drafter that is always wrong: the gate pauses it, no gate verifies a draft every step
     that has room for one; the committed tokens are plain decoding's either way."""

@@ -30,7 +30,7 @@ def bench_ngram_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>[-<dtype>].png)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>[-<dtype>][-ungated].png)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -49,6 +49,7 @@ def bench_ngram_cmd(
                           gate=not no_gate)
     report["model"] = model
     suffix = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(engine.dtype, "")  # a bf16 run keeps the fp32 plot
+    suffix += "-ungated" if no_gate else ""  # and an ungated run the gated one
     report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{safe_name(model)}{suffix}.png"))
     if json_out:
         emit_json(report)

@@ -43,7 +43,7 @@ from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, f
 from kvforge.sampling import sample
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
-from kvforge.speculative.step import DraftConfig, DraftGate, SpecRequest, SpecStats, commit, new_drafters, speculative_step
+from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit, new_drafters, speculative_step
 
 # prefill(request) -> (first-token logits (1, V), the request's cache)
 Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache]]
@@ -104,7 +104,7 @@ class Scheduler:
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
-        self.gate = DraftGate() if self.draft.gate else None
+        self.gate = self.draft.new_gate()
         self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
         self.active: list[ServeRequest] = []
         self.cache: KVCache | None = None

@@ -13,7 +13,7 @@ from kvforge.generation import Generation, GenerationConfig
 from kvforge.speculative.decode import speculative_generate
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
-from kvforge.speculative.step import DRAFTS, DraftConfig, DraftGate, SpecStats, new_drafters
+from kvforge.speculative.step import DRAFTS, DraftConfig, SpecStats, new_drafters
 
 __all__ = ["DRAFTS", "DraftConfig", "generate_group"]
 
@@ -32,7 +32,7 @@ def generate_group(
     drafters, shared = new_drafters(draft, prompt, samples, history.get(prompt) if use_history else None)
     prefetcher = Prefetcher(draft.k, draft.budget) if draft.prefetch else None
     try:
-        gate = DraftGate() if draft.gate else None
+        gate = draft.new_gate()
         caches = [shared] * samples if shared is not None else None
         outputs, stats = speculative_generate(engine, prompts, drafters, config, draft.k, prefetcher, caches, on_text, plan, gate, draft.k_for)
     finally:
