@@ -181,3 +181,40 @@ def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
     mask = visibility_mask(positions, positions, 16)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
     assert torch.equal(windowed, ref)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 40)])
+def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(shape):
+    """1..32 rows through every row tile (8, 6, 4, 3, 2, 1 and their sums): a row's bits never
+    depend on how many rows share the call (decode = verification = batch), and the result is
+    F.linear's within one bf16 rounding of the output."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(32, k, generator=g).bfloat16()
+    packed = kernels.pack_pairs(w)
+    alone = torch.cat([kernels.small_linear(x[r : r + 1], packed, bias) for r in range(32)])
+    for m in (2, 3, 5, 7, 9, 13, 16, 32):
+        assert torch.equal(kernels.small_linear(x[:m], packed, bias), alone[:m]), m
+    ref = F.linear(x.float(), w.float(), bias.float())
+    assert ((alone.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+
+
+def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the_rest():
+    from unittest import mock
+
+    from kvforge.models.adapters import linear
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
+    odd = (torch.randn(40, 32, generator=g) * 0.1).bfloat16()  # 40 outputs: not whole blocks of 16
+    x = torch.randn(kernels.SMALL_ROWS + 1, 32, generator=g).bfloat16()
+    with torch.inference_mode(), mock.patch.object(kernels, "small_linear", wraps=kernels.small_linear) as small:
+        linear(x[:9], w)
+        assert small.call_count == 1
+        linear(x, w)  # a prefill-sized step
+        linear(x[:9], odd)
+        assert small.call_count == 1
+    with pytest.raises(ValueError, match="small_linear"):
+        kernels.small_linear(x[:, :30], kernels.pack_pairs(w))

@@ -1,10 +1,12 @@
 """Small C kernels kvforge compiles itself, for what torch's CPU ops do slowly.
 
-`few_query_attention.c`: attention of a few query rows (a decode or verification step) over a
-contiguous bf16 cache buffer. torch's batched matmuls read such a buffer at 7-9 GB/s here (a
-3 x 64 by 64 x T product per head and sequence) where one core streams 17-23 GB/s, and a 9-token
-verification at 4K (27 query rows per KV head) is bound by multiplies, which AVX512-BF16's pair dot
-products halve. Built with the system's C compiler at first use into kvforge's cache directory
+`few_query_attention.c`: attention of a few query rows (a decode or verification step, or a
+prefill a few tokens at a time) over a contiguous bf16 cache buffer. torch's batched matmuls read
+such a buffer at 7-9 GB/s here (a 3 x 64 by 64 x T product per head and sequence) where one core
+streams 17-23 GB/s, and a 9-token verification at 4K (27 query rows per KV head) is bound by
+multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for up
+to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode step's weights at
+~10 GB/s here). Both build into one library with the system's C compiler at first use into kvforge's cache directory
 (well under a second: no torch headers; called through ctypes with raw pointers); where there is
 no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
 and callers keep torch's ops.
@@ -25,7 +27,7 @@ import torch
 
 from kvforge.paths import kvforge_home
 
-_SOURCE = Path(__file__).with_name("few_query_attention.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("few_query_attention.c", "small_linear.c")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
 _MAX_DIM = 256  # MAX_DIM in the C source
 
@@ -37,15 +39,15 @@ def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     tag = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = kvforge_home() / "kernels" / f"few_query_attention-{tag}.so"
+    target = kvforge_home() / "kernels" / f"kvforge-kernels-{tag}.so"
     try:  # any failure to build or load (read-only home, noexec mount, a compiler error) keeps torch's ops
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
                 built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, timeout=120)
+                done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, timeout=120)
                 if done.returncode != 0:
                     return None
                 os.replace(built, target)
@@ -58,7 +60,10 @@ def _library() -> ctypes.CDLL | None:
     lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32]
     lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    lib.kvforge_qk.restype = lib.kvforge_softmax.restype = lib.kvforge_pv.restype = None
+    lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
+    lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear):
+        fn.restype = None
     return lib
 
 
@@ -120,4 +125,44 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
     _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, length, d)
+    return out
+
+
+# Up to this many rows a bf16 linear runs `small_linear` (decode, verification, small batches);
+# wider ones (prefill) stay with oneDNN, which reaches this CPU's multiply peak there.
+SMALL_ROWS = 32
+
+
+def small_linear_fits(weight: torch.Tensor) -> bool:
+    """Whether `small_linear` can run this weight here: bf16 (N, K) with N % 16 == 0 and K even."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
+            and weight.device.type == "cpu" and _library() is not None)
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight (N, K) packed for `small_linear`: (N / 16, K / 2, 16, 2), each input pair's
+    weights for 16 outputs in one 64-byte row; None where `small_linear_fits` is False."""
+    if not small_linear_fits(weight):
+        return None
+    weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(n // 16, k // 2, 16, 2, dtype=torch.bfloat16)
+    _library().kvforge_pack_pairs(weight.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) bf16 times a `pack_pairs` weight, plus bias (N) -> (M, N) bf16, each output summed
+    in fp32 over the input pairs in order and rounded once: a row's bits do not depend on M."""
+    blocks, pairs = packed.shape[:2]
+    n, k = blocks * 16, pairs * 2
+    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or packed.dtype != torch.bfloat16
+            or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16))):
+        raise ValueError(f"small_linear: bf16 rows (M, {k}) and a bias ({n},), got {x.dtype} {tuple(x.shape)}"
+                         f"{'' if bias is None else f' and {bias.dtype} {tuple(bias.shape)}'}")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    _library().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                    x.shape[0], n, k)
     return out

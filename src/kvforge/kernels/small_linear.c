@@ -1,0 +1,115 @@
+/* A linear layer for a few rows (a decode step, a verification, a small batch) in bf16, over a
+ * weight packed once into pairs: what oneDNN does slowly here (one row streams the weights at
+ * ~10 GB/s where one core reads 20 GB/s).
+ *
+ * Layout: the weight W (N, K) bf16, row-major as torch keeps it, is packed into (N / 16, K / 2,
+ * 16, 2): block b, pair p holds (W[16b + j][2p], W[16b + j][2p + 1]) in lane j, so one 64-byte
+ * load feeds a vdpbf16ps that adds input pair p's two products to 16 outputs at once. x (M, K)
+ * bf16, bias (N) bf16 or NULL, out (M, N) bf16 rounded to nearest even once, after the bias.
+ *
+ * Invariant: an output's bits depend only on its row of x and the weight: each output is one
+ * accumulator that adds the pairs p = 0, 1, ... in order, whatever M is and however rows and
+ * blocks are tiled, so a row rounds alike in a one-token decode step, a 9-token verification
+ * and a 16-sequence batch (lossless speculative decoding needs the first two to agree).
+ * Requires AVX512-BF16 (`kvforge_supported`, in few_query_attention.c), N % 16 == 0, K even. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define AHEAD 8 /* pairs prefetched ahead in each block: the weights stream from memory */
+
+void kvforge_pack_pairs(const uint16_t *w, uint16_t *packed, long n, long k) {
+    const long pairs = k / 2;
+    for (long b = 0; b < n / 16; b++)
+        for (long p = 0; p < pairs; p++)
+            for (long j = 0; j < 16; j++) {
+                const uint16_t *src = w + (16 * b + j) * k + 2 * p;
+                uint16_t *dst = packed + ((b * pairs + p) * 16 + j) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+/* fp32 -> bf16, round to nearest even (NaN stays NaN) */
+INLINE __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* MR rows x NB blocks of 16 outputs in registers, both constants in each instance so the loops
+ * unroll and the accumulators stay in registers. */
+#define TILE(MR, NB)                                                                                       \
+    static void tile_##MR##_##NB(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, \
+                                 long n, long k, long b0) {                                                \
+        const long pairs = k / 2;                                                                          \
+        __m512 acc[MR][NB];                                                                                \
+        for (int r = 0; r < MR; r++)                                                                       \
+            for (int c = 0; c < NB; c++) acc[r][c] = _mm512_setzero_ps();                                  \
+        const uint16_t *wb = packed + b0 * pairs * 32;                                                     \
+        for (long p = 0; p < pairs; p++) {                                                                 \
+            __m512i w[NB];                                                                                 \
+            for (int c = 0; c < NB; c++) {                                                                 \
+                w[c] = _mm512_loadu_si512(wb + (c * pairs + p) * 32);                                      \
+                _mm_prefetch((const char *)(wb + (c * pairs + p + AHEAD) * 32), _MM_HINT_T0);              \
+            }                                                                                              \
+            for (int r = 0; r < MR; r++) {                                                                 \
+                const __m512i xv = _mm512_broadcastd_epi32(_mm_loadu_si32(x + r * k + 2 * p));            \
+                for (int c = 0; c < NB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)w[c], (__m512bh)xv); \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int c = 0; c < NB; c++) {                                                                     \
+            const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(                               \
+                                          _mm512_cvtepu16_epi32(_mm256_loadu_si256(                        \
+                                              (const __m256i *)(bias + (b0 + c) * 16))), 16))              \
+                                    : _mm512_setzero_ps();                                                 \
+            for (int r = 0; r < MR; r++)                                                                   \
+                _mm256_storeu_si256((__m256i *)(out + r * n + (b0 + c) * 16), to_bf16(_mm512_add_ps(acc[r][c], add))); \
+        }                                                                                                  \
+    }
+
+TILE(1, 8)
+TILE(1, 1)
+TILE(2, 6)
+TILE(2, 1)
+TILE(3, 4)
+TILE(3, 1)
+TILE(4, 4)
+TILE(4, 1)
+TILE(6, 4)
+TILE(6, 1)
+TILE(8, 3)
+TILE(8, 1)
+
+/* Blocks b0 .. b1 of `mr` rows (1, 2, 3, 4, 6 or 8): whole tiles of the row count's width, then
+ * single blocks. */
+static void rows_over_blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long mr,
+                             long n, long k, long b0, long b1) {
+    const long width = mr == 1 ? 8 : mr == 2 ? 6 : mr == 8 ? 3 : 4;
+    long b = b0;
+#define WHOLE(R, W) case R: tile_##R##_##W(x, packed, bias, out, n, k, b); break;
+#define SINGLE(R) case R: tile_##R##_1(x, packed, bias, out, n, k, b); break;
+    for (; b + width <= b1; b += width) switch (mr) { WHOLE(1, 8) WHOLE(2, 6) WHOLE(3, 4) WHOLE(4, 4) WHOLE(6, 4) WHOLE(8, 3) }
+    for (; b < b1; b++) switch (mr) { SINGLE(1) SINGLE(2) SINGLE(3) SINGLE(4) SINGLE(6) SINGLE(8) }
+#undef WHOLE
+#undef SINGLE
+}
+
+/* The row tile for `left` rows still to do: 8, 6, or all of them up to 4 (no 5 or 7: 4 + 1, 6 + 1). */
+static long row_tile(long left) { return left >= 8 ? 8 : left >= 6 ? 6 : left >= 4 ? 4 : left; }
+
+/* Rows in tiles of up to 8; every row tile reads a group of 12 blocks (192 outputs: 590 KB of
+ * weight at K = 1536, within L2) before the next group, so the weights stream from memory once. */
+#define GROUP 12
+
+void kvforge_small_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
+                          long n, long k) {
+    const long blocks = n / 16;
+    if (m == 1) {
+        rows_over_blocks(x, packed, bias, out, 1, n, k, 0, blocks);
+        return;
+    }
+    for (long g0 = 0; g0 < blocks; g0 += GROUP) {
+        const long g1 = blocks - g0 < GROUP ? blocks : g0 + GROUP;
+        for (long r0 = 0, mr; r0 < m; r0 += mr) {
+            mr = row_tile(m - r0);
+            rows_over_blocks(x + r0 * k, packed, bias, out + r0 * n, mr, n, k, g0, g1);
+        }
+    }
+}
