@@ -51,10 +51,10 @@ class DraftConfig:
     n_max: int = 4
     # stop drafting for a request while it accepts < 1 token per drafted step, retry after
     # `gate_retry` steps, doubling the wait after each failed retry up to `gate_max_retry`;
-    # False drafts every step. Measured on the copy prompts (offline replay of greedy outputs):
-    # a fixed retry of 8 steps gave up 25 % of the tokens per step that drafting every step
-    # gets (2.47 vs 3.27), retry 2 with doubling 2 % (3.20), while a request that never accepts
-    # (sampling at temperature 1) still drafts ever more rarely.
+    # False drafts every step. On the copy prompts (`benchmarks/gate_replay.py`, greedy outputs
+    # replayed) a fixed retry of 8 steps gave up 25 % of the tokens per step that drafting every
+    # step gets (2.74 vs 3.66), retry 2 with doubling 2 % (3.58), while a request that never
+    # accepts (sampling at temperature 1) still drafts ever more rarely.
     gate: bool = True
     gate_retry: int = 2
     gate_max_retry: int = 64
