@@ -210,11 +210,16 @@ def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the
     w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
     odd = (torch.randn(40, 32, generator=g) * 0.1).bfloat16()  # 40 outputs: not whole blocks of 16
     x = torch.randn(kernels.SMALL_ROWS + 1, 32, generator=g).bfloat16()
+    batch = torch.randn(16, 9, 32, generator=g).bfloat16()  # a batch's verification: 144 rows of 9-token steps
     with torch.inference_mode(), mock.patch.object(kernels, "small_linear", wraps=kernels.small_linear) as small:
         linear(x[:9], w)
-        assert small.call_count == 1
+        together = linear(batch, w)
+        assert small.call_count == 2
+        assert torch.equal(together[3, :1], linear(batch[3, :1], w))  # = that sequence's decode step
+        calls = small.call_count
         linear(x, w)  # a prefill-sized step
+        linear(x[None], w)
         linear(x[:9], odd)
-        assert small.call_count == 1
+        assert small.call_count == calls
     with pytest.raises(ValueError, match="small_linear"):
         kernels.small_linear(x[:, :30], kernels.pack_pairs(w))

@@ -128,8 +128,9 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
     return out
 
 
-# Up to this many rows a bf16 linear runs `small_linear` (decode, verification, small batches);
-# wider ones (prefill) stay with oneDNN, which reaches this CPU's multiply peak there.
+# Up to this many tokens per sequence a bf16 step's linears run `small_linear` (decode and
+# verification, at any batch size); longer steps (prefill) stay with oneDNN, which reaches this
+# CPU's multiply peak there.
 SMALL_ROWS = 32
 
 
@@ -157,7 +158,8 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     blocks, pairs = packed.shape[:2]
     n, k = blocks * 16, pairs * 2
     if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or packed.dtype != torch.bfloat16
-            or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16))):
+            or packed.shape[2:] != (16, 2) or not packed.is_contiguous() or x.device.type != "cpu" or packed.device.type != "cpu"
+            or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.bfloat16 or bias.device.type != "cpu"))):
         raise ValueError(f"small_linear: bf16 rows (M, {k}) and a bias ({n},), got {x.dtype} {tuple(x.shape)}"
                          f"{'' if bias is None else f' and {bias.dtype} {tuple(bias.shape)}'}")
     x = x.contiguous()

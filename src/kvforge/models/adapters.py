@@ -301,11 +301,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, in low precision on CPU with rows that do not depend on how many rows are
     computed at once, and the weight packed once.
 
-    With the compiled kernels (AVX512-BF16), bf16 steps of up to `kernels.SMALL_ROWS` rows run
-    `kernels.small_linear` over the weight packed into pairs (a row's bits independent of the
-    row count by construction; a decode step's 121 matmuls at one row 24 -> 12.5 ms, at 9 rows
-    28 -> 25 ms, at 16 rows 35 -> 31 ms, interleaved on this machine) and wider ones (prefill)
-    F.linear; elsewhere, what follows.
+    With the compiled kernels (AVX512-BF16), bf16 steps of up to `kernels.SMALL_ROWS` tokens per
+    sequence (decode, verification, at any batch size) run `kernels.small_linear` over the weight
+    packed into pairs (a row's bits independent of the row count by construction; a decode
+    step's 121 matmuls at one row 24 -> 12.5 ms, at 9 rows 28 -> 25 ms, at 16 rows 35 -> 31 ms,
+    interleaved on this machine) and longer ones (prefill) F.linear; elsewhere, what follows.
 
     Prepacked: oneDNN's linear over a weight reordered into its blocked layout at first use
     (`mkldnn._reorder_linear_weight`, what torch.compile's CPU backend packs bf16 linears with) and
@@ -330,8 +330,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])
     if (not training and x.dtype == torch.bfloat16 and kernels.small_linear_fits(weight)
             and (bias is None or bias.dtype == torch.bfloat16)):
-        if rows.shape[0] > kernels.SMALL_ROWS:  # a prefill: oneDNN at this CPU's peak, packed or not
-            return F.linear(x, weight, bias)  # (measured equal at 512 rows), so no third copy of the weight
+        # By the step's tokens per sequence, not its rows: a batch's verification (16 x 9 rows)
+        # must round each row as that sequence's decode step does.
+        if (x.shape[-2] if x.dim() >= 3 else rows.shape[0]) > kernels.SMALL_ROWS:
+            return F.linear(x, weight, bias)  # a prefill: oneDNN at this CPU's peak, packed or not
+            # (prepacked 3 % faster at 1K-4K tokens, not worth a third copy of the weight)
         pairs = _packed(weight, kernels.pack_pairs)
         if pairs is not None:
             return kernels.small_linear(rows, pairs, bias).view(*x.shape[:-1], -1)
