@@ -223,3 +223,46 @@ def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the
         assert small.call_count == calls
     with pytest.raises(ValueError, match="small_linear"):
         kernels.small_linear(x[:, :30], kernels.pack_pairs(w))
+
+
+class Gemma3RMSNorm(torch.nn.Module):  # the name is what `rms_norm` recognises Gemma's (1 + w) norms by
+    def __init__(self, dim, g):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim, generator=g).bfloat16())
+        self.eps = 1e-6
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    def __init__(self, dim, g):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim, generator=g).bfloat16())
+        self.variance_epsilon = 1e-5
+
+
+@pytest.mark.parametrize("family", [LlamaRMSNorm, Gemma3RMSNorm])
+@pytest.mark.parametrize("dim", [64, 576, 1152])
+def test_rms_norm_kernel_matches_torch_and_a_row_alone(family, dim):
+    """The residual stream's norm in one call: within one bf16 step of torch's four ops (its sum of
+    squares runs in another order), each row's bits the same alone as in a batch of 9-token steps."""
+    from unittest import mock
+
+    from kvforge.models.adapters import rms_norm
+
+    g = torch.Generator().manual_seed(dim)
+    norm = family(dim, g)
+    x = (torch.randn(4, 9, dim, generator=g) * 20).bfloat16()
+    with torch.inference_mode(), mock.patch.object(kernels, "rms_norm", wraps=kernels.rms_norm) as compiled:
+        ours = rms_norm(norm, x, stream=True)
+        assert compiled.call_count == 1
+        ref = rms_norm(norm, x)  # not the stream: torch's ops
+        last = rms_norm(norm, x[:, -1:], stream=True)  # a slice (as the head reads it), made contiguous
+        assert compiled.call_count == 2
+        alone = torch.stack([torch.cat([rms_norm(norm, x[b : b + 1, t : t + 1], stream=True) for t in range(9)], dim=1)[0] for b in range(4)])
+    steps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and ours.dtype == torch.bfloat16
+    assert torch.equal(alone, ours) and torch.equal(last, ours[:, -1:])
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels.rms_norm(x[..., :60].contiguous(), norm.weight[:60], 1e-6, one_plus=False)
+    with torch.enable_grad():  # training keeps torch's ops, which backpropagate
+        trained = rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True)
+        assert trained.requires_grad

@@ -6,7 +6,7 @@ such a buffer at 7-9 GB/s here (a 3 x 64 by 64 x T product per head and sequence
 streams 17-23 GB/s, and a 9-token verification at 4K (27 query rows per KV head) is bound by
 multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for up
 to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode step's weights at
-~10 GB/s here). Both build into one library with the system's C compiler at first use into kvforge's cache directory
+~10 GB/s here). `rms_norm.c`: a bf16 RMSNorm in one call instead of four ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
 (well under a second: no torch headers; called through ctypes with raw pointers); where there is
 no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
 and callers keep torch's ops.
@@ -27,7 +27,7 @@ import torch
 
 from kvforge.paths import kvforge_home
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("few_query_attention.c", "small_linear.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
 _MAX_DIM = 256  # MAX_DIM in the C source
 
@@ -62,7 +62,9 @@ def _library() -> ctypes.CDLL | None:
     lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-    for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear):
+    lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
+    for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
+               lib.kvforge_rms_norm):
         fn.restype = None
     return lib
 
@@ -167,4 +169,25 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     _library().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                     x.shape[0], n, k)
+    return out
+
+
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` can run here: contiguous bf16 rows on CPU whose width (a multiple of 16)
+    is the weight's, nothing to backpropagate through."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == "cpu"
+            and weight.shape == x.shape[-1:] and x.shape[-1] % 16 == 0 and _library() is not None
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) -> torch.Tensor:
+    """RMSNorm of bf16 rows (..., D) in one call: Llama's `w * bf16(normed)` or, with `one_plus`,
+    Gemma's `bf16(normed * (1 + w))`, normalising in fp32; a row's bits depend only on the row."""
+    if not rms_norm_fits(x, weight):
+        raise ValueError(f"kernels.rms_norm: contiguous bf16 rows of a width that is a multiple of 16 and the weight's, "
+                         f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.contiguous()
+    out = torch.empty_like(x)
+    _library().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                                int(one_plus))
     return out
