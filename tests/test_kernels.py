@@ -183,9 +183,10 @@ def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
     assert torch.equal(windowed, ref)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 40)])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 40), (208, 64)])
 def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(shape):
-    """1..32 rows through every row tile (1..9 rows, and passes of 9 with the rest): a row's bits never
+    """1..32 rows through every row tile (1..9 rows, and passes of 9 with the rest; 208 outputs = 13
+    blocks leave one block after whole tiles of any width): a row's bits never
     depend on how many rows share the call (decode = verification = batch), and the result is
     F.linear's within one bf16 rounding of the output."""
     n, k = shape
@@ -263,6 +264,11 @@ def test_rms_norm_kernel_matches_torch_and_a_row_alone(family, dim):
     assert torch.equal(alone, ours) and torch.equal(last, ours[:, -1:])
     with pytest.raises(ValueError, match="rms_norm"):
         kernels.rms_norm(x[..., :60].contiguous(), norm.weight[:60], 1e-6, one_plus=False)
-    with torch.enable_grad():  # training keeps torch's ops, which backpropagate
-        trained = rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True)
-        assert trained.requires_grad
+    with torch.enable_grad():  # training keeps torch's ops, which backpropagate, frozen norm weights or not
+        assert rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True).requires_grad
+        norm.weight.requires_grad_(False)
+        assert rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True).requires_grad
+    with torch.inference_mode(), mock.patch.object(kernels, "rms_norm", wraps=kernels.rms_norm) as compiled:
+        long = (torch.randn(1, kernels.SMALL_ROWS + 1, dim, generator=g) * 20).bfloat16()
+        assert torch.equal(rms_norm(norm, long, stream=True), rms_norm(norm, long))  # a prefill: torch's ops
+        assert compiled.call_count == 0

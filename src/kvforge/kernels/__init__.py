@@ -175,8 +175,8 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` can run here: contiguous bf16 rows on CPU whose width (a multiple of 16)
     is the weight's, nothing to backpropagate through."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == "cpu"
-            and weight.shape == x.shape[-1:] and x.shape[-1] % 16 == 0 and _library() is not None
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == weight.device.type == "cpu"
+            and weight.shape == x.shape[-1:] and x.shape[-1] > 0 and x.shape[-1] % 16 == 0 and _library() is not None
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 

@@ -126,9 +126,11 @@ INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lon
         float *sg = scores + g * rows * columns;
         long t = 0;
         for (; t + BLOCK <= length; t += BLOCK) {
-            /* PREFETCH blocks ahead, running on into the next head's first rows near the end */
+            /* PREFETCH blocks ahead, running on into the next head's first rows near the end (never
+             * past that head's buffer: a pointer outside the array is undefined even unread) */
             const long u = t + PREFETCH * BLOCK;
-            const uint16_t *ahead = u < length ? kg + u * dim : g + 1 < bh ? kg + (capacity + u - length) * dim : NULL;
+            const uint16_t *ahead = u < length ? kg + u * dim
+                                    : g + 1 < bh && u - length + BLOCK <= capacity ? kg + (capacity + u - length) * dim : NULL;
             score_block(qg, kg + t * dim, ahead, sg + t, rows, columns, dim, scale);
         }
         if (t < length) { /* a short last block: the same arithmetic on a zero-padded copy */

@@ -7,7 +7,8 @@
  *   one_plus = 1 (Gemma 3: `(x_normed * (1 + w.float())).to(bf16)`): bf16(x * r * (1 + w)).
  * The sum of squares runs in 16 lanes over the row in order, then one fixed reduction: a row's bits
  * depend only on the row (not on how many rows share the call), though its last bit may differ
- * from torch's, whose reduction runs in another order. */
+ * from torch's, whose reduction runs in another order; and a result below bf16's normal range
+ * (|y| < 1.2e-38) reads 0, where torch keeps the subnormal (vcvtneps2bf16 flushes it). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

@@ -289,14 +289,18 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> to
     `(x * (1 + w)).to(dtype)`), bit for bit on the parity tests, in 2-4 ops instead of 8. A decode
     step is short enough that the per-op cost of ~200 small ops per layer is a fifth of it.
 
-    `stream`: x is the residual stream (B, T, E), contiguous at every T; in bf16 with the compiled
-    kernels it is normalised in one call (`kernels.rms_norm`, the same formula, its sum of squares in
-    another order: a decode step's 61 norms ~1.2 ms -> ~0.1 ms). Only there: a norm of a view (a
-    head's q or k, a latent slice) is contiguous at one token and not at nine, and a decode step
-    and a verification must take the same path to round alike (a stream's slice, such as the
-    last row of each sequence the head reads, is made contiguous for it: a few rows)."""
-    if stream and x.dtype == torch.bfloat16:
+    `stream`: x is a (B, T, E) row block of the residual stream (or a branch's output added to it);
+    in bf16 with the compiled kernels, a step of up to `kernels.SMALL_ROWS` tokens per sequence
+    (decode, verification: the steps `linear` sends to `small_linear`) normalises it in one call
+    (`kernels.rms_norm`, the same formula, its sum of squares in another order: a decode step's 61
+    norms ~1.2 ms -> ~0.1 ms); a prefill keeps torch's ops, which use every thread. The choice depends
+    on T alone, never on layout (a slice such as the last row the head reads is made contiguous:
+    a few rows), so a decode step and a verification round alike. Heads' q/k norms and other
+    families' norms keep torch's ops (not measured: a q/k view would need a copy first)."""
+    if stream and x.dtype == torch.bfloat16 and x.dim() == 3 and x.shape[-2] <= kernels.SMALL_ROWS:
         x = x.contiguous()
+    else:
+        stream = False
     if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
         if stream and kernels.rms_norm_fits(x, norm.weight):
             return kernels.rms_norm(x, norm.weight, norm.variance_epsilon, one_plus=False)
