@@ -177,3 +177,30 @@ def test_freed_memory_is_kept_once_per_process(monkeypatch):
     import sys
 
     assert allocator.keep_freed_memory() is sys.platform.startswith("linux")
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, tq, length, shared, dim", [
+    (16, 9, 3, 1, 1030, 1024, 64),  # samples of a prompt, each one token on
+    (4, 9, 3, 9, 290, 281, 64),  # their verification, an odd shared length
+    (3, 8, 2, 4, 200, 130, 128),
+    (2, 4, 4, 1, 65, 65, 64),  # everything shared: the step's own row too
+    (5, 6, 3, 2, 150, 77, 32),
+])
+def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_heads, tq, length, shared, dim):
+    """A batch whose first rows are one prompt's (select_batch of one sequence) reads them once for
+    every sequence: the same result, to the bit, as each sequence reading its own copy."""
+    from unittest import mock
+
+    from kvforge import attention, kernels
+
+    if not kernels.available(dim):
+        pytest.skip("no AVX512-BF16 or no C compiler here")
+    g = torch.Generator().manual_seed(length)
+    k = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
+    v = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
+    k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]
+    q = torch.randn(batch, heads, tq, dim, generator=g).bfloat16()
+    with mock.patch.object(attention, "_shared_prefix", wraps=attention._shared_prefix) as once:
+        ours = grouped_attention(q, k, v, dim**-0.5, length=length, shared=shared)
+    assert once.call_count == 1
+    assert torch.equal(ours, grouped_attention(q, k, v, dim**-0.5, length=length))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.cache import KVCache, RowKind
+from kvforge.cache import KVCache, LayerCache, RowKind
 from kvforge.errors import ArtifactError
 
 H, D = 2, 4
@@ -118,3 +118,22 @@ def test_latent_caches_join_a_batch():
     assert batch[0].values().shape == (2, 1, 3, 12)
     step = engine.decode_step(torch.tensor([4, 4]), batch)
     assert (step[1] - engine.decode_step(torch.tensor([4]), cb)[0]).abs().max() < 1e-4
+
+
+def test_copies_of_one_sequence_share_their_rows_until_a_write_differs():
+    """`shared` (rows the same in every sequence, which attention may read once) follows what a
+    batch of one prompt's samples does: appends keep it, trims and per-sequence rollbacks cut it."""
+    layer = LayerCache.empty(1, 2, 8, torch.float32, "cpu", capacity=32)
+    layer.append(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8), torch.arange(20).view(1, -1))
+    assert layer.shared == 0
+    samples = layer.select_batch(torch.zeros(4, dtype=torch.long))
+    assert samples.shared == 20
+    samples.append(torch.randn(4, 2, 3, 8), torch.randn(4, 2, 3, 8), torch.arange(20, 23).expand(4, 3))
+    assert samples.shared == 20
+    assert samples.select_batch(torch.tensor([2, 0])).shared == 20  # any of them: still the same rows
+    samples.trim(5)
+    assert samples.shared == 18
+    samples.rollback([0, 2, 0, 1])  # sequence 1 pads rows 16-17: they are no longer the same everywhere
+    assert samples.shared == 16
+    mixed = KVCache([layer]).concat_batch([KVCache([layer]), KVCache([layer])])[0]
+    assert mixed.shared == 0 and mixed.select_batch(torch.tensor([0, 1])).shared == 0  # not known to be copies

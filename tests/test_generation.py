@@ -91,3 +91,40 @@ def test_empty_prompt_is_rejected(engine):
 def test_bad_settings_are_rejected():
     with pytest.raises(ValueError):
         GenerationConfig(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(family):
+    """An RL group or `n` completions: copies of one prompt are prefilled once and their rows copied
+    (`LayerCache.shared`), and the batch's attention reads those rows once. Each sample's logits,
+    at a decode step and at a verification-width step, equal the prompt's own alone to the bit (bf16:
+    the compiled kernels round a row alike at any batch)."""
+    from unittest import mock
+
+    from kvforge import attention, kernels
+
+    if not kernels.available(16):
+        pytest.skip("no AVX512-BF16 or no C compiler here")
+    engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
+    prompt = torch.randint(3, 90, (80,), generator=torch.Generator().manual_seed(2)).tolist()  # >= SHARED_MIN_ROWS
+    with mock.patch.object(engine, "pad_batch", wraps=engine.pad_batch) as padded:
+        logits, cache = engine.prefill([prompt] * 3)
+    assert padded.call_args.args[0] == [prompt]  # one prompt prefilled, not three
+    assert all(layer.shared == len(prompt) for layer in cache.layers)
+    alone_logits, _ = engine.prefill([prompt])
+    assert torch.equal(logits, alone_logits.expand(3, -1))
+    steps = [torch.tensor([[5], [6], [7]]), torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]])]
+    with torch.inference_mode(), mock.patch.object(attention, "_shared_prefix", wraps=attention._shared_prefix) as once:
+        together, start = [], len(prompt)
+        for ids in steps:
+            positions = torch.arange(start, start + ids.shape[1]).expand(3, -1)
+            together.append(engine.forward(ids, positions, cache, "all"))
+            start += ids.shape[1]
+        for b in range(3):
+            _, own = engine.prefill([prompt])
+            start = len(prompt)
+            for ids, batch_logits in zip(steps, together):
+                positions = torch.arange(start, start + ids.shape[1]).view(1, -1)
+                assert torch.equal(engine.forward(ids[b : b + 1], positions, own, "all")[0], batch_logits[b])
+                start += ids.shape[1]
+    assert once.call_count > 0

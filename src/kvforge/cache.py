@@ -53,6 +53,9 @@ class LayerCache:
     # True while row i holds position i for every sequence: attention then needs no mask
     # for a query that continues the sequence, which keeps decode on the fast path.
     contiguous: bool = True
+    # Rows [0, shared) are the same in every sequence of the batch (one prompt's rows copied to
+    # each of its samples by `select_batch`): attention may read them once for the whole batch.
+    shared: int = 0
 
     @classmethod
     def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int, value_dim: int | None = None) -> "LayerCache":
@@ -122,6 +125,7 @@ class LayerCache:
         if n < 0 or n > self.length:
             raise ValueError(f"cannot trim {n} rows from a layer holding {self.length}")
         self.length -= n
+        self.shared = min(self.shared, self.length)
         self.positions[:, self.length :] = -1
 
     def rollback(self, drop: list[int]) -> None:
@@ -129,6 +133,7 @@ class LayerCache:
         sequence's further rows become padding slots (see `KVCache.rollback`)."""
         common = min(drop)
         self._trim_rows(common)
+        self.shared = min(self.shared, self.length - (max(drop) - common))  # rows some sequence pads
         for b, n in enumerate(drop):
             if n > common:
                 self.positions[b, self.length - (n - common) : self.length] = -1
@@ -157,6 +162,8 @@ class LayerCache:
             length=self.length,
         )
         layer.contiguous = _is_contiguous(layer.row_positions())
+        # copies of one sequence share all their rows; any choice keeps the rows every one shared
+        layer.shared = self.length if index.numel() > 1 and bool((index == index[0]).all()) else self.shared
         return layer
 
     def nbytes(self) -> int:
@@ -249,7 +256,7 @@ class RecurrentLayerCache(LayerCache):
         rows = LayerCache.select_batch(self, index)
         index = index.to(self.conv.device)
         return RecurrentLayerCache(
-            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous,
+            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous, rows.shared,
             conv=self.conv.index_select(0, index), state=self.state.index_select(0, index),
         )
 

@@ -136,6 +136,13 @@ class Engine:
         chunked); exact_shortcut=False runs it through `run_plan` all the same, so tests can hold
         the plan path to its invariant.
         """
+        if cache is None and plan is None and _copies_of_one(prompts):
+            # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
+            # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
+            # is that prompt's own, bit for bit
+            last, one = self.prefill([list(prompts[0])], chunk_size=chunk_size, logits=logits)
+            copies = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+            return last.index_select(0, copies), one.select_batch(copies)
         ids, positions = self.pad_batch(prompts, cache)
         # A fresh cache is sized to the prompt exactly: attention then reads K/V that are one
         # contiguous block per layer, which the CPU attention kernel runs measurably faster on.
@@ -249,6 +256,14 @@ class Engine:
         from kvforge.generation import generate
 
         return generate(self, prompts, config, on_text, plan, cache)
+
+
+def _copies_of_one(prompts) -> bool:
+    """Whether `prompts` is a list of two or more copies of one prompt."""
+    if isinstance(prompts, torch.Tensor) or len(prompts) < 2:
+        return False
+    first = list(prompts[0])
+    return all(list(p) == first for p in prompts[1:])
 
 
 def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:

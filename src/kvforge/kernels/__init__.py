@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32]
     lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
@@ -79,20 +79,24 @@ def available(dim: int) -> bool:
     return _widths_ok(dim) and _library() is not None
 
 
-def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float, columns: int | None = None) -> torch.Tensor:
-    """bf16 query rows (B, H, R, D) against the first `length` rows of a bf16 buffer k (B, H, C, D)
-    -> scaled scores (B, H, R, S) fp32, -inf past `length`; S = `columns` (length..C, default C:
-    a prefill chunk asks for `length` alone instead of the whole buffer's width)."""
+def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float, columns: int | None = None,
+                     start: int = 0) -> torch.Tensor:
+    """bf16 query rows (B, H, R, D) against rows [start, length) of a bf16 buffer k (B, H, C, D)
+    -> scaled scores (B, H, R, S) fp32, column j for key start + j, -inf past `length`; S =
+    `columns` (length - start .. C - start, default C - start: a prefill chunk asks for `length`
+    alone instead of the whole buffer's width). A key's score does not depend on `start`."""
     b, h, r, d = rows.shape
     c = k.shape[2]
-    columns = c if columns is None else columns
+    columns = c - start if columns is None else columns
     if (not k.is_contiguous() or k.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or k.shape[:2] != (b, h)
-            or k.shape[3] != d or not 0 <= length <= columns <= c or not _widths_ok(d)):
+            or k.shape[3] != d or not 0 <= start <= length <= start + columns <= c or not _widths_ok(d)):
         raise ValueError(f"few_query_scores: bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
-                         f"got {k.dtype} {tuple(k.shape)} with length {length} and {columns} columns")
+                         f"got {k.dtype} {tuple(k.shape)} with length {length} from row {start} and {columns} columns")
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
-    _library().kvforge_qk(rows.data_ptr(), k.data_ptr(), scores.data_ptr(), b * h, r, c, length, columns, d, scale)
+    # the buffer from row `start` on: each head's rows still `c` apart
+    _library().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
+                          length - start, columns, d, scale)
     return scores
 
 
@@ -114,19 +118,26 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
     return weights, inverse
 
 
-def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
-    """`few_query_softmax`'s weights (B, H, R, W) and normalizers (B, H, R) over the first `length`
-    rows of a bf16 buffer v (B, H, C, D) -> (B, H, R, D) fp32."""
+def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tensor, length: int, start: int = 0,
+                     sums: torch.Tensor | None = None, finish: bool = True) -> torch.Tensor:
+    """`few_query_softmax`'s weights (B, H, R, W) and normalizers (B, H, R) over rows [start, length)
+    of a bf16 buffer v (B, H, C, D) -> (B, H, R, D) fp32; weights column j is key start + j.
+
+    In parts: `finish=False` returns the raw sums of the part (not normalized); a later part passes
+    them as `sums` (written in place and returned) and starts where the last one ended, at an even
+    key. A row's sums are then the same additions, in the same order, as one pass from key 0."""
     b, h, r, w = weights.shape
     c, d = v.shape[2], v.shape[-1]
     if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
-            or w % 2 or w < length or not 0 <= length <= c or inverse.shape != (b, h, r) or inverse.dtype != torch.float32
-            or not _widths_ok(d)):
+            or w % 2 or w < length - start or not 0 <= start <= length <= c or start % 2 or inverse.shape != (b, h, r)
+            or inverse.dtype != torch.float32 or not _widths_ok(d)
+            or (sums is not None and (sums.shape != (b, h, r, d) or sums.dtype != torch.float32 or not sums.is_contiguous()))):
         raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
-                         f"buffer, got {v.dtype} {tuple(v.shape)} with length {length}")
+                         f"buffer, got {v.dtype} {tuple(v.shape)} with length {length} from row {start} (even)")
     weights, inverse = weights.contiguous(), inverse.contiguous()
-    out = torch.empty(b, h, r, d, dtype=torch.float32)
-    _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, length, d)
+    out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
+    _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
+                          d, int(sums is not None), int(finish))
     return out
 
 

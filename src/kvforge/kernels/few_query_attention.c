@@ -213,8 +213,12 @@ INLINE __m512i value_pairs(const uint16_t *v, long t, long c, long length, const
     return _mm512_permutex2var_epi16(a, interleave, b);
 }
 
+/* Keys [start, length) (start even: the pairs are those of a pass from key 0) with weights column
+ * t - start; `resume`: add to the sums already in `out` (a pass over [0, start) left them there,
+ * unnormalized) instead of starting from zero; `finish`: normalize at the end (else leave the raw
+ * sums). Split so, a row's sums are the same sequence of additions as one pass over [0, length). */
 INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
-               long wstride, long capacity, long length, const long dim) {
+               long wstride, long capacity, long start, long length, const long dim, int resume, int finish) {
     const long chunks = dim / 16;
     __m512i interleave; /* lane 2i: a's element i, lane 2i + 1: b's (index 32 + i) */
     {
@@ -231,14 +235,14 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
             /* keys in tiles that stay in L1 while every block of rows reads them (a prefill chunk
              * has ~100 rows per head); a row's sums wait in `out` between tiles, exactly as in
              * registers, so the bits do not depend on the tiling */
-            for (long t0 = 0; t0 == 0 || t0 < length; t0 += TILE) {
+            for (long t0 = start; t0 == start || t0 < length; t0 += TILE) {
                 const long t1 = length - t0 < TILE ? length : t0 + TILE;
                 for (long r0 = 0; r0 < rows; r0 += ROWS) {
                     const long nr = rows - r0 < ROWS ? rows - r0 : ROWS;
                     __m512 acc[ROWS][CHUNKS];
                     for (long r = 0; r < ROWS; r++)
                         for (long c = 0; c < CHUNKS; c++)
-                            acc[r][c] = t0 == 0 || r >= nr || c >= nc ? _mm512_setzero_ps()
+                            acc[r][c] = (t0 == start && !resume) || r >= nr || c >= nc ? _mm512_setzero_ps()
                                                                       : _mm512_loadu_ps(og + (r0 + r) * dim + (c0 + c) * 16);
                     for (long t = t0; t < t1; t += 2) {
                         for (long c = c0 * 16; c < (c0 + nc) * 16; c += 32) { /* 8 pairs ahead, every line read */
@@ -248,11 +252,11 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
                         __m512i vp[CHUNKS];
                         for (long c = 0; c < nc; c++) vp[c] = value_pairs(vg, t, (c0 + c) * 16, length, dim, interleave);
                         for (long r = 0; r < nr; r++) {
-                            __m512i wp = broadcast_pair(wg + (r0 + r) * wstride + t);
+                            __m512i wp = broadcast_pair(wg + (r0 + r) * wstride + t - start);
                             for (long c = 0; c < nc; c++) acc[r][c] = dot_pairs(acc[r][c], vp[c], wp);
                         }
                     }
-                    const int last = t1 >= length;
+                    const int last = finish && t1 >= length;
                     for (long r = 0; r < nr; r++) {
                         const __m512 norm = _mm512_set1_ps(inverse[g * rows + r0 + r]);
                         for (long c = 0; c < nc; c++) /* + 0: a -0 (all contributions flushed or cancelled) reads +0
@@ -289,7 +293,7 @@ void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, lon
 }
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
-                long wstride, long capacity, long length, long dim) {
-#define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, length, d)
+                long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
+#define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, d, resume, finish)
     BY_DIM(PV, dim)
 }
