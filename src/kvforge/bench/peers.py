@@ -11,7 +11,9 @@ engine's own generate call (`Engine.generate`, transformers' `generate`, `LLM.ge
 generated tokens / wall time, put on every row of that engine and dtype as `copy_tokens_per_s`.
 kvforge rows also carry `step_cost`: what a wider step costs over a one-token decode step at
 that context, `verify_9` (one sequence, 9 new rows: a k = 8 speculative verification) and
-`batch_16` (16 sequences, one new row each), from the prefilled prompt's cache (copied 16 times).
+`batch_16` (16 sequences, one new row each), from the prefilled prompt's cache (copied 16 times:
+16 samples of one prompt, whose shared rows attention reads once) and `batch_16_distinct` (the same
+16 copies not known to be copies, each read on its own: what 16 different prompts cost).
 
 vLLM is timed through its public API only: prefill = a generate call with max_tokens=1; decode =
 (median time with max_tokens=1+decode_tokens minus the prefill median) / decode_tokens. Its
@@ -139,8 +141,10 @@ def markdown_table(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     widths = [(r["dtype"], r["tokens"], r["step_cost"]) for r in report["results"] if "step_cost" in r]
     if widths:
-        lines += ["", "| kvforge dtype | context | one-token step ms | 9-row verify / one | 16-sequence step / one |", "|---|---|---|---|---|"]
-        lines += [f"| {d} | {t} | {c['one_s'] * 1e3:.1f} | {c['verify_9']:.2f} | {c['batch_16']:.2f} |" for d, t, c in widths]
+        lines += ["", "| kvforge dtype | context | one-token step ms | 9-row verify / one | 16 samples of the prompt / one "
+                  "| 16 distinct sequences / one |", "|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {t} | {c['one_s'] * 1e3:.1f} | {c['verify_9']:.2f} | {c['batch_16']:.2f} | {c['batch_16_distinct']:.2f} |"
+                  for d, t, c in widths]
     return "\n".join(lines)
 
 
@@ -229,11 +233,15 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
 
 @torch.inference_mode()
 def step_cost(engine: Engine, prompt: list[int], runs: int = 3) -> dict[str, float]:
-    """Median time of a 9-row step of one sequence and of a one-row step of 16 sequences, each
-    over a one-row step of one sequence, all after `prompt`'s cache (rows rolled back after each
-    step, so every step sees the same context)."""
+    """Median time of a 9-row step of one sequence and of a one-row step of 16 sequences (samples
+    of `prompt`, and the same rows as 16 unrelated sequences), each over a one-row step of one
+    sequence, all after `prompt`'s cache (rows rolled back after each step, so every step sees
+    the same context)."""
     _, cache = engine.prefill([prompt])
     batch = cache.select_batch(torch.zeros(16, dtype=torch.long))
+    distinct = cache.select_batch(torch.zeros(16, dtype=torch.long))
+    for layer in distinct.layers:
+        layer.shared = 0  # as if 16 different prompts: every sequence reads its own rows
     last = torch.tensor((prompt * 9)[-9:], device=engine.device)  # any 9 ids: only the widths are timed
     start = len(prompt)
 
@@ -247,8 +255,9 @@ def step_cost(engine: Engine, prompt: list[int], runs: int = 3) -> dict[str, flo
         "one": lambda: step(cache, last[:1].view(1, 1)),
         "verify_9": lambda: step(cache, last.view(1, 9)),
         "batch_16": lambda: step(batch, last[:1].expand(16, 1).contiguous()),
+        "batch_16_distinct": lambda: step(distinct, last[:1].expand(16, 1).contiguous()),
     }, runs=max(runs, 5))
-    return {"one_s": times["one"], "verify_9": times["verify_9"] / times["one"], "batch_16": times["batch_16"] / times["one"]}
+    return {"one_s": times["one"], **{arm: times[arm] / times["one"] for arm in ("verify_9", "batch_16", "batch_16_distinct")}}
 
 
 def _rate(generate: Callable[[list[list[int]], int], int], prompts: list[list[int]], new_tokens: int):
