@@ -142,7 +142,7 @@ class Engine:
             # is that prompt's own, bit for bit
             last, one = self.prefill([list(prompts[0])], chunk_size=chunk_size, logits=logits)
             copies = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-            return last.index_select(0, copies), one.select_batch(copies)
+            return (None if last is None else last.index_select(0, copies)), one.select_batch(copies)
         ids, positions = self.pad_batch(prompts, cache)
         # A fresh cache is sized to the prompt exactly: attention then reads K/V that are one
         # contiguous block per layer, which the CPU attention kernel runs measurably faster on.
