@@ -297,21 +297,20 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> to
     on T alone, never on layout (a slice such as the last row the head reads is made contiguous:
     a few rows), so a decode step and a verification round alike. Heads' q/k norms and other
     families' norms keep torch's ops (not measured: a q/k view would need a copy first)."""
+    if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
+        eps, one_plus = norm.variance_epsilon, False
+    elif type(norm).__name__ in _ONE_PLUS_W_NORMS:
+        eps, one_plus = norm.eps, True
+    else:
+        return norm(x)  # any other norm: its own forward
     if stream and x.dtype == torch.bfloat16 and x.dim() == 3 and x.shape[-2] <= kernels.SMALL_ROWS:
         x = x.contiguous()
-    else:
-        stream = False
-    if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
-        if stream and kernels.rms_norm_fits(x, norm.weight):
-            return kernels.rms_norm(x, norm.weight, norm.variance_epsilon, one_plus=False)
-        normed = F.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon)
-        return norm.weight * normed.to(x.dtype)
-    if type(norm).__name__ in _ONE_PLUS_W_NORMS:
-        if stream and kernels.rms_norm_fits(x, norm.weight):
-            return kernels.rms_norm(x, norm.weight, norm.eps, one_plus=True)
-        normed = F.rms_norm(x.float(), x.shape[-1:], None, norm.eps)
+        if kernels.rms_norm_fits(x, norm.weight):
+            return kernels.rms_norm(x, norm.weight, eps, one_plus)
+    normed = F.rms_norm(x.float(), x.shape[-1:], None, eps)
+    if one_plus:
         return (normed * (1.0 + norm.weight.float())).to(x.dtype)
-    return norm(x)  # any other norm: its own forward
+    return norm.weight * normed.to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
