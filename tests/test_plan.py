@@ -157,7 +157,7 @@ def test_a_method_whose_plan_ran_exact_reports_exact_with_the_reason():
     engine = Engine(tiny_loaded("llama"))
     ids = _ids(6)
     everything = lambda layer, h_before, positions, cache, depth: torch.full_like(depth, engine.num_layers)  # noqa: E731
-    plan = PrefillPlan(_depth(2, slice(2, T - 3)), lambda layer, h, rows: h, "ridgefill", everything)
+    plan = PrefillPlan(_depth(2, slice(2, T - 3)), lambda layer, h, rows: h[:, rows], "ridgefill", everything)
     ran = PrefillReport.of(plan, engine.prefill(ids, plan=plan)[1], T)
     assert ran.prefill == "exact" and ran.filled_rows == 0 and "ridgefill kept every row" in ran.reason
     short = PrefillPlan.exact(T, engine.num_layers, "the prompt is no longer than the exact rows")

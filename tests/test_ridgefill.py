@@ -2,16 +2,17 @@
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from conftest import tiny_loaded
 from kvforge.bench.flops import exact_macs, prefill_macs
 from kvforge.cache import RecurrentLayerCache, RowKind
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError
-from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
-from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill, layer_inputs
+from kvforge.fill.maps import INPUTS, RidgeMaps, map_key
 from kvforge.fill.ridgefill import AttendedRows, RidgeFillConfig, exact_row_mask, parse_splits, preset, ridgefill_plan
-from kvforge.plan import final_depth
+from kvforge.plan import PrefillPlan, final_depth
 
 T = 40
 TOL = 1e-4
@@ -90,6 +91,62 @@ def test_filled_rows_are_recorded_and_decode_runs_the_full_model():
     assert torch.isfinite(step).all()
     assert cache.lengths() == [n + 1 for n in before]
     assert all(int(layer.row_kinds()[0, -1]) == RowKind.EXACT for layer in cache.layers)
+
+
+def _previous_row_maps(engine, split):
+    """Maps that predict every late input as the previous row's split state: W = [0; I], b = 0."""
+    e, layers = engine.adapter.hidden_size, range(split + 1, engine.num_layers)
+    w = torch.cat([torch.zeros(e, e), torch.eye(e)])
+    tensors = {map_key(split, l, "weight"): w for l in layers} | {map_key(split, l, "bias"): torch.zeros(e) for l in layers}
+    return RidgeMaps(engine.num_layers, e, engine.model.fingerprint, engine.model.name, [split], False, {}, INPUTS, tensors)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_previous_row_maps_read_the_row_before_each_filled_row(family):
+    """Against an oracle fill given the previous rows' split states from a separate exact run: a
+    filled row after an exact one (a sink, an attended row) reads the exact row's split state."""
+    engine = Engine(tiny_loaded(family, seed=2))
+    split, ids = 1, _ids(8)
+    maps = _previous_row_maps(engine, split)
+    config = RidgeFillConfig(split=split, tail=5, sinks=2, attended_rows=2, attended_span=1)
+    plan = ridgefill_plan(engine, ids, config, maps)
+    with torch.inference_mode():
+        h_split = layer_inputs(engine, ids, split + 1)[split].unsqueeze(0)  # (1, T, E)
+    before = lambda rows: (rows.nonzero().squeeze(1) - 1).clamp(min=0)  # noqa: E731
+    oracle = lambda layer, h, rows: h_split[:, rows] if layer == split else h_split[:, before(rows)]  # noqa: E731
+    _, cache = engine.prefill([ids], plan=plan)
+    _, expected = engine.prefill([ids], plan=PrefillPlan(plan.depth, oracle, "oracle", plan.choose, choose_at=plan.choose_at))
+    kept = final_depth(cache, T) == engine.num_layers
+    assert torch.equal(kept, final_depth(expected, T) == engine.num_layers) and int(kept.sum()) > 7  # sinks, tail and attended rows
+    assert bool((~kept[1:] & kept[:-1]).any())  # some filled row follows an exact one
+    for layer in range(split + 1, engine.num_layers):
+        assert (cache[layer].keys() - expected[layer].keys()).abs().max() < TOL
+        assert (cache[layer].values() - expected[layer].values()).abs().max() < TOL
+
+
+def test_maps_of_the_split_state_alone_still_load_and_a_wrong_shape_is_refused(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    alone = _fit(engine, [2], previous_row=False)
+    assert alone.inputs == ("split",) and alone.weights(2, 3)[0].shape == (engine.adapter.hidden_size,) * 2
+    both = _fit(engine, [2])
+    assert both.inputs == INPUTS and both.weights(2, 3)[0].shape == (2 * engine.adapter.hidden_size, engine.adapter.hidden_size)
+    assert both.layer_bytes() > alone.layer_bytes()
+    from safetensors.torch import load_file, save_file
+
+    alone.save(tmp_path / "alone.safetensors")
+    with safe_open(str(tmp_path / "alone.safetensors"), "pt") as f:
+        meta = f.metadata()
+    old = {k: v for k, v in meta.items() if k != "inputs"}  # a file written before maps read the previous row
+    save_file(load_file(tmp_path / "alone.safetensors"), tmp_path / "old.safetensors", old)
+    loaded = RidgeMaps.load(tmp_path / "old.safetensors")
+    assert loaded.inputs == ("split",)
+    ids = _ids(9)
+    config = RidgeFillConfig(split=2, tail=4)
+    assert torch.equal(engine.prefill([ids], plan=ridgefill_plan(engine, ids, config, loaded))[0],
+                       engine.prefill([ids], plan=ridgefill_plan(engine, ids, config, alone))[0])
+    save_file(load_file(tmp_path / "alone.safetensors"), tmp_path / "wrong.safetensors", old | {"inputs": '["split", "previous"]'})
+    with pytest.raises(ArtifactError, match="shape"):
+        RidgeMaps.load(tmp_path / "wrong.safetensors")
 
 
 def test_identity_fill_differs_from_exact_and_ridge_fill_needs_maps():
@@ -233,6 +290,9 @@ def test_mac_ceiling_is_one_for_exact_and_grows_with_the_filled_share():
     deeper = full.clone()
     deeper[2:-4] = 3
     assert exact_macs(adapter, T) > prefill_macs(adapter, deeper, 3, True) > prefill_macs(adapter, shallow, 1, True)
+    # a map that also reads the previous row costs one more E x E per filled row and mapped layer (2 and 3)
+    e = adapter.hidden_size
+    assert prefill_macs(adapter, shallow, 1, True, 2) - prefill_macs(adapter, shallow, 1, True) == (T - 6) * 2 * e * e
 
 
 # bf16 against fp32, same weights and maps: measured at most 0.026 in logits (gemma3; 0.007

@@ -176,14 +176,20 @@ class Engine:
         depth = plan.depth.to(self.device)
         h = a.embed(ids)  # (1, T, E)
         rope = a.rope(h, positions)
-        at_depth = torch.zeros_like(h)  # residual stream entering each row's own depth
+        # each row's residual stream entering its own depth; a row still running holds the stream
+        # entering the first layer any row left (for RidgeFill, whose rows all leave at the split,
+        # every row's h_split: a map may read a filled row's neighbours)
+        at_depth = None
         h_before, chosen = h, plan.choose is None
         for layer in range(self.num_layers):
             if not chosen and layer > 0 and (layer == plan.choose_at or bool((depth <= layer).any())):
                 depth, chosen = plan.choose(layer, h_before, positions, cache, depth).to(self.device), True
             leaving = depth == layer
             if bool(leaving.any()):
-                at_depth[:, leaving] = h[:, leaving]
+                if at_depth is None:
+                    at_depth = h.clone()
+                else:
+                    at_depth[:, leaving] = h[:, leaving]
             past = depth <= layer
             if not bool(past.any()):  # below every row's depth: the plain exact layer, no gathers
                 h_before, h = h, self.run_layer(layer, h, positions, cache, rope)
@@ -198,7 +204,7 @@ class Engine:
             present, kinds = active, RowKind.EXACT
             if plan.fill is not None:
                 written = past & readable_rows(positions[0], active, a.windows[layer])
-                x = plan.fill(layer, at_depth[:, written], written)
+                x = plan.fill(layer, at_depth, written)
                 k_fill, v_fill = a.key_value(layer, x, _rope_rows(rope, written))
                 present = active | written
                 is_exact = active[present]
@@ -218,7 +224,7 @@ class Engine:
         a = self.adapter
         present, kinds, rows = active, RowKind.EXACT, h_active
         if plan.fill is not None:
-            x = plan.fill(layer, at_depth[:, past], past)
+            x = plan.fill(layer, at_depth, past)
             present = active | past
             is_exact = active[present]
             rows = _interleave_rows(h_active, x, is_exact)

@@ -2,8 +2,8 @@
 
 Exact prefill, RidgeFill and SPEED are one mechanism. Row i runs layers [0, depth[i]) exactly.
 Above its depth a row is either
-  - filled: the plan's `fill(layer, h)` predicts that layer's input from h, the residual stream
-    entering the row's depth, and the layer writes the row's K/V from the prediction (input norm,
+  - filled: the plan's `fill(layer, h, rows)` predicts that layer's input from h, the residual
+    stream entering the row's depth (and, for a map that reads it, the previous row's), and the layer writes the row's K/V from the prediction (input norm,
     k/v projections, k-norm and RoPE run; attention and MLP do not) -- RidgeFill; or
   - absent: no compute, no cache rows, invisible to every later query -- SPEED (no `fill`).
 Rows with depth == num_layers are exact everywhere. The last prompt row must be exact: it
@@ -33,7 +33,8 @@ import torch
 from kvforge.cache import KVCache, LayerCache, RowKind
 
 # fill(layer, h, rows) -> the predicted input of `layer` (1, N, E) for the N prompt rows picked by
-# the bool mask `rows` (T,); h (1, N, E) is each such row's residual stream entering its own depth.
+# the bool mask `rows` (T,); h (1, T, E) holds every prompt row's residual stream entering its own
+# depth, or, for a row still running, entering the first layer any row left.
 Filler = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # choose(layer, h_before, positions, cache, depth) -> depth (T,)
 Chooser = Callable[[int, torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]

@@ -5,8 +5,8 @@ its router and the top-k experts) and attention over the keys
 the row sees: the rows the layer holds (exact rows, and filled rows where the plan fills) at or
 before its position, within its window. Summed over a causal prompt that is the quadratic
 T(T+1)/2 keys per layer; above a SPEED cut the few full-depth rows see only each other. Per
-filled row and late layer: the ridge map (E × E; none at the split layer, whose input is the
-split state itself) and the k/v projections, only on rows the layer writes (sliding-window layers
+filled row and late layer: the ridge map (E × E per map input: 2E × E when it also reads the
+previous row's split state; none at the split layer, whose input is the split state itself) and the k/v projections, only on rows the layer writes (sliding-window layers
 skip rows nothing reads). The head runs on the last row.
 
 On a hybrid's linear-attention (Gated DeltaNet) layer an exact row costs its input projections,
@@ -35,9 +35,10 @@ def _dims(adapter) -> tuple[int, int, int, int, int]:
     return adapter.hidden_size, adapter.num_heads * adapter.head_dim, adapter.kv_heads * adapter.head_dim, c.intermediate_size, c.vocab_size
 
 
-def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) -> int:
+def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, map_inputs: int = 1) -> int:
     """MACs of a prefill where row i runs layers [0, depth[i]) exactly; above it a row is filled
-    (`filled`: from a map at layers > split, the split state at the split layer) or absent."""
+    (`filled`: from a map of `map_inputs` E-wide inputs at layers > split, the split state at the
+    split layer) or absent."""
     e, q_dim, kv_dim, ffn, vocab = _dims(adapter)
     t = depth.numel()
     positions = torch.arange(t)
@@ -49,7 +50,7 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
             state_in, state_update = _recurrent_row(adapter, layer)
             total += int(active.sum()) * per_row_linear
             if filled:
-                map_macs = e * e if (split is not None and layer > split) else 0
+                map_macs = map_inputs * e * e if (split is not None and layer > split) else 0
                 total += int((~active).sum()) * (map_macs + state_in + state_update)
             continue
         window = adapter.windows[layer]
@@ -58,7 +59,7 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool) 
         # QKᵀ and AV: 2 · head dim per visible key per query head
         total += int(active.sum()) * per_row_linear + int(seen.sum()) * 2 * q_dim
         if filled:
-            map_macs = e * e if (split is not None and layer > split) else 0
+            map_macs = map_inputs * e * e if (split is not None and layer > split) else 0
             total += int(written.sum()) * (map_macs + e * 2 * kv_dim)
     return total + e * vocab
 

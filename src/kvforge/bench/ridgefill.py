@@ -39,7 +39,7 @@ def bench_ridgefill(
         exact_kv = engine.prefill([prompt])[1].nbytes
         depth = final_depth(cache, tokens)  # after the attention-chosen rows
         ran = PrefillReport.of(plan, cache, tokens).as_dict()
-        ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True)
+        ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True, len(maps.inputs))
         results.append(
             {
                 "tokens": tokens,
@@ -70,6 +70,7 @@ def bench_ridgefill(
         "split": config.split,
         "tail": config.tail,
         "attended_rows": config.attended_rows,
+        "map_inputs": list(maps.inputs),
         "maps_resident_bytes": maps.resident_bytes(config.split),
         "maps_streamed_bytes": maps.layer_bytes(),
         "runs": runs,

@@ -24,6 +24,7 @@ import torch
 from kvforge.bench.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_samples
 from kvforge.data.prompts import held_out_text_tokens
+from kvforge.fill.maps import RidgeMaps
 from kvforge.models.loading import dtype_name
 
 
@@ -38,6 +39,7 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
     from kvforge.vllm.ridgefill import engine_args, ridgefill_stats, set_ridgefill
 
     settings = settings or {}
+    map_inputs = len(RidgeMaps.load(maps_path, streamed=True).inputs)
     prompts = {n: held_out_text_tokens(engine.model.tokenizer, n) for n in lengths}
     first = SamplingParams(temperature=0.0, max_tokens=1)
     max_len = max(lengths) + max(64, together_tokens + 16)
@@ -73,7 +75,7 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
                     raise RuntimeError(f"vLLM's last RidgeFill record is for {record.tokens} tokens, not this {n}-token prompt")
                 config = config or _config_of(llm)
                 depth = torch.where(record.exact.cpu(), engine.num_layers, config.split)
-                ceiling = exact_macs(engine.adapter, n) / prefill_macs(engine.adapter, depth, config.split, True)
+                ceiling = exact_macs(engine.adapter, n) / prefill_macs(engine.adapter, depth, config.split, True, map_inputs)
                 exact_s = statistics.median(s["s"] for s in samples["exact"])
                 ridge_s = statistics.median(s["s"] for s in samples["ridgefill"])
                 results.append({

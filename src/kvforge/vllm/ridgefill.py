@@ -14,8 +14,9 @@ step, whole. The class is vLLM's `LlamaForCausalLM` with one forward added:
   as kvforge's engine plans it (`planned_exact_rows`: sinks, special tokens, tail; then the rows the
   tail attends to most at layer split - 1, `most_attended`). Layers [0, split) run stock, over every
   row. At each late layer, every row's K/V is computed -- the exact rows' from their own residual
-  stream, the filled rows' from the map's prediction h_split @ W_l + b_l (h_split itself at the
-  split layer) -- and written through vLLM's own cache update (`do_kv_cache_update`: the CPU cache
+  stream, the filled rows' from the map's prediction x @ W_l + b_l (x = h_split, beside the
+  previous row's h_split in the same prompt when the maps read it; h_split itself at the split
+  layer) -- and written through vLLM's own cache update (`do_kv_cache_update`: the CPU cache
   layout is the kernel's business); then only the exact rows attend, over this step's K/V of their
   own prompt (the whole prompt is in this step, so no paged read is needed), and run the output
   projection and MLP. Filled rows leave the final hidden states as zeros: only the last row (exact)
@@ -125,6 +126,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.stats = Stats()
         self.special_ids: set[int] = set()
         self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.maps_read_previous = False
         self.kv_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # --- loading -------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         if not maps.has_split(split):
             raise KvforgeError(f"maps {self.maps_path} hold splits {maps.splits}, not split {split}")
         self.fill_maps = {l: maps.weights(split, l, self.dtype) for l in range(split + 1, layers)}
+        self.maps_read_previous = maps.reads_previous
         first = split - 1 if self.config_ridgefill.attended_rows else split
         for l in range(first, layers):
             attn = self.model.layers[l].self_attn
@@ -212,6 +215,11 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         # exact rows keep vLLM's (hidden, residual) pair, so each norm adds and normalises them as the
         # stock layers do (in fp32 inside the fused add-norm); filled rows need only the summed stream
         x, res, source = h[exact], residual[exact], stream[filled]
+        if self.maps_read_previous:  # each filled row's map input: its h_split and its prompt's previous row's
+            previous = torch.cat([stream[:1], stream[:-1]])
+            for a, _ in spans:
+                previous[a] = stream[a]  # a prompt's first row has no previous row: it reads itself (as kvforge's)
+            source = torch.cat([source, previous[filled]], dim=-1)
         pos_exact, pos_filled = positions[exact], positions[filled]
         # per request: its exact rows among all exact rows, and its rows among all rows
         counts = torch.stack([exact[a:b].sum() for a, b in spans]).tolist()
@@ -222,7 +230,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             qkv, _ = attn.qkv_proj(xn)
             q, k_exact, v_exact = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k_exact = attn.rotary_emb(pos_exact, q, k_exact)
-            predicted = source if l == split else torch.addmm(self.fill_maps[l][1], source, self.fill_maps[l][0])
+            predicted = source[:, : stream.shape[-1]] if l == split else torch.addmm(self.fill_maps[l][1], source, self.fill_maps[l][0])
             k_filled, v_filled = self._key_value(l, layer.input_layernorm(predicted), pos_filled)
             k = x.new_empty(exact.numel(), attn.kv_size)
             v = x.new_empty(exact.numel(), attn.kv_size)
