@@ -213,15 +213,23 @@ class MapFill:
 
     def __init__(self, maps: RidgeMaps, split: int, dtype: torch.dtype, device: torch.device):
         self.maps, self.split, self.dtype, self.device = maps, split, dtype, device
+        self._key, self._x = None, None  # the last map input, reused while a prefill writes the same rows
 
     def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        x = h[0, rows]  # (N, E)
         if layer == self.split:  # the split layer's input is h_split itself
-            return x.unsqueeze(0)
-        if self.maps.reads_previous:
-            x = torch.cat([x, h[0, map_previous_rows(rows)]], dim=-1)
+            return h[:, rows]
         w, b = self.maps.weights(self.split, layer, self.dtype)
-        return torch.addmm(b.to(self.device), x, w.to(self.device)).unsqueeze(0)
+        return torch.addmm(b.to(self.device), self._input(h, rows), w.to(self.device)).unsqueeze(0)
+
+    def _input(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(N, I): the rows' h_split (beside their previous rows'); every global layer writes the
+        same rows from the same h_split, so it is gathered once per prefill, not per layer."""
+        if self._key is None or self._key[0] is not h or not torch.equal(rows, self._key[1]):
+            x = h[0, rows]
+            if self.maps.reads_previous:
+                x = torch.cat([x, h[0, map_previous_rows(rows)]], dim=-1)
+            self._key, self._x = (h, rows), x
+        return self._x
 
 
 def map_previous_rows(rows: torch.Tensor) -> torch.Tensor:
