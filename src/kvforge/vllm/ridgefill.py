@@ -44,7 +44,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from kvforge.attention import visibility_mask
 from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps
-from kvforge.fill.ridgefill import RidgeFillConfig, most_attended, peak_attention, planned_exact_rows, preset
+from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
 
 logger = logging.getLogger("kvforge.vllm")
 ARCHITECTURE = "KvforgeRidgeFillForCausalLM"
@@ -215,11 +215,10 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         # exact rows keep vLLM's (hidden, residual) pair, so each norm adds and normalises them as the
         # stock layers do (in fp32 inside the fused add-norm); filled rows need only the summed stream
         x, res, source = h[exact], residual[exact], stream[filled]
-        if self.maps_read_previous:  # each filled row's map input: its h_split and its prompt's previous row's
-            previous = torch.cat([stream[:1], stream[:-1]])
-            for a, _ in spans:
-                previous[a] = stream[a]  # a prompt's first row has no previous row: it reads itself (as kvforge's)
-            source = torch.cat([source, previous[filled]], dim=-1)
+        map_input = source
+        if self.maps_read_previous:  # beside each filled row's h_split, its prompt's previous row's (as kvforge's MapFill)
+            before = torch.cat([a + map_previous_rows(filled[a:b]) for a, b in spans])
+            map_input = torch.cat([source, stream[before]], dim=-1)
         pos_exact, pos_filled = positions[exact], positions[filled]
         # per request: its exact rows among all exact rows, and its rows among all rows
         counts = torch.stack([exact[a:b].sum() for a, b in spans]).tolist()
@@ -230,7 +229,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             qkv, _ = attn.qkv_proj(xn)
             q, k_exact, v_exact = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k_exact = attn.rotary_emb(pos_exact, q, k_exact)
-            predicted = source[:, : stream.shape[-1]] if l == split else torch.addmm(self.fill_maps[l][1], source, self.fill_maps[l][0])
+            predicted = source if l == split else torch.addmm(self.fill_maps[l][1], map_input, self.fill_maps[l][0])
             k_filled, v_filled = self._key_value(l, layer.input_layernorm(predicted), pos_filled)
             k = x.new_empty(exact.numel(), attn.kv_size)
             v = x.new_empty(exact.numel(), attn.kv_size)
