@@ -54,7 +54,7 @@ def main() -> None:
         row = {
             "tokens": args.tokens, "arm": f"tail {tail}, {anchors} anchors x {span}", "tail": tail, "attended_rows": anchors, "attended_span": span,
             "filled_share": float((depth < engine.num_layers).float().mean()),
-            "ceiling": exact_macs(engine.adapter, len(prompt)) / prefill_macs(engine.adapter, depth, args.split, True, len(maps.inputs)),
+            "ceiling": exact_macs(engine.adapter, len(prompt)) / prefill_macs(engine.adapter, depth, args.split, True, len(maps.inputs), maps.predicts_normed),
             **{k: out[k] for k in ("ppl_gap_novel_pct", "ppl_gap_novel_ci", "ppl_gap_all_pct", "ppl_gap_all_ci", "ppl_gap_key_pct")},
         }
         print(json.dumps(row), file=sys.stderr, flush=True)

@@ -86,7 +86,7 @@ def main() -> None:
         row["speed"] = {
             "tokens": args.tokens,
             "speedup": times["exact"] / times[str(i)],
-            "ceiling": exact_macs(engine.adapter, args.tokens) / prefill_macs(engine.adapter, depth, c.split, True, len(maps.inputs)),
+            "ceiling": exact_macs(engine.adapter, args.tokens) / prefill_macs(engine.adapter, depth, c.split, True, len(maps.inputs), maps.predicts_normed),
             "filled_fraction": float((depth < engine.num_layers).float().mean()),
         }
     write(path, {"model": args.model, "maps": str(args.maps), "exact_ttft_s": times["exact"], **environment(), "settings": asdict(settings), "rows": rows})

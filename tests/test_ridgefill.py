@@ -59,8 +59,8 @@ def test_fitted_maps_reproduce_exact_when_late_inputs_equal_the_split_state(fami
     engine = Engine(tiny_loaded(family, seed=1))
     split = 2
     _zero_late_layers(engine, split)
-    maps = _fit(engine, [split])
-    assert min(maps.info["splits"][str(split)]["r2"].values()) > 0.999
+    maps = _fit(engine, [split], normed_target=False)  # the normed input is not linear in h_split: the input is
+    assert maps.target == "input" and min(maps.info["splits"][str(split)]["r2"].values()) > 0.999
     ids = _ids(3)
     config = RidgeFillConfig(split=split, tail=6, sinks=2)
     plan = ridgefill_plan(engine, ids, config, maps)
@@ -93,27 +93,51 @@ def test_filled_rows_are_recorded_and_decode_runs_the_full_model():
     assert all(int(layer.row_kinds()[0, -1]) == RowKind.EXACT for layer in cache.layers)
 
 
-def _previous_row_maps(engine, split):
-    """Maps that predict every late input as the previous row's split state: W = [0; I], b = 0."""
+def _previous_row_maps(engine, split, target="input"):
+    """Maps that predict every late (normed) input as the previous row's split state: W = [0; 2I], b = 1."""
     e, layers = engine.adapter.hidden_size, range(split + 1, engine.num_layers)
-    w = torch.cat([torch.zeros(e, e), torch.eye(e)])
-    tensors = {map_key(split, l, "weight"): w for l in layers} | {map_key(split, l, "bias"): torch.zeros(e) for l in layers}
-    return RidgeMaps(engine.num_layers, e, engine.model.fingerprint, engine.model.name, [split], False, {}, INPUTS, tensors)
+    w = torch.cat([torch.zeros(e, e), 2 * torch.eye(e)])
+    tensors = {map_key(split, l, "weight"): w for l in layers} | {map_key(split, l, "bias"): torch.ones(e) for l in layers}
+    return RidgeMaps(engine.num_layers, e, engine.model.fingerprint, engine.model.name, [split], False, {}, INPUTS, target, tensors)
 
 
+class _PreviousRowOracle:
+    """What `_previous_row_maps` should write, from the previous rows' split states of a separate
+    exact run: for maps of the input, through the layer's own norm; for maps of the normed input,
+    the prediction times the norm's gain through the K/V projection, not renormalised."""
+
+    def __init__(self, engine, h_split, split, normed):
+        self.a, self.h_split, self.split, self.normed = engine.adapter, h_split, split, normed
+
+    def __call__(self, layer, h, rows):
+        before = (rows.nonzero().squeeze(1) - 1).clamp(min=0)
+        return self.h_split[:, rows] if layer == self.split else 2 * self.h_split[:, before] + 1
+
+    def key_value(self, layer, h, rows, rope):
+        if layer == self.split or not self.normed:
+            return self.a.key_value(layer, self(layer, h, rows), rope)
+        weight, bias = self.a.kv_weights(layer)
+        return self.a.cache_rows(layer, torch.nn.functional.linear(self(layer, h, rows) * self.a.input_norm(layer)[0], weight, bias), rope)
+
+
+@pytest.mark.parametrize("target", ["input", "normed_input"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_previous_row_maps_read_the_row_before_each_filled_row(family):
+def test_previous_row_maps_read_the_row_before_each_filled_row(family, target):
     """Against an oracle fill given the previous rows' split states from a separate exact run: a
-    filled row after an exact one (a sink, an attended row) reads the exact row's split state."""
+    filled row after an exact one (a sink, an attended row) reads the exact row's split state.
+    Maps of the normed input write the cache rows through their fold with the layer's norm gain
+    and K/V projection (`fold_kv`); the oracle applies the gain and projection one after another."""
     engine = Engine(tiny_loaded(family, seed=2))
+    with torch.no_grad():  # a norm gain that is not all ones, so the fold must carry it
+        for layer in engine.adapter.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
     split, ids = 1, _ids(8)
-    maps = _previous_row_maps(engine, split)
+    maps = _previous_row_maps(engine, split, target)
     config = RidgeFillConfig(split=split, tail=5, sinks=2, attended_rows=2, attended_span=1)
     plan = ridgefill_plan(engine, ids, config, maps)
     with torch.inference_mode():
         h_split = layer_inputs(engine, ids, split + 1)[split].unsqueeze(0)  # (1, T, E)
-    before = lambda rows: (rows.nonzero().squeeze(1) - 1).clamp(min=0)  # noqa: E731
-    oracle = lambda layer, h, rows: h_split[:, rows] if layer == split else h_split[:, before(rows)]  # noqa: E731
+    oracle = _PreviousRowOracle(engine, h_split, split, normed=target == "normed_input")
     _, cache = engine.prefill([ids], plan=plan)
     _, expected = engine.prefill([ids], plan=PrefillPlan(plan.depth, oracle, "oracle", plan.choose, choose_at=plan.choose_at))
     kept = final_depth(cache, T) == engine.num_layers
@@ -126,20 +150,21 @@ def test_previous_row_maps_read_the_row_before_each_filled_row(family):
 
 def test_maps_of_the_split_state_alone_still_load_and_a_wrong_shape_is_refused(tmp_path):
     engine = Engine(tiny_loaded("llama"))
-    alone = _fit(engine, [2], previous_row=False)
+    alone = _fit(engine, [2], previous_row=False, normed_target=False)
     assert alone.inputs == ("split",) and alone.weights(2, 3)[0].shape == (engine.adapter.hidden_size,) * 2
     both = _fit(engine, [2])
     assert both.inputs == INPUTS and both.weights(2, 3)[0].shape == (2 * engine.adapter.hidden_size, engine.adapter.hidden_size)
+    assert both.target == "normed_input"
     assert both.layer_bytes() > alone.layer_bytes()
     from safetensors.torch import load_file, save_file
 
     alone.save(tmp_path / "alone.safetensors")
     with safe_open(str(tmp_path / "alone.safetensors"), "pt") as f:
         meta = f.metadata()
-    old = {k: v for k, v in meta.items() if k != "inputs"}  # a file written before maps read the previous row
+    old = {k: v for k, v in meta.items() if k not in ("inputs", "target")}  # a file written before maps read the previous row
     save_file(load_file(tmp_path / "alone.safetensors"), tmp_path / "old.safetensors", old)
     loaded = RidgeMaps.load(tmp_path / "old.safetensors")
-    assert loaded.inputs == ("split",)
+    assert loaded.inputs == ("split",) and loaded.target == "input"
     ids = _ids(9)
     config = RidgeFillConfig(split=2, tail=4)
     assert torch.equal(engine.prefill([ids], plan=ridgefill_plan(engine, ids, config, loaded))[0],
@@ -147,6 +172,9 @@ def test_maps_of_the_split_state_alone_still_load_and_a_wrong_shape_is_refused(t
     save_file(load_file(tmp_path / "alone.safetensors"), tmp_path / "wrong.safetensors", old | {"inputs": '["split", "previous"]'})
     with pytest.raises(ArtifactError, match="shape"):
         RidgeMaps.load(tmp_path / "wrong.safetensors")
+    save_file(load_file(tmp_path / "alone.safetensors"), tmp_path / "target.safetensors", old | {"target": "keys"})
+    with pytest.raises(ArtifactError, match="predicting 'keys'"):
+        RidgeMaps.load(tmp_path / "target.safetensors")
 
 
 def test_identity_fill_differs_from_exact_and_ridge_fill_needs_maps():
@@ -293,6 +321,10 @@ def test_mac_ceiling_is_one_for_exact_and_grows_with_the_filled_share():
     # a map that also reads the previous row costs one more E x E per filled row and mapped layer (2 and 3)
     e = adapter.hidden_size
     assert prefill_macs(adapter, shallow, 1, True, 2) - prefill_macs(adapter, shallow, 1, True) == (T - 6) * 2 * e * e
+    # folded into the k/v projection, those two layers' map and projection are one 2E x 2 kv-width multiply
+    kv = 2 * adapter.kv_heads * adapter.head_dim
+    saved = (T - 6) * 2 * (2 * e * e + e * kv - 2 * e * kv)
+    assert prefill_macs(adapter, shallow, 1, True, 2) - prefill_macs(adapter, shallow, 1, True, 2, folded=True) == saved
 
 
 # bf16 against fp32, same weights and maps: measured at most 0.026 in logits (gemma3; 0.007
@@ -320,3 +352,29 @@ def test_maps_fitted_in_fp32_run_on_a_bf16_engine(family):
     assert (logits16 - logits32).abs().max() < BF16_TOL
     token = logits32.argmax(-1)
     assert (bf16.decode_step(token, cache16) - fp32.decode_step(token, cache32)).abs().max() < BF16_TOL
+
+
+def test_cache_rows_are_linear_in_the_normed_input_as_the_fold_assumes(family):
+    """Every family's cache rows: `key_value` is the layer's own k, v (as attention computes them),
+    and equals `cache_rows` over the normed input (h / RMS) times `input_norm`'s gain through
+    `kv_weights` -- the chain `fold_kv` turns into one matrix."""
+    engine = Engine(tiny_loaded(family, seed=4))
+    a = engine.adapter
+    with torch.no_grad():  # a gain that is not all ones
+        for layer in a.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(5))
+    h = torch.randn(1, 7, a.hidden_size, generator=torch.Generator().manual_seed(6))
+    rope = a.rope(h, torch.arange(7).view(1, -1))
+    checked = 0
+    for layer in range(a.num_layers):
+        if a.is_recurrent(layer):
+            continue
+        _, k, v, _ = a.attention_inputs(layer, h, rope)
+        k_only, v_only = a.key_value(layer, h, rope)
+        assert torch.allclose(k_only, k, atol=1e-5) and torch.allclose(v_only, v, atol=1e-5)
+        gain, eps = a.input_norm(layer)
+        normed = torch.nn.functional.rms_norm(h, h.shape[-1:], None, eps)
+        k_fold, v_fold = a.cache_rows(layer, torch.nn.functional.linear(normed * gain, *a.kv_weights(layer)), rope)
+        assert torch.allclose(k_fold, k, atol=1e-5) and torch.allclose(v_fold, v, atol=1e-5)
+        checked += 1
+    assert checked > 0

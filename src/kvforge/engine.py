@@ -18,7 +18,7 @@ from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.models.deltanet import PER_TOKEN_STEPS
 from kvforge.models.loading import LoadedModel
-from kvforge.plan import PrefillPlan
+from kvforge.plan import PrefillPlan, filled_key_value
 
 
 class Engine:
@@ -204,8 +204,7 @@ class Engine:
             present, kinds = active, RowKind.EXACT
             if plan.fill is not None:
                 written = past & readable_rows(positions[0], active, a.windows[layer])
-                x = plan.fill(layer, at_depth, written)
-                k_fill, v_fill = a.key_value(layer, x, _rope_rows(rope, written))
+                k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, written, _rope_rows(rope, written))
                 present = active | written
                 is_exact = active[present]
                 k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)

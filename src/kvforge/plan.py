@@ -34,7 +34,9 @@ from kvforge.cache import KVCache, LayerCache, RowKind
 
 # fill(layer, h, rows) -> the predicted input of `layer` (1, N, E) for the N prompt rows picked by
 # the bool mask `rows` (T,); h (1, T, E) holds every prompt row's residual stream entering its own
-# depth, or, for a row still running, entering the first layer any row left.
+# depth, or, for a row still running, entering the first layer any row left. A fill may also
+# write an attention layer's cache rows itself: key_value(layer, h, rows, rope) -> k, v
+# (RidgeFill's maps folded into the layer's K/V projection); see `filled_key_value`.
 Filler = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # choose(layer, h_before, positions, cache, depth) -> depth (T,)
 Chooser = Callable[[int, torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]
@@ -128,3 +130,12 @@ def _exact_reason(plan: PrefillPlan, tokens: int) -> str | None:
     if plan.reason is not None or plan.method == "exact":
         return plan.reason
     return f"{plan.method} kept every row of the {tokens}-token prompt at full depth"
+
+
+def filled_key_value(fill: Filler, adapter, layer: int, h: torch.Tensor, rows: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache rows (k, v) an attention layer holds for the filled `rows`: the fill's own when it
+    writes them, else the layer's norm and K/V projection over the fill's predicted input."""
+    own = getattr(fill, "key_value", None)
+    if own is not None:
+        return own(layer, h, rows, rope)
+    return adapter.key_value(layer, fill(layer, h, rows), rope)

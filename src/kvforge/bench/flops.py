@@ -7,7 +7,8 @@ before its position, within its window. Summed over a causal prompt that is the 
 T(T+1)/2 keys per layer; above a SPEED cut the few full-depth rows see only each other. Per
 filled row and late layer: the ridge map (E × E per map input: 2E × E when it also reads the
 previous row's split state; none at the split layer, whose input is the split state itself) and the k/v projections, only on rows the layer writes (sliding-window layers
-skip rows nothing reads). The head runs on the last row.
+skip rows nothing reads); a map folded into the k/v projection (maps of the normed input) is one
+multiply, map inputs × E by the k/v width. The head runs on the last row.
 
 On a hybrid's linear-attention (Gated DeltaNet) layer an exact row costs its input projections,
 the depthwise conv, the recurrence (decay, read, delta update and output read of a Dk × Dv state
@@ -35,10 +36,11 @@ def _dims(adapter) -> tuple[int, int, int, int, int]:
     return adapter.hidden_size, adapter.num_heads * adapter.head_dim, adapter.kv_heads * adapter.head_dim, c.intermediate_size, c.vocab_size
 
 
-def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, map_inputs: int = 1) -> int:
+def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, map_inputs: int = 1, folded: bool = False) -> int:
     """MACs of a prefill where row i runs layers [0, depth[i]) exactly; above it a row is filled
     (`filled`: from a map of `map_inputs` E-wide inputs at layers > split, the split state at the
-    split layer) or absent."""
+    split layer) or absent. `folded`: an attention layer's map is folded into its K/V projection
+    (maps of the normed input), one (map_inputs · E) × 2 kv-width multiply a row."""
     e, q_dim, kv_dim, ffn, vocab = _dims(adapter)
     t = depth.numel()
     positions = torch.arange(t)
@@ -59,8 +61,9 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, 
         # QKᵀ and AV: 2 · head dim per visible key per query head
         total += int(active.sum()) * per_row_linear + int(seen.sum()) * 2 * q_dim
         if filled:
-            map_macs = map_inputs * e * e if (split is not None and layer > split) else 0
-            total += int(written.sum()) * (map_macs + e * 2 * kv_dim)
+            mapped = split is not None and layer > split
+            row_macs = map_inputs * e * 2 * kv_dim if mapped and folded else (map_inputs * e * e if mapped else 0) + e * 2 * kv_dim
+            total += int(written.sum()) * row_macs
     return total + e * vocab
 
 

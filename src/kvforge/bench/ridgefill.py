@@ -39,7 +39,7 @@ def bench_ridgefill(
         exact_kv = engine.prefill([prompt])[1].nbytes
         depth = final_depth(cache, tokens)  # after the attention-chosen rows
         ran = PrefillReport.of(plan, cache, tokens).as_dict()
-        ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True, len(maps.inputs))
+        ceiling = exact_macs(engine.adapter, tokens) / prefill_macs(engine.adapter, depth, config.split, True, len(maps.inputs), maps.predicts_normed)
         results.append(
             {
                 "tokens": tokens,

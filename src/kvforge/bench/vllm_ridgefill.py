@@ -39,7 +39,8 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
     from kvforge.vllm.ridgefill import engine_args, ridgefill_stats, set_ridgefill
 
     settings = settings or {}
-    map_inputs = len(RidgeMaps.load(maps_path, streamed=True).inputs)
+    maps = RidgeMaps.load(maps_path, streamed=True)
+    map_inputs, folded = len(maps.inputs), maps.predicts_normed
     prompts = {n: held_out_text_tokens(engine.model.tokenizer, n) for n in lengths}
     first = SamplingParams(temperature=0.0, max_tokens=1)
     max_len = max(lengths) + max(64, together_tokens + 16)
@@ -75,7 +76,7 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
                     raise RuntimeError(f"vLLM's last RidgeFill record is for {record.tokens} tokens, not this {n}-token prompt")
                 config = config or _config_of(llm)
                 depth = torch.where(record.exact.cpu(), engine.num_layers, config.split)
-                ceiling = exact_macs(engine.adapter, n) / prefill_macs(engine.adapter, depth, config.split, True, map_inputs)
+                ceiling = exact_macs(engine.adapter, n) / prefill_macs(engine.adapter, depth, config.split, True, map_inputs, folded)
                 exact_s = statistics.median(s["s"] for s in samples["exact"])
                 ridge_s = statistics.median(s["s"] for s in samples["ridgefill"])
                 results.append({

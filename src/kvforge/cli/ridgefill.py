@@ -27,6 +27,7 @@ def fit_ridgefill_cmd(
     lam: Optional[float] = typer.Option(None, "--lam", help="Ridge λ relative to the mean diagonal; default: per layer by held-out R²."),
     int8: bool = typer.Option(False, "--int8", help="Store maps as int8 per output channel; reports the error."),
     previous_row: bool = typer.Option(True, "--previous-row/--no-previous-row", help="Maps also read the previous row's split state (twice the map MACs; halves the loss on copied tokens)."),
+    normed_target: bool = typer.Option(True, "--normed-target/--no-normed-target", help="Maps predict each late layer's normed input and fold into its K/V projection (half the fill MACs); off: the input, renormalised."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -45,7 +46,7 @@ def fit_ridgefill_cmd(
     setup_threads(threads)
     engine = load_engine(model, device, dtype)
     splits = parse_splits(split, engine.num_layers)
-    config = CalibrationConfig(tuple(splits), calib_tokens, seq_len, lam=lam, int8=int8, previous_row=previous_row)
+    config = CalibrationConfig(tuple(splits), calib_tokens, seq_len, lam=lam, int8=int8, previous_row=previous_row, normed_target=normed_target)
     path = out or artifact_path("maps", model)
     start = time.perf_counter()
     with tqdm(total=calib_tokens, unit="tok", desc="calibration", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:

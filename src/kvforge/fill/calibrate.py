@@ -6,7 +6,8 @@ Calibration text is the fit split of the packaged ShareGPT data rendered with th
 template, concatenated and cut into sequences of `seq_len` tokens (the shape of the prompts
 RidgeFill serves). Each sequence runs exactly through layers [0, L-1); for every split s the
 residual stream entering s (with `previous_row`, beside the previous row's: see `maps`) is the
-input x and the inputs of layers s+1..L-1, side by side, are the outputs y of one ridge problem,
+input x and the inputs of layers s+1..L-1 (with `normed_target`, each divided by its RMS as the
+layer's input norm does), side by side, are the outputs y of one ridge problem,
 so the input covariance is decomposed once per split. The first
 `sinks` rows of each sequence stay out of the fit: their late states are ~100× the median norm
 and no linear map predicts them (they are always kept exact). Every `held_out_every`-th sequence
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
 from kvforge import ridge
 from kvforge.data.prompts import token_sequences
@@ -36,6 +38,7 @@ class CalibrationConfig:
     held_out_every: int = 10
     int8: bool = False
     previous_row: bool = True  # the map reads the previous row's split state too (fill.maps)
+    normed_target: bool = True  # the map predicts the late layer's normed input (fill.maps), not the input itself
 
     def __post_init__(self):
         if not self.splits:
@@ -82,6 +85,12 @@ def fit_ridgefill(
     splits = sorted(set(config.splits))
     inputs = INPUTS if config.previous_row else INPUTS[:1]
     first = max(config.sinks, 1) if config.previous_row else config.sinks  # a row with a previous row
+    norms = [engine.adapter.input_norm(layer) for layer in range(num_layers)]
+    if config.normed_target and any(norms[layer] is None for s in splits for layer in range(s + 1, num_layers)):
+        raise ValueError("this model's input norm is not an RMSNorm kvforge knows: fit with --no-normed-target")
+
+    def target_of(layer: int, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h.float(), h.shape[-1:], None, norms[layer][1]) if config.normed_target else h
     fit = {s: ridge.Moments.zeros(len(inputs) * e, (num_layers - 1 - s) * e) for s in splits}
     held = {s: ridge.Moments.zeros(len(inputs) * e, (num_layers - 1 - s) * e) for s in splits}
     rows = count = 0
@@ -94,7 +103,7 @@ def fit_ridgefill(
             x = layer_in[s][first:]
             if config.previous_row:
                 x = torch.cat([x, layer_in[s][first - 1 : -1]], dim=-1)
-            y = torch.cat([layer_in[l][first:] for l in range(s + 1, num_layers)], dim=-1)
+            y = torch.cat([target_of(l, layer_in[l][first:]) for l in range(s + 1, num_layers)], dim=-1)
             target[s].update(x, y)
         count += 1
         rows += len(ids) - first
@@ -118,7 +127,8 @@ def fit_ridgefill(
     }
     for s in splits:
         info["splits"][str(s)] = _solve_split(fit[s], held[s], s, num_layers, e, config, tensors)
-    return RidgeMaps(num_layers, e, engine.model.fingerprint, model_name, splits, config.int8, info, tensors=tensors, inputs=inputs)
+    target = "normed_input" if config.normed_target else "input"
+    return RidgeMaps(num_layers, e, engine.model.fingerprint, model_name, splits, config.int8, info, tensors=tensors, inputs=inputs, target=target)
 
 
 def _solve_split(fit: ridge.Moments, held: ridge.Moments, s: int, num_layers: int, e: int, config, tensors: dict) -> dict:

@@ -11,6 +11,12 @@ the row's state does. Layer s itself needs no map: its input *is* h_s. One file 
 a quality setting fitted in one calibration pass). Weights are float32, or int8 per output
 channel with a float32 scale (`--int8`, the seed's `-i8` maps).
 
+What a map predicts (`target`): "normed_input", the layer's input divided by its RMS (the input
+norm without its gain: what the layer's projections read, so a map folds with the layer's norm
+gain and K/V projection into one matrix from x straight to the cache rows, `fold_kv`), or, in
+files written before the thirteenth session, "input", the residual stream itself (the layer's own
+norm and projections then run on the prediction).
+
 Maps are used resident (every layer's tensors in memory) or streamed (each layer read from the
 memory-mapped file when it runs, and dropped after).
 """
@@ -30,6 +36,7 @@ from kvforge.errors import ArtifactError
 FORMAT = "kvforge.ridgefill"
 FORMAT_VERSION = "1"
 INPUTS = ("split", "previous")  # the map inputs a file may name, in the order they are concatenated
+TARGETS = ("normed_input", "input")  # what a map predicts; files without the field predict the input
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +62,11 @@ class RidgeMaps:
     int8: bool
     info: dict = field(default_factory=dict)  # λ, R², calibration description, per split
     inputs: tuple[str, ...] = ("split",)  # what the map reads, in order: files without the field read h_s alone
+    target: str = "input"  # what it predicts (TARGETS)
     tensors: dict[str, torch.Tensor] | None = None  # resident; None when streamed
     path: Path | None = None
+    # fold_kv's results for resident maps, per (split, layer, dtype, K/V weights): in memory only
+    folded: dict = field(default_factory=dict, repr=False)
 
     def has_split(self, split: int) -> bool:
         return split in self.splits
@@ -78,15 +88,20 @@ class RidgeMaps:
         return w.to(dtype), get(map_key(split, layer, "bias")).to(dtype)
 
     def resident_bytes(self, split: int) -> int:
-        """Bytes of the maps one split keeps in memory when resident."""
+        """Bytes of the maps one split keeps in memory when resident, with what they were folded into."""
         if self.tensors is None:
             return 0
         prefix = f"split.{split}."
-        return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefix))
+        folded = sum(t.numel() * t.element_size() for key, pair in self.folded.items() if key[0] == split for t in pair)
+        return folded + sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefix))
 
     @property
     def reads_previous(self) -> bool:
         return "previous" in self.inputs
+
+    @property
+    def predicts_normed(self) -> bool:
+        return self.target == "normed_input"
 
     def layer_bytes(self) -> int:
         """Bytes of one layer's map as stored: what streaming holds at a time."""
@@ -108,6 +123,7 @@ class RidgeMaps:
             "splits": json.dumps(self.splits),
             "int8": json.dumps(self.int8),
             "inputs": json.dumps(list(self.inputs)),
+            "target": self.target,
             "info": json.dumps(self.info),
         }
         atomic_save_safetensors({k: v.contiguous() for k, v in self.tensors.items()}, Path(path), meta)
@@ -128,8 +144,11 @@ class RidgeMaps:
                 int8=bool(json.loads(meta["int8"])),
                 info=json.loads(meta["info"]),
                 inputs=tuple(json.loads(meta.get("inputs", '["split"]'))),
+                target=meta.get("target", "input"),
                 path=path,
             )
+            if maps.target not in TARGETS:
+                raise ArtifactError(f"{path} holds maps predicting {maps.target!r}: this kvforge reads {list(TARGETS)}")
             if maps.inputs not in (INPUTS[:1], INPUTS):
                 raise ArtifactError(f"{path} names map inputs {list(maps.inputs)}: this kvforge reads {INPUTS[:1]} or {INPUTS}")
             names = set(f.keys())
@@ -155,3 +174,15 @@ class RidgeMaps:
                 f"{self.fingerprint[:12]}), not for {model_name} ({num_layers} layers, fingerprint {fingerprint[:12]}); "
                 f"other weights (or maps fitted before whole-tensor fingerprints): refit with `kvforge fit ridgefill`"
             )
+
+
+def fold_kv(weight: torch.Tensor, bias: torch.Tensor, gain: torch.Tensor, kv_weight: torch.Tensor,
+            kv_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A normed-input map (x @ weight + bias) followed by the layer's norm gain (E,) and K/V
+    projection (kv_weight (C, E), kv_bias (C,)), as one map x @ A + a -> the projected rows (C wide):
+    A = weight · diag(gain) · kv_weightᵀ (I, C). In fp32; a filled row then costs I·C MACs a layer
+    instead of I·E + E·C, and the prediction is not renormalised (the ridge prediction of the rows)."""
+    kv = kv_weight.float()
+    a = (weight.float() * gain.float()) @ kv.T
+    b = (bias.float() * gain.float()) @ kv.T
+    return a, b if kv_bias is None else b + kv_bias.float()

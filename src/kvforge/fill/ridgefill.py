@@ -27,7 +27,7 @@ from kvforge.attention import visibility_mask
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.fill.calibrate import validate_splits
-from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.plan import PrefillPlan
 
 FILLS = ("ridge", "identity")
@@ -179,7 +179,7 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
     if reason is not None:
         return PrefillPlan.exact(tokens, num_layers, reason)
     depth = torch.where(exact, num_layers, config.split)
-    fill = MapFill(maps, config.split, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
+    fill = MapFill(maps, config.split, engine.adapter, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
     if not config.attended_rows:
         return PrefillPlan(depth, fill, "ridgefill")
     a = engine.adapter
@@ -209,10 +209,14 @@ def identity_fill(layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tens
 
 class MapFill:
     """Predicted late-layer inputs x @ W_l + b_l, x = h_split of the filled rows (beside the
-    previous rows' h_split when the maps read it); maps read once per prefill per layer."""
+    previous rows' h_split when the maps read it); maps read once per prefill per layer.
 
-    def __init__(self, maps: RidgeMaps, split: int, dtype: torch.dtype, device: torch.device):
-        self.maps, self.split, self.dtype, self.device = maps, split, dtype, device
+    Maps that predict the normed input write a filled row's cache straight from x (`key_value`):
+    each map folded with its layer's norm gain and K/V projection (`maps.fold_kv`), once per maps
+    object, model weights and dtype (streamed maps fold at every use: they are never all in memory)."""
+
+    def __init__(self, maps: RidgeMaps, split: int, adapter, dtype: torch.dtype, device: torch.device):
+        self.maps, self.split, self.adapter, self.dtype, self.device = maps, split, adapter, dtype, device
         self._key, self._x = None, None  # the last map input, reused while a prefill writes the same rows
 
     def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -220,6 +224,27 @@ class MapFill:
             return h[:, rows]
         w, b = self.maps.weights(self.split, layer, self.dtype)
         return torch.addmm(b.to(self.device), self._input(h, rows), w.to(self.device)).unsqueeze(0)
+
+    def key_value(self, layer: int, h: torch.Tensor, rows: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache rows (k, v) `layer` holds for the filled `rows`."""
+        folded = None if layer == self.split or not self.maps.predicts_normed else self._folded(layer)
+        if folded is None:
+            return self.adapter.key_value(layer, self(layer, h, rows), rope)
+        w, b = folded
+        return self.adapter.cache_rows(layer, torch.addmm(b, self._input(h, rows), w).unsqueeze(0), rope)
+
+    def _folded(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        norm = self.adapter.input_norm(layer)
+        if norm is None:  # a norm kvforge cannot fold: the layer's own norm renormalises the prediction
+            return None
+        kv_weight, kv_bias = self.adapter.kv_weights(layer)
+        key = (self.split, layer, self.dtype, kv_weight.data_ptr())
+        cache = self.maps.folded if self.maps.tensors is not None else {}
+        if key not in cache:
+            w, b = self.maps.weights(self.split, layer, torch.float32)
+            a, c = fold_kv(w, b, norm[0], kv_weight, kv_bias)
+            cache[key] = (a.to(self.device, self.dtype), c.to(self.device, self.dtype))
+        return cache[key]
 
     def _input(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """(N, I): the rows' h_split (beside their previous rows'); every global layer writes the

@@ -95,8 +95,36 @@ class LlamaAdapter:
 
     def key_value(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the cache rows a layer writes from input h (B, T, E): k, v (B, H, T, D), no query."""
-        k, v = self._project(layer, h, self.num_heads * self.head_dim).split([self.kv_heads, self.kv_heads], dim=1)
+        weight, bias = self.kv_weights(layer)
+        return self.cache_rows(layer, linear(rms_norm(self.layers[layer].input_layernorm, h, stream=True), weight, bias), rope)
+
+    # --- the cache rows as a linear function of the normed input (RidgeFill folds its maps into it)
+    def kv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W (C, E), b (C,) or None): the rows of the layer's input projection the cache is made
+        from, read from the normed input."""
+        weight, bias = self.qkv[layer]
+        start = self._kv_start()
+        return weight[start:], None if bias is None else bias[start:]
+
+    def _kv_start(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def cache_rows(self, layer: int, projected: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv_weights`' output (B, T, C) -> the cache rows k, v (B, H, T, D): k-norm and RoPE applied."""
+        b, t, _ = projected.shape
+        k, v = projected.view(b, t, -1, self.head_dim).transpose(1, 2).split([self.kv_heads, self.kv_heads], dim=1)
         return self._rotate_key(layer, k, rope), v
+
+    def input_norm(self, layer: int) -> tuple[torch.Tensor, float] | None:
+        """The layer's input RMSNorm as (gain (E,) fp32, eps): norm(h) = gain * h / sqrt(mean(h²) + eps);
+        None for a norm kvforge does not know."""
+        norm = self.layers[layer].input_layernorm
+        params = rms_norm_params(norm)
+        if params is None:
+            return None
+        eps, one_plus = params
+        weight = norm.weight.detach().float()
+        return (1.0 + weight if one_plus else weight), eps
 
     def _project(self, layer: int, h: torch.Tensor, start: int) -> torch.Tensor:
         """Input norm, then the fused q/k/v projection from output row `start` on: (B, heads, T, D)."""
@@ -283,6 +311,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _ONE_PLUS_W_NORMS = ("Gemma3RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5RMSNorm")
 
 
+def rms_norm_params(norm: torch.nn.Module) -> tuple[float, bool] | None:
+    """(eps, one_plus) of an RMSNorm kvforge knows (Llama's `w * x`, or Gemma's `x * (1 + w)`), else None."""
+    if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
+        return norm.variance_epsilon, False
+    if type(norm).__name__ in _ONE_PLUS_W_NORMS:
+        return norm.eps, True
+    return None
+
+
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> torch.Tensor:
     """A family's RMSNorm module applied with torch's fused `F.rms_norm`: the same arithmetic as
     the module's forward (normalise in fp32, then Llama's `w * x.to(dtype)` or Gemma's
@@ -297,12 +334,10 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> to
     on T alone, never on layout (a slice such as the last row the head reads is made contiguous:
     a few rows), so a decode step and a verification round alike. Heads' q/k norms and other
     families' norms keep torch's ops (not measured: a q/k view would need a copy first)."""
-    if hasattr(norm, "variance_epsilon"):  # Llama, Mistral, Qwen2, Qwen3
-        eps, one_plus = norm.variance_epsilon, False
-    elif type(norm).__name__ in _ONE_PLUS_W_NORMS:
-        eps, one_plus = norm.eps, True
-    else:
+    params = rms_norm_params(norm)
+    if params is None:
         return norm(x)  # any other norm: its own forward
+    eps, one_plus = params
     if stream and x.dtype == torch.bfloat16 and x.dim() == 3 and x.shape[-2] <= kernels.SMALL_ROWS:
         x = x.contiguous()
         if kernels.rms_norm_fits(x, norm.weight):

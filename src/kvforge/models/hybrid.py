@@ -52,9 +52,8 @@ class Qwen3NextAdapter(Qwen3Adapter):
         q = apply_rope(self._q_norm(self.layers[layer].self_attn, qg[:, 0::2]), cos, sin)
         return q, self._rotate_key(layer, k, rope), v, qg[:, 1::2]
 
-    def key_value(self, layer, h, rope):
-        k, v = self._project(layer, h, 2 * self.num_heads * self.head_dim).split([self.kv_heads, self.kv_heads], dim=1)
-        return self._rotate_key(layer, k, rope), v
+    def _kv_start(self):
+        return 2 * self.num_heads * self.head_dim  # after the interleaved query and gate rows
 
     def attention_output(self, layer, h, o, gate=None):
         return h + self._output_projection(layer, o * torch.sigmoid(gate))

@@ -64,9 +64,14 @@ class DeepseekV3Adapter(LlamaAdapter):
         k, v = self._rows(latent, rope_key, rope)
         return q, k, v, None
 
-    def key_value(self, layer, h, rope):
-        _, _, latent, rope_key = self._split(layer, h)
-        return self._rows(latent, rope_key, rope)
+    def kv_weights(self, layer):
+        weight, bias = self.qkv[layer]
+        start = weight.shape[0] - self.rank - self.rope_dim  # the latent and the rope key, after the query rows
+        return weight[start:], None if bias is None else bias[start:]
+
+    def cache_rows(self, layer, projected, rope):
+        latent, rope_key = projected.split([self.rank, self.rope_dim], dim=-1)
+        return self._rows(rms_norm(self.layers[layer].self_attn.kv_a_layernorm, latent), rope_key, rope)
 
     def _rows(self, latent: torch.Tensor, rope_key: torch.Tensor, rope: dict):
         """Cache rows: rotated rope keys (B, 1, T, P) and normed latents (B, 1, T, R)."""

@@ -16,7 +16,8 @@ step, whole. The class is vLLM's `LlamaForCausalLM` with one forward added:
   row. At each late layer, every row's K/V is computed -- the exact rows' from their own residual
   stream, the filled rows' from the map's prediction x @ W_l + b_l (x = h_split, beside the
   previous row's h_split in the same prompt when the maps read it; h_split itself at the split
-  layer) -- and written through vLLM's own cache update (`do_kv_cache_update`: the CPU cache
+  layer; maps of the normed input folded with the layer's norm gain and K/V projection into one
+  multiply, `fold_kv`, as kvforge's `MapFill` does) -- and written through vLLM's own cache update (`do_kv_cache_update`: the CPU cache
   layout is the kernel's business); then only the exact rows attend, over this step's K/V of their
   own prompt (the whole prompt is in this step, so no paged read is needed), and run the output
   projection and MLP. Filled rows leave the final hidden states as zeros: only the last row (exact)
@@ -43,7 +44,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from kvforge.attention import visibility_mask
 from kvforge.errors import KvforgeError
-from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
 
 logger = logging.getLogger("kvforge.vllm")
@@ -125,7 +126,8 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.score_tokens = int(settings.get("score_tokens", 0))
         self.stats = Stats()
         self.special_ids: set[int] = set()
-        self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # maps of the input, by late layer
+        self.fill_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # maps of the normed input, folded
         self.maps_read_previous = False
         self.kv_weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -148,13 +150,18 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         maps.check_model(str(self.model_dir), directory_fingerprint(self.model_dir), layers)
         if not maps.has_split(split):
             raise KvforgeError(f"maps {self.maps_path} hold splits {maps.splits}, not split {split}")
-        self.fill_maps = {l: maps.weights(split, l, self.dtype) for l in range(split + 1, layers)}
         self.maps_read_previous = maps.reads_previous
         first = split - 1 if self.config_ridgefill.attended_rows else split
         for l in range(first, layers):
             attn = self.model.layers[l].self_attn
             w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
             self.kv_weights[l] = (w[attn.q_size :].detach().clone(), None if b is None else b[attn.q_size :].detach().clone())
+        for l in range(split + 1, layers):
+            if maps.predicts_normed:  # Llama's RMSNorm: gain = weight
+                a, c = fold_kv(*maps.weights(split, l), self.model.layers[l].input_layernorm.weight.detach(), *self.kv_weights[l])
+                self.fill_kv[l] = (a.to(self.dtype), c.to(self.dtype))
+            else:
+                self.fill_maps[l] = maps.weights(split, l, self.dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
 
@@ -229,8 +236,11 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             qkv, _ = attn.qkv_proj(xn)
             q, k_exact, v_exact = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k_exact = attn.rotary_emb(pos_exact, q, k_exact)
-            predicted = source if l == split else torch.addmm(self.fill_maps[l][1], map_input, self.fill_maps[l][0])
-            k_filled, v_filled = self._key_value(l, layer.input_layernorm(predicted), pos_filled)
+            if l in self.fill_kv:
+                k_filled, v_filled = self._rotated(l, torch.addmm(self.fill_kv[l][1], map_input, self.fill_kv[l][0]), pos_filled)
+            else:
+                predicted = source if l == split else torch.addmm(self.fill_maps[l][1], map_input, self.fill_maps[l][0])
+                k_filled, v_filled = self._key_value(l, layer.input_layernorm(predicted), pos_filled)
             k = x.new_empty(exact.numel(), attn.kv_size)
             v = x.new_empty(exact.numel(), attn.kv_size)
             k[exact], k[filled], v[exact], v[filled] = k_exact, k_filled, v_exact, v_filled
@@ -248,9 +258,11 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
 
     def _key_value(self, l: int, xn: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (RoPE applied) and V of layer `l` for normed inputs `xn`, without the query projection."""
+        return self._rotated(l, F.linear(xn, *self.kv_weights[l]), pos)
+
+    def _rotated(self, l: int, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected rows (N, 2 · kv size) -> K with RoPE applied, and V."""
         attn = self.model.layers[l].self_attn
-        w, b = self.kv_weights[l]
-        kv = F.linear(xn, w, b)
         k, v = kv.split([attn.kv_size, attn.kv_size], dim=-1)
         k, _ = attn.rotary_emb(pos, k.contiguous())  # the key passed as the rotary op's query
         return k, v
