@@ -150,9 +150,9 @@ def test_previous_row_maps_read_the_row_before_each_filled_row(family, target):
 
 def test_maps_of_the_split_state_alone_still_load_and_a_wrong_shape_is_refused(tmp_path):
     engine = Engine(tiny_loaded("llama"))
-    alone = _fit(engine, [2], previous_row=False, normed_target=False)
+    alone = _fit(engine, [2], previous_row=False)
     assert alone.inputs == ("split",) and alone.weights(2, 3)[0].shape == (engine.adapter.hidden_size,) * 2
-    both = _fit(engine, [2])
+    both = _fit(engine, [2], normed_target=True)
     assert both.inputs == INPUTS and both.weights(2, 3)[0].shape == (2 * engine.adapter.hidden_size, engine.adapter.hidden_size)
     assert both.target == "normed_input"
     assert both.layer_bytes() > alone.layer_bytes()

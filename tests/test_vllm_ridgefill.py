@@ -39,7 +39,7 @@ def fit_maps(model_dir, path):
     engine = Engine(load_model(str(model_dir)))
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 90, (64,), generator=g).tolist() for _ in range(40)]
-    maps = fit_ridgefill(engine, CalibrationConfig(splits=(2,), tokens=40 * 60, seq_len=64, lam=1e-3), engine.model.name, sequences=sequences)
+    maps = fit_ridgefill(engine, CalibrationConfig(splits=(2,), tokens=40 * 60, seq_len=64, lam=1e-3, normed_target=True), engine.model.name, sequences=sequences)
     maps.save(path)
     return engine
 

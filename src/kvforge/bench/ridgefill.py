@@ -71,6 +71,7 @@ def bench_ridgefill(
         "tail": config.tail,
         "attended_rows": config.attended_rows,
         "map_inputs": list(maps.inputs),
+        "map_target": maps.target,
         "maps_resident_bytes": maps.resident_bytes(config.split),
         "maps_streamed_bytes": maps.layer_bytes(),
         "runs": runs,

@@ -38,7 +38,7 @@ class CalibrationConfig:
     held_out_every: int = 10
     int8: bool = False
     previous_row: bool = True  # the map reads the previous row's split state too (fill.maps)
-    normed_target: bool = True  # the map predicts the late layer's normed input (fill.maps), not the input itself
+    normed_target: bool = False  # True: the map predicts the late layer's normed input (fill.maps), not the input itself
 
     def __post_init__(self):
         if not self.splits:
