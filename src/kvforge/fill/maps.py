@@ -13,9 +13,10 @@ channel with a float32 scale (`--int8`, the seed's `-i8` maps).
 
 What a map predicts (`target`): "normed_input", the layer's input divided by its RMS (the input
 norm without its gain: what the layer's projections read, so a map folds with the layer's norm
-gain and K/V projection into one matrix from x straight to the cache rows, `fold_kv`), or, in
-files written before the thirteenth session, "input", the residual stream itself (the layer's own
-norm and projections then run on the prediction).
+gain and K/V projection into one matrix from x straight to the cache rows, `fold_kv`: fewer MACs,
+more loss, `kvforge fit ridgefill --normed-target`), or "input", the residual stream itself (the
+default, and every file written before the field existed: the layer's own norm and projections
+then run on the prediction).
 
 Maps are used resident (every layer's tensors in memory) or streamed (each layer read from the
 memory-mapped file when it runs, and dropped after).

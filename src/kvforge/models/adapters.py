@@ -88,7 +88,7 @@ class LlamaAdapter:
     def attention_inputs(self, layer: int, h: torch.Tensor, rope: dict) -> tuple[torch.Tensor, ...]:
         """h (B, T, E) -> q (B, Hq, T, D), k and v (B, H, T, D), and the output gate `attention_output`
         takes (None here; a gated family's (B, Hq, T, D)); k after k-norm and RoPE."""
-        q, k, v = self._project(layer, h, 0).split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
+        q, k, v = self._project(layer, h).split([self.num_heads, self.kv_heads, self.kv_heads], dim=1)
         cos, sin = rope[self.rope_key(layer)]
         q = apply_rope(self._q_norm(self.layers[layer].self_attn, q), cos, sin)
         return q, self._rotate_key(layer, k, rope), v, None
@@ -101,7 +101,8 @@ class LlamaAdapter:
     # --- the cache rows as a linear function of the normed input (RidgeFill folds its maps into it)
     def kv_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W (C, E), b (C,) or None): the rows of the layer's input projection the cache is made
-        from, read from the normed input."""
+        from, read from the normed input (a slice is a view: `linear` packs only whole weights, so
+        the full projection keeps its packed copy)."""
         weight, bias = self.qkv[layer]
         start = self._kv_start()
         return weight[start:], None if bias is None else bias[start:]
@@ -126,14 +127,11 @@ class LlamaAdapter:
         weight = norm.weight.detach().float()
         return (1.0 + weight if one_plus else weight), eps
 
-    def _project(self, layer: int, h: torch.Tensor, start: int) -> torch.Tensor:
-        """Input norm, then the fused q/k/v projection from output row `start` on: (B, heads, T, D)."""
+    def _project(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Input norm, then the fused q/k/v projection: (B, heads, T, D)."""
         x = rms_norm(self.layers[layer].input_layernorm, h, stream=True)
         b, t, _ = x.shape
-        weight, bias = self.qkv[layer]
-        if start:  # a slice is a view: `linear` packs only whole weights, so the full projection keeps its packed copy
-            weight, bias = weight[start:], None if bias is None else bias[start:]
-        out = linear(x, weight, bias)
+        out = linear(x, *self.qkv[layer])
         return out.view(b, t, -1, self.head_dim).transpose(1, 2)
 
     def _rotate_key(self, layer: int, k: torch.Tensor, rope: dict) -> torch.Tensor:

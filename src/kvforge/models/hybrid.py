@@ -47,7 +47,7 @@ class Qwen3NextAdapter(Qwen3Adapter):
     def attention_inputs(self, layer, h, rope):
         # q_proj's rows are [query, gate] per head, so the fused projection's first 2 Hq "heads" of
         # width D alternate query, gate, query, gate, ...
-        qg, k, v = self._project(layer, h, 0).split([2 * self.num_heads, self.kv_heads, self.kv_heads], dim=1)
+        qg, k, v = self._project(layer, h).split([2 * self.num_heads, self.kv_heads, self.kv_heads], dim=1)
         cos, sin = rope[self.rope_key(layer)]
         q = apply_rope(self._q_norm(self.layers[layer].self_attn, qg[:, 0::2]), cos, sin)
         return q, self._rotate_key(layer, k, rope), v, qg[:, 1::2]
