@@ -187,3 +187,13 @@ def test_one_step_lowers_the_kl_on_a_fixed_tiny_batch(setup):
     with torch.no_grad():
         after = sum(float(student_kl(tr, target, s)) for s in samples)
     assert state.step == 1 and after < before
+
+
+def test_stage_two_trains_the_own_token_part_of_a_map(setup):
+    source, target, _, _ = setup
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300, own_tokens=2))
+    sample = prepare(tr, source, target, *TEXTS[0], top_k=8)
+    params = trainable(tr)
+    student_kl(tr, target, sample).backward()
+    own_rows = slice(tr.weights["v"][0].shape[1] - 2 * target.adapter.embed(torch.tensor([[0]])).shape[-1], None)
+    assert all(float(p.grad[:, own_rows].abs().sum()) > 0 for p in params if p.dim() == 3)  # every map's own-token rows

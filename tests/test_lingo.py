@@ -4,6 +4,8 @@ translator artifact and the hand-off, on tiny models that share a character toke
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from conftest import ATTENTION_FAMILIES, HYBRID_FAMILIES, tiny_loaded
 from kvforge.models.adapters import adapter_for
@@ -11,10 +13,11 @@ from kvforge.models.loading import LoadedModel
 from kvforge import ridge
 from kvforge.cache import KVCache
 from kvforge.engine import Engine
+from kvforge.data.prompts import plain_texts
 from kvforge.errors import ArtifactError, UnknownModelError
 from kvforge.translate.align import Tokenized, align
 from kvforge.translate.assign import assign_layers, depth_band, feature_block
-from kvforge.translate.capture import CAPTURE_POINTS, cache_features
+from kvforge.translate.capture import CAPTURE_POINTS, cache_features, own_token_features
 from kvforge.translate.fit import LingoFitConfig, accumulate, fit_lingo, solve_translator
 from kvforge.translate.handoff import hand_off
 from kvforge.translate.translator import ModelSide, Translator
@@ -398,3 +401,65 @@ def test_a_dense_model_hands_off_into_a_latent_cache(tmp_path):
     h = hand_off(tr, source, target, TEXT)
     assert h.cache[0].values().shape[-1] == 12 and int(h.cache[0].row_kinds()[0, -1]) == 2
     assert torch.isfinite(target.decode_step(torch.tensor([h.target_ids[-1]]), h.cache)).all()
+
+
+# --- the target's own token embeddings as map inputs -------------------------------------------
+def test_own_token_features_hold_each_rows_token_and_the_ones_before_it(pair):
+    _, target = pair
+    ids = [5, 9, 12, 7, 30, 41, 8]
+    normed = lambda e: e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    embedded = normed(target.adapter.embed(torch.tensor([ids]))[0].detach().float())
+    feats = own_token_features(target, ids, start=3, rows=4, count=2)
+    assert feats.shape == (4, 2 * embedded.shape[1])
+    torch.testing.assert_close(feats, torch.cat([embedded[3:7], embedded[2:6]], 1))
+    first = own_token_features(target, ids, start=0, rows=2, count=3)  # nothing before row 0: zeros
+    torch.testing.assert_close(first[0], torch.cat([embedded[0], torch.zeros_like(embedded[0]).repeat(2)]))
+    torch.testing.assert_close(first[1], torch.cat([embedded[1], embedded[0], torch.zeros_like(embedded[0])]))
+    assert own_token_features(target, ids, start=3, rows=4, count=0) is None
+
+
+def test_own_token_inputs_make_the_first_layers_values_nearly_exact(pair):
+    # A target's layer-0 values are a linear function of its own normed token embedding (up to the
+    # norm's epsilon), which no map of another model's cache can give; with own-token inputs the
+    # closed form finds it (for tokens the fit saw: a token outside their span gets none of it, so
+    # the text handed off is fit text).
+    source, target = pair
+    config = dict(assign="depth", nu=1, conversations=3, max_chars=300)
+    text = plain_texts("fit", 3, min_chars=200, max_chars=300)[1][:200]
+    errors = {}
+    for own in (0, 1):
+        tr = fit_lingo(source, target, LingoFitConfig(**config, own_tokens=own))
+        assert tr.own_tokens == own and tr.info["fit"]["own_tokens"] == own
+        assert (tr.info["r2_fit"]["v"][0] > 0.9999) == (own == 1)
+        h = hand_off(tr, source, target, text)
+        _, exact = target.prefill([h.target_ids[:-1]])
+        truth = exact[0].values()
+        errors[own] = float((h.cache[0].values() - truth).norm() / truth.norm())
+    assert errors[1] < 1e-4 and errors[0] > 0.1
+
+
+def test_own_token_translators_round_trip_and_old_files_read_none(pair, tmp_path):
+    source, target = pair
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300, own_tokens=2))
+    s_width = ModelSide.of(source).side_width("v")
+    assert tr.weights["v"][0].shape[1] == s_width + 2 * target.adapter.embed(torch.tensor([[0]])).shape[-1]
+    back = Translator.load(tr.save(tmp_path / "own.safetensors"))
+    assert back.own_tokens == 2
+    h, h_back = hand_off(tr, source, target, TEXT), hand_off(back, source, target, TEXT)
+    torch.testing.assert_close(h.cache[3].values(), h_back.cache[3].values())
+    with pytest.raises(ValueError, match="own 2 token embedding"):
+        back.apply("v", 0, [torch.zeros(4, s_width)] * ModelSide.of(source).num_layers)
+    plain = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))
+    with safe_open(str(plain.save(tmp_path / "plain.safetensors")), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    old = {k: v for k, v in meta.items() if k != "own_tokens"}  # as written before own-token inputs existed
+    save_file(tensors, tmp_path / "old.safetensors", old)
+    assert Translator.load(tmp_path / "old.safetensors").own_tokens == 0
+    save_file(tensors, tmp_path / "bad.safetensors", {**meta, "own_tokens": "two"})
+    with pytest.raises(ArtifactError, match="own_tokens 'two'"):
+        Translator.load(tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="own_tokens must be in 0..4"):
+        LingoFitConfig(own_tokens=5)
+    with pytest.raises(ValueError, match="need head-mixing maps"):
+        LingoFitConfig(own_tokens=1, head_wise=True)

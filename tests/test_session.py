@@ -120,3 +120,21 @@ def test_modes_and_translators_are_checked(pair):
         Conversation(engines, None, "alternated")
     with pytest.raises(Exception, match="other direction"):
         Conversation(engines, (translators[1], translators[0]), "alternated")
+
+
+def test_own_token_translators_read_each_switchs_rows_at_their_place():
+    # Layer-0 values are linear in the target's own token embedding, which an own-token
+    # translator reads: a switch mid-conversation must hand it the ids of exactly the rows it
+    # translates (a shifted id would leave the rows far off).
+    a, b = Engine(tiny_loaded("gemma3", seed=1)), Engine(tiny_loaded("llama", seed=2))
+    config = LingoFitConfig(assign="depth", nu=1, conversations=3, max_chars=300, own_tokens=1)
+    conv = Conversation((a, b), (fit_lingo(a, b, config), fit_lingo(b, a, config)), "alternated")
+    for i in range(len(TURNS)):
+        conv.score(*segments(conv, i))
+    assert len(conv.switches) == 3
+    for party in conv.parties:
+        _, exact = party.engine.prefill([party.ids[: party.rows]])
+        translated = party.cache[0].row_kinds()[0] == RowKind.TRANSLATED
+        error = (party.cache[0].values() - exact[0].values())[0].norm(dim=(0, 2))[translated]
+        # median: a character the fit texts never held gets no own-token term (outside their span)
+        assert translated.sum() > 10 and float(error.median()) < 1e-4 * float(exact[0].values().norm(dim=(1, 3)).mean())

@@ -40,6 +40,7 @@ def fit_lingo_cmd(
     capture: str = typer.Option("pre-norm", "--capture", help="Key capture point: pre-norm, post-norm or post-rope."),
     align_rule: str = typer.Option("cover", "--align", help="Cross-tokenizer rule: cover, last or mean."),
     head_wise: bool = typer.Option(False, "--head-wise", help="Block-diagonal maps, head h from head h (equal KV heads only)."),
+    own_tokens: int = typer.Option(0, "--own-tokens", help="The target's own token embeddings (row t, t-1, ...) each map also reads (0-4; head-mixing maps only)."),
     conversations: int = typer.Option(32, "--conversations", help="Fit conversations (plain text)."),
     max_chars: int = typer.Option(4000, "--max-chars", help="Characters per conversation."),
     lam: float = typer.Option(0.0, "--lam", help="Ridge λ relative to the mean input variance (0: eigen-truncation only)."),
@@ -70,7 +71,8 @@ def fit_lingo_cmd(
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
-    config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam)
+    config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
+                            own_tokens=own_tokens)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 
@@ -91,7 +93,7 @@ def fit_lingo_cmd(
         emit_json(summary)
         return
     err.print(
-        f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, {summary['tokens']} rows in "
+        f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, own tokens {own_tokens}, {summary['tokens']} rows in "
         f"{summary['seconds']:.0f} s; fit R² keys {summary['r2_fit_keys_mean']:.3f}, values {summary['r2_fit_values_mean']:.3f}"
     )
 

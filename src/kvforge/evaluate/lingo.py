@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvforge.data.prompts import plain_texts
 from kvforge.scoring import continuation_logits, token_nll
-from kvforge.translate.capture import cache_features
+from kvforge.translate.capture import cache_features, own_token_features
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
@@ -127,13 +127,14 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         if alignment.index.shape[0]:
             sk, sv = cache_features(source.adapter, src_cache, translator.capture)
             nk, nv = cache_features(target.adapter, native, translator.capture)
+            own = own_token_features(target, tgt.ids, alignment.head, alignment.index.shape[0], translator.own_tokens)
             for side, sf, nf in (("k", sk, nk), ("v", sv, nv)):
                 aligned = [alignment.gather(f) for f in sf]
                 y = torch.cat([f[alignment.head :] for f in nf], 1)
                 geometry[side].update(torch.cat(aligned, 1), y)
                 for layer in range(t.num_layers):
                     truth = nf[layer][alignment.head :].double()
-                    pred = translator.apply(side, layer, aligned).double()
+                    pred = translator.apply(side, layer, aligned, own).double()
                     r2_acc[side][layer, 0] += ((truth - pred) ** 2).sum()
                     r2_acc[side][layer, 1] += (truth**2).sum()
                 r2_sums[side] += y.double().sum(0)

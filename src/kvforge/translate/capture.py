@@ -65,3 +65,23 @@ def cache_features(adapter, cache: KVCache, point: str) -> tuple[list[torch.Tens
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """(1, H, T, D) -> (T, H·D) float32."""
     return x[0].transpose(0, 1).reshape(x.shape[2], -1).float()
+
+
+def own_token_features(target, ids: list[int], start: int, rows: int, count: int) -> torch.Tensor | None:
+    """The target's own token embeddings as map inputs: (rows, count·E) float32 for target rows
+    start .. start+rows-1, row t holding the RMS-normed embeddings of its tokens t, t-1, ...,
+    t-count+1 side by side (zeros before row 0); None when count is 0.
+
+    A translated row's source features carry the source's tokens, seen through another tokenizer
+    and a linear map; the target knows its own token at every row for free (an embedding lookup),
+    and its lower layers' rows are nearly functions of it (layer 0's are exactly linear in it)."""
+    if count == 0:
+        return None
+    first = start - count + 1
+    lo = max(first, 0)
+    with torch.no_grad():
+        e = target.adapter.embed(torch.tensor([ids[lo : start + rows]], device=target.device))[0].float()
+    e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if lo > first:
+        e = torch.cat([e.new_zeros(lo - first, e.shape[1]), e])
+    return torch.cat([e[count - 1 - back : count - 1 - back + rows] for back in range(count)], 1)

@@ -90,7 +90,7 @@ def student_kl(translator: Translator, target, sample: DistillSample) -> torch.T
     with torch.no_grad():
         target.prefill([sample.target_ids[: sample.head]], cache=cache, logits="none")
     if sample.aligned["k"]:
-        append_translated(translator, target, sample.aligned, sample.head, cache)
+        append_translated(translator, target, sample.aligned, sample.head, cache, sample.target_ids)
     logp = torch.log_softmax(continuation_logits(target, sample.target_ids, sample.prefix, cache).float(), -1)
     student = logp.gather(-1, sample.teacher_index)
     return (sample.teacher_logp.exp() * (sample.teacher_logp - student)).sum(-1).mean()

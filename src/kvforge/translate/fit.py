@@ -4,7 +4,9 @@ Both models prefill the same plain texts (the fit split of the packaged chat dat
 target row past the head is paired with its aligned source row(s) (`align`). For keys and for
 values the moments of x = every source layer's features side by side against y = every target
 layer's are accumulated once (`ridge.Moments`), so any layer assignment, head-wise or
-head-mixing, is a sub-block: r2 and greedy selection cost ridge solves only. Each map is then
+head-mixing, is a sub-block: r2 and greedy selection cost ridge solves only. With `own_tokens`
+the target's own token embeddings (`capture.own_token_features`) follow the source layers in x
+and every head-mixing map reads them. Each map is then
 solved by symmetric eigendecomposition with eigenvalues below `rel_tol` × the largest treated
 as zero (λ = 0 by default, as the source; `lam` adds a ridge). Continuations are not used.
 """
@@ -20,8 +22,10 @@ from kvforge import ridge
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import ALIGN_RULES, align, tokenize
 from kvforge.translate.assign import ASSIGNMENTS, assign_layers, feature_block
-from kvforge.translate.capture import cache_features, check_point
+from kvforge.translate.capture import cache_features, check_point, own_token_features
 from kvforge.translate.translator import SIDES, ModelSide, Translator
+
+MAX_OWN_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,14 @@ class LingoFitConfig:
     max_chars: int = 4000  # per conversation: ~1K tokens on both models here
     lam: float = 0.0
     rel_tol: float = 1e-8
+    own_tokens: int = 0  # the target's own token embeddings (row t, t-1, ...) each map reads beside the source's
 
     def __post_init__(self):
         check_point(self.capture)
+        if not 0 <= self.own_tokens <= MAX_OWN_TOKENS:
+            raise ValueError(f"own_tokens must be in 0..{MAX_OWN_TOKENS}, got {self.own_tokens}")
+        if self.own_tokens and self.head_wise:
+            raise ValueError("head-wise maps read one source head each; own-token inputs need head-mixing maps (drop --head-wise)")
         if self.align not in ALIGN_RULES:
             raise ValueError(f"unknown alignment rule {self.align!r}: use {', '.join(ALIGN_RULES)}")
         if self.assign not in ASSIGNMENTS:
@@ -46,25 +55,28 @@ class LingoFitConfig:
             raise ValueError("need at least one conversation of at least 16 characters")
 
 
-def paired_features(source, target, text: str, capture: str, rule: str):
-    """(x per side: source layers side by side (N, L_s·W_s), y: target layers (N, L_t·W_t)) for
-    the target rows of `text` past the head."""
+def paired_features(source, target, text: str, capture: str, rule: str, own_tokens: int = 0):
+    """(x per side: source layers side by side (N, L_s·W_s), then the own-token features
+    (N, own·E); y: target layers (N, L_t·W_t)) for the target rows of `text` past the head."""
     src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
     alignment = align(src, tgt, rule)
     _, src_cache = source.prefill([src.ids], logits="none")
     _, tgt_cache = target.prefill([tgt.ids], logits="none")
     src_k, src_v = cache_features(source.adapter, src_cache, capture)
     tgt_k, tgt_v = cache_features(target.adapter, tgt_cache, capture)
-    x = {"k": torch.cat([alignment.gather(f) for f in src_k], 1), "v": torch.cat([alignment.gather(f) for f in src_v], 1)}
+    own = own_token_features(target, tgt.ids, alignment.head, len(tgt.ids) - alignment.head, own_tokens)
+    own = [] if own is None else [own]
+    x = {"k": torch.cat([alignment.gather(f) for f in src_k] + own, 1), "v": torch.cat([alignment.gather(f) for f in src_v] + own, 1)}
     y = {"k": torch.cat([f[alignment.head :] for f in tgt_k], 1), "v": torch.cat([f[alignment.head :] for f in tgt_v], 1)}
     return x, y
 
 
-def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None) -> dict[str, ridge.Moments]:
+def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_tokens: int = 0) -> dict[str, ridge.Moments]:
     s, t = ModelSide.of(source), ModelSide.of(target)
-    moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side), t.num_layers * t.side_width(side)) for side in SIDES}
+    own_width = own_tokens * embedding_width(target)
+    moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side) + own_width, t.num_layers * t.side_width(side)) for side in SIDES}
     for text in texts:
-        x, y = paired_features(source, target, text, capture, rule)
+        x, y = paired_features(source, target, text, capture, rule, own_tokens)
         for side in SIDES:
             moments[side].update(x[side], y[side])
         if progress:
@@ -85,6 +97,8 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
             ws, bs, sse, sst = [], [], 0.0, 0.0
             for g in range(groups):
                 inputs, outputs = _group_features(chosen, layer, g, s, t, config.head_wise, side)
+                if config.own_tokens:  # the own-token block follows every source layer's features
+                    inputs = torch.cat([inputs, torch.arange(s.num_layers * s.side_width(side), m.sx.shape[0])])
                 sub = m.select(inputs, outputs)
                 w, b = ridge.solve(sub, config.lam, config.rel_tol)
                 e, total = ridge.residuals(sub, w, b)
@@ -101,7 +115,14 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
         "fit": {**asdict(config), "tokens": moments["k"].n, "data": f"sharegpt fit split, {config.conversations} conversations as plain text, ≤ {config.max_chars} characters"},
         "r2_fit": r2_fit,
     }
-    return Translator(s, t, config.capture, config.align, config.assign, config.nu, config.head_wise, sources, weights, biases, info)
+    return Translator(s, t, config.capture, config.align, config.assign, config.nu, config.head_wise, sources, weights, biases, info,
+                      config.own_tokens)
+
+
+def embedding_width(engine) -> int:
+    """The width of one of `engine`'s token embeddings (its hidden size)."""
+    with torch.no_grad():
+        return engine.adapter.embed(torch.zeros(1, 1, dtype=torch.long, device=engine.device)).shape[-1]
 
 
 def check_head_wise(config: LingoFitConfig, s: ModelSide, t: ModelSide) -> None:
@@ -124,7 +145,7 @@ def fit_lingo(source, target, config: LingoFitConfig, progress=None) -> Translat
     check_head_wise(config, s, t)
     start = time.perf_counter()
     texts = plain_texts("fit", config.conversations, min_chars=200, max_chars=config.max_chars)
-    moments = accumulate(source, target, texts, config.capture, config.align, progress)
+    moments = accumulate(source, target, texts, config.capture, config.align, progress, config.own_tokens)
     translator = solve_translator(moments, s, t, config)
     translator.info["seconds"] = time.perf_counter() - start
     return translator

@@ -17,7 +17,7 @@ import torch
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.translate.align import Alignment, Tokenized, align, tokenize
-from kvforge.translate.capture import cache_features
+from kvforge.translate.capture import cache_features, own_token_features
 from kvforge.translate.translator import ModelSide, Translator
 
 
@@ -48,7 +48,8 @@ def translate_cache(
     if alignment.rows - head <= 0:
         return cache
     with torch.inference_mode():
-        append_translated(translator, target, aligned_features(translator, source, source_cache, alignment), head, cache)
+        aligned = aligned_features(translator, source, source_cache, alignment)
+        append_translated(translator, target, aligned, head, cache, target_ids)
     return cache
 
 
@@ -61,17 +62,20 @@ def aligned_features(translator: Translator, source, source_cache: KVCache, alig
     return {"k": {s: alignment.gather(keys[s][start:]) for s in used}, "v": {s: alignment.gather(values[s][start:]) for s in used}}
 
 
-def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache) -> None:
+def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache,
+                      target_ids: list[int]) -> None:
     """Translate aligned source features into target rows at positions start, start+1, ... and
-    append them to every layer of `cache`. Differentiable in the translator's weights when called
-    with gradients on (stage 2 trains through it)."""
+    append them to every layer of `cache`; `target_ids`: the target's tokens from row 0 on (a
+    translator with own-token inputs reads them). Differentiable in the translator's weights when
+    called with gradients on (stage 2 trains through it)."""
     t = translator.target
     n = next(iter(aligned["k"].values())).shape[0]
+    own = own_token_features(target, target_ids, start, n, translator.own_tokens)
     positions = torch.arange(start, start + n, device=target.device).view(1, -1)
     rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
     for layer in range(t.num_layers):
-        k = translator.apply("k", layer, aligned["k"]).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
-        v = translator.apply("v", layer, aligned["v"]).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
+        k = translator.apply("k", layer, aligned["k"], own).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
+        v = translator.apply("v", layer, aligned["v"], own).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
         k = target.adapter.finish_keys(layer, k.to(target.dtype), rope, translator.capture)
         cache[layer].append(k, v.to(target.dtype), positions, RowKind.TRANSLATED)
 

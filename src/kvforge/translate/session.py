@@ -156,7 +156,7 @@ class Conversation:
             return 0, 0
         aligned = aligned_features(translator, source.engine, source.cache, alignment, start=src_from)
         with torch.inference_mode():
-            append_translated(translator, target.engine, aligned, tgt_from + head, target.cache)
+            append_translated(translator, target.engine, aligned, tgt_from + head, target.cache, target.ids)
         return alignment.index.shape[0], len(src.ids)
 
     def _check_context(self, party: Party) -> None:

@@ -7,9 +7,11 @@ Shapes: N rows; a source layer's features are (N, H_s·D_s), a target layer's (N
   head-wise    target head h reads only source head h of each source layer: H blocks of
                (ν·D_s) × D_t (needs H_s = H_t; H times fewer weights and FLOPs).
 Both are stored as (G, in, out) with G = 1 or H, plus a bias (G·out,) (the closed-form fit is
-centred, so the map is affine; stage 2 may train it). The artifact is one .safetensors file
-whose metadata names both models (fingerprints), the capture point, the alignment rule, the
-layer assignment and ν, and what it was fitted on.
+centred, so the map is affine; stage 2 may train it). A head-mixing map may also read the
+target's own token embeddings at the row and the `own_tokens`-1 rows before it
+(`capture.own_token_features`), side by side after the source layers. The artifact is one
+.safetensors file whose metadata names both models (fingerprints), the capture point, the
+alignment rule, the layer assignment and ν, the own-token count, and what it was fitted on.
 """
 
 from __future__ import annotations
@@ -79,23 +81,29 @@ class Translator:
     weights: dict[str, list[torch.Tensor]]  # side -> (G, in, out) per target layer
     biases: dict[str, list[torch.Tensor]]  # side -> (G·out,) per target layer
     info: dict = field(default_factory=dict)
+    own_tokens: int = 0  # the target's own token embeddings each map reads (row t, t-1, ...)
 
     @property
     def groups(self) -> int:
         return self.target.kv_heads if self.head_wise else 1
 
-    def inputs(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:
-        """(N, G, in): the features of E_ℓ, per head group when head-wise."""
-        x = torch.stack([source_features[s] for s in self.sources[side][layer]], dim=1)  # (N, ν, H·D)
-        n = x.shape[0]
+    def inputs(self, side: str, layer: int, source_features: list[torch.Tensor], own: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, G, in): the features of E_ℓ (then `own`, the own-token features), per head group
+        when head-wise."""
+        if self.own_tokens and own is None:
+            raise ValueError(f"this translator reads the target's own {self.own_tokens} token embedding(s): pass them")
+        parts = [source_features[s] for s in self.sources[side][layer]]
         if not self.head_wise:
-            return x.reshape(n, 1, -1)
+            return torch.cat(parts + ([own] if self.own_tokens else []), dim=1).unsqueeze(1)
+        x = torch.stack(parts, dim=1)  # (N, ν, H·D)
+        n = x.shape[0]
         x = x.view(n, x.shape[1], self.source.kv_heads, self.source.dim(side)).transpose(1, 2)  # (N, H, ν, D)
         return x.reshape(n, self.source.kv_heads, -1)
 
-    def apply(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:
-        """Source features per layer (N, H_s·D_s) -> target layer features (N, H_t·D_t)."""
-        x = self.inputs(side, layer, source_features)
+    def apply(self, side: str, layer: int, source_features: list[torch.Tensor], own: torch.Tensor | None = None) -> torch.Tensor:
+        """Source features per layer (N, H_s·D_s) (and the own-token features (N, own·E)) ->
+        target layer features (N, H_t·D_t)."""
+        x = self.inputs(side, layer, source_features, own)
         w = self.weights[side][layer]
         y = torch.einsum("ngi,gio->ngo", x.to(w.dtype), w)
         return y.reshape(x.shape[0], -1) + self.biases[side][layer]
@@ -110,6 +118,7 @@ class Translator:
         return Translator(
             self.source, self.target, self.capture, self.align, self.assign, self.nu, self.head_wise, self.sources,
             {s: zero(self.weights[s]) for s in SIDES}, {s: zero(self.biases[s]) for s in SIDES}, {"baseline": "zero"},
+            self.own_tokens,
         )
 
     # --- checks ------------------------------------------------------------------------------
@@ -147,6 +156,7 @@ class Translator:
             "head_wise": json.dumps(self.head_wise),
             "sources": json.dumps(self.sources),
             "info": json.dumps(self.info),
+            "own_tokens": str(self.own_tokens),
         }
         path = Path(path)
         atomic_save_safetensors(tensors, path, meta)
@@ -159,9 +169,14 @@ class Translator:
             raise ArtifactError(f"no translator at {path}: fit one with `kvforge fit lingo`")
         with read_artifact(path, FORMAT, FORMAT_VERSION, "translator") as (f, meta):
             source, target = ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"]))
+            # Files written before own-token inputs existed read none.
+            own_tokens = meta.get("own_tokens", "0")
+            if not own_tokens.isdigit() or (int(own_tokens) and json.loads(meta["head_wise"])):
+                raise ArtifactError(f"{path}: own_tokens {own_tokens!r} is not a count of own-token inputs a translator of this kind reads")
+            own_tokens = int(own_tokens)
             weights = {s: [f.get_tensor(f"{s}.{l}.weight") for l in range(target.num_layers)] for s in SIDES}
             biases = {s: [f.get_tensor(f"{s}.{l}.bias") for l in range(target.num_layers)] for s in SIDES}
             return cls(
                 source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
-                json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]),
+                json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]), own_tokens,
             )
