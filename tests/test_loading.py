@@ -165,3 +165,18 @@ def test_half_written_conversion_is_rebuilt(fake_conversion):
     (directory / loading.MANIFEST).unlink()  # as if killed before the manifest was written
     loading.converted_dir_for_gguf(gguf)
     assert len(calls) == 2
+
+
+def test_a_ggufs_add_bos_flag_is_read_for_the_converted_tokenizer(tmp_path):
+    import gguf
+
+    for flags in ({"add_bos_token": True, "add_eos_token": False}, {"add_bos_token": False}, {}):
+        path = tmp_path / f"flags-{len(flags)}-{flags.get('add_bos_token')}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        for flag, value in flags.items():
+            writer.add_bool(f"tokenizer.ggml.{flag}", value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert loading.gguf_special_token_flags(path) == flags

@@ -27,7 +27,7 @@ from kvforge.models.adapters import ModelAdapter, adapter_for
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
 
 MANIFEST = "kvforge-conversion.json"
-CONVERSION_VERSION = "1"  # bump when the conversion itself changes
+CONVERSION_VERSION = "2"  # bump when the conversion itself changes (2: the GGUF's add-BOS/EOS flags kept)
 
 
 @dataclass
@@ -256,7 +256,26 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(out))
+    # Some transformers versions (5.19) drop the GGUF's add-BOS flag when they build the tokenizer:
+    # Gemma then tokenizes without <bos> and every score drops (held-out bits per byte 0.63 -> 0.71,
+    # recall of a stated fact 56 % -> 0 %). The flags are the GGUF's; keep them.
+    for flag, value in gguf_special_token_flags(gguf_path).items():
+        if getattr(tokenizer, flag, value) != value:
+            setattr(tokenizer, flag, value)
     tokenizer.save_pretrained(str(out))
+
+
+def gguf_special_token_flags(gguf_path: Path) -> dict[str, bool]:
+    """{"add_bos_token": ..., "add_eos_token": ...}: the flags a GGUF file sets (absent ones left out)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    flags = {}
+    for flag in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{flag}")
+        if field is not None:
+            flags[flag] = bool(field.contents())
+    return flags
 
 
 def _write_manifest(directory: Path) -> None:
