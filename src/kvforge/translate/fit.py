@@ -90,6 +90,9 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
     sources, weights, biases, r2_fit = {}, {}, {}, {}
     for side in SIDES:
         m = moments[side]
+        own_width = m.sx.shape[0] - s.num_layers * s.side_width(side)
+        if bool(config.own_tokens) != bool(own_width):
+            raise ValueError(f"the moments hold {own_width} own-token columns but the fit asks for {config.own_tokens} own tokens: accumulate with the same own_tokens")
         sources[side] = assign_layers(config.assign, s.num_layers, t.num_layers, config.nu, m, s.side_width(side), t.side_width(side), config.lam)
         weights[side], biases[side], r2_fit[side] = [], [], []
         for layer, chosen in enumerate(sources[side]):
