@@ -17,7 +17,7 @@ from kvforge.data.prompts import plain_texts
 from kvforge.errors import ArtifactError, UnknownModelError
 from kvforge.translate.align import Tokenized, align
 from kvforge.translate.assign import assign_layers, depth_band, feature_block
-from kvforge.translate.capture import CAPTURE_POINTS, cache_features, own_token_features
+from kvforge.translate.capture import CAPTURE_POINTS, cache_features, own_tokens
 from kvforge.translate.fit import LingoFitConfig, accumulate, fit_lingo, solve_translator
 from kvforge.translate.handoff import hand_off
 from kvforge.translate.translator import ModelSide, Translator
@@ -406,16 +406,18 @@ def test_a_dense_model_hands_off_into_a_latent_cache(tmp_path):
 # --- the target's own token embeddings as map inputs -------------------------------------------
 def test_own_token_features_hold_each_rows_token_and_the_ones_before_it(pair):
     _, target = pair
-    ids = [5, 9, 12, 7, 30, 41, 8]
+    ids = [5, 9, 12, 9, 30, 5, 8]  # repeats: the table holds each distinct token once
     normed = lambda e: e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
     embedded = normed(target.adapter.embed(torch.tensor([ids]))[0].detach().float())
-    feats = own_token_features(target, ids, start=3, rows=4, count=2)
+    own = own_tokens(target, ids, start=3, rows=4, count=2)
+    assert own.embeddings.shape[0] == 1 + len(set(ids[2:7]))  # zeros, then each distinct token once
+    feats = own.features()
     assert feats.shape == (4, 2 * embedded.shape[1])
     torch.testing.assert_close(feats, torch.cat([embedded[3:7], embedded[2:6]], 1))
-    first = own_token_features(target, ids, start=0, rows=2, count=3)  # nothing before row 0: zeros
+    first = own_tokens(target, ids, start=0, rows=2, count=3).features()  # nothing before row 0: zeros
     torch.testing.assert_close(first[0], torch.cat([embedded[0], torch.zeros_like(embedded[0]).repeat(2)]))
     torch.testing.assert_close(first[1], torch.cat([embedded[1], embedded[0], torch.zeros_like(embedded[0])]))
-    assert own_token_features(target, ids, start=3, rows=4, count=0) is None
+    assert own_tokens(target, ids, start=3, rows=4, count=0) is None
 
 
 def test_own_token_inputs_make_the_first_layers_values_nearly_exact(pair):
@@ -449,6 +451,13 @@ def test_own_token_translators_round_trip_and_old_files_read_none(pair, tmp_path
     torch.testing.assert_close(h.cache[3].values(), h_back.cache[3].values())
     with pytest.raises(ValueError, match="own 2 token embedding"):
         back.apply("v", 0, [torch.zeros(4, s_width)] * ModelSide.of(source).num_layers)
+    # Per distinct token, gathered: the same as the map over each row's features side by side.
+    ids = [int(i) for i in torch.randint(3, 60, (40,))]
+    own = own_tokens(target, ids, start=5, rows=30, count=2)
+    feats = [torch.randn(30, s_width) for _ in range(ModelSide.of(source).num_layers)]
+    w = back.weights["v"][1][0]
+    explicit = torch.cat([torch.stack([feats[s] for s in back.sources["v"][1]], 1).reshape(30, -1), own.features()], 1) @ w + back.biases["v"][1]
+    torch.testing.assert_close(back.apply("v", 1, feats, own), explicit, atol=1e-4, rtol=1e-4)
     plain = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))
     with safe_open(str(plain.save(tmp_path / "plain.safetensors")), "pt") as f:
         meta = f.metadata()

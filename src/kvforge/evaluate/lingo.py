@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvforge.data.prompts import plain_texts
 from kvforge.scoring import continuation_logits, token_nll
-from kvforge.translate.capture import cache_features, own_token_features
+from kvforge.translate.capture import cache_features, own_tokens
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
@@ -127,7 +127,7 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         if alignment.index.shape[0]:
             sk, sv = cache_features(source.adapter, src_cache, translator.capture)
             nk, nv = cache_features(target.adapter, native, translator.capture)
-            own = own_token_features(target, tgt.ids, alignment.head, alignment.index.shape[0], translator.own_tokens)
+            own = own_tokens(target, tgt.ids, alignment.head, alignment.index.shape[0], translator.own_tokens)
             for side, sf, nf in (("k", sk, nk), ("v", sv, nv)):
                 aligned = [alignment.gather(f) for f in sf]
                 y = torch.cat([f[alignment.head :] for f in nf], 1)

@@ -17,6 +17,8 @@ Values have no stages.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvforge.cache import KVCache
@@ -67,21 +69,42 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).reshape(x.shape[2], -1).float()
 
 
-def own_token_features(target, ids: list[int], start: int, rows: int, count: int) -> torch.Tensor | None:
-    """The target's own token embeddings as map inputs: (rows, count·E) float32 for target rows
-    start .. start+rows-1, row t holding the RMS-normed embeddings of its tokens t, t-1, ...,
-    t-count+1 side by side (zeros before row 0); None when count is 0.
+
+@dataclass
+class OwnTokens:
+    """The target's own tokens of N translated rows as map inputs: the RMS-normed embeddings of
+    the distinct tokens among them, (U + 1, E) with row 0 zeros (the token before row 0), and for
+    each row t and look-back j the row of token t-j in that table, (N, count).
 
     A translated row's source features carry the source's tokens, seen through another tokenizer
     and a linear map; the target knows its own token at every row for free (an embedding lookup),
-    and its lower layers' rows are nearly functions of it (layer 0's are exactly linear in it)."""
+    and its lower layers' rows are nearly functions of it (layer 0's are exactly linear in it).
+    A map's own-token term depends on the token alone, so it is computed once per distinct token
+    (`Translator.apply`): a long prompt repeats most of its tokens."""
+
+    embeddings: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.index.shape[1]
+
+    def features(self) -> torch.Tensor:
+        """(N, count·E): each row's own-token embeddings side by side (t, t-1, ...), as a fit reads them."""
+        return self.embeddings[self.index].reshape(self.index.shape[0], -1)
+
+
+def own_tokens(target, ids: list[int], start: int, rows: int, count: int) -> OwnTokens | None:
+    """`OwnTokens` of target rows start .. start+rows-1 (tokens `ids` from row 0 on); None when count is 0."""
     if count == 0:
         return None
-    first = start - count + 1
-    lo = max(first, 0)
+    first = max(start - count + 1, 0)
+    window = torch.tensor(ids[first : start + rows], dtype=torch.long)
+    distinct, inverse = torch.unique(window, return_inverse=True)
     with torch.no_grad():
-        e = target.adapter.embed(torch.tensor([ids[lo : start + rows]], device=target.device))[0].float()
+        e = target.adapter.embed(distinct.view(1, -1).to(target.device))[0].float()
     e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)
-    if lo > first:
-        e = torch.cat([e.new_zeros(lo - first, e.shape[1]), e])
-    return torch.cat([e[count - 1 - back : count - 1 - back + rows] for back in range(count)], 1)
+    table = torch.cat([e.new_zeros(1, e.shape[1]), e])
+    rows_of = torch.arange(start, start + rows).view(-1, 1) - torch.arange(count).view(1, -1)  # (N, count): t - j
+    index = torch.where(rows_of >= first, inverse.to(table.device)[(rows_of - first).clamp(min=0)] + 1, 0)
+    return OwnTokens(table, index.to(table.device))

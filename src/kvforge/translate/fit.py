@@ -5,7 +5,7 @@ target row past the head is paired with its aligned source row(s) (`align`). For
 values the moments of x = every source layer's features side by side against y = every target
 layer's are accumulated once (`ridge.Moments`), so any layer assignment, head-wise or
 head-mixing, is a sub-block: r2 and greedy selection cost ridge solves only. With `own_tokens`
-the target's own token embeddings (`capture.own_token_features`) follow the source layers in x
+the target's own token embeddings (`capture.own_tokens`) follow the source layers in x
 and every head-mixing map reads them. Each map is then
 solved by symmetric eigendecomposition with eigenvalues below `rel_tol` × the largest treated
 as zero (λ = 0 by default, as the source; `lam` adds a ridge). Continuations are not used.
@@ -22,7 +22,7 @@ from kvforge import ridge
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import ALIGN_RULES, align, tokenize
 from kvforge.translate.assign import ASSIGNMENTS, assign_layers, feature_block
-from kvforge.translate.capture import cache_features, check_point, own_token_features
+from kvforge.translate.capture import cache_features, check_point, own_tokens
 from kvforge.translate.translator import SIDES, ModelSide, Translator
 
 MAX_OWN_TOKENS = 4
@@ -55,7 +55,7 @@ class LingoFitConfig:
             raise ValueError("need at least one conversation of at least 16 characters")
 
 
-def paired_features(source, target, text: str, capture: str, rule: str, own_tokens: int = 0):
+def paired_features(source, target, text: str, capture: str, rule: str, own_count: int = 0):
     """(x per side: source layers side by side (N, L_s·W_s), then the own-token features
     (N, own·E); y: target layers (N, L_t·W_t)) for the target rows of `text` past the head."""
     src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
@@ -64,19 +64,19 @@ def paired_features(source, target, text: str, capture: str, rule: str, own_toke
     _, tgt_cache = target.prefill([tgt.ids], logits="none")
     src_k, src_v = cache_features(source.adapter, src_cache, capture)
     tgt_k, tgt_v = cache_features(target.adapter, tgt_cache, capture)
-    own = own_token_features(target, tgt.ids, alignment.head, len(tgt.ids) - alignment.head, own_tokens)
-    own = [] if own is None else [own]
+    own = own_tokens(target, tgt.ids, alignment.head, len(tgt.ids) - alignment.head, own_count)
+    own = [] if own is None else [own.features()]
     x = {"k": torch.cat([alignment.gather(f) for f in src_k] + own, 1), "v": torch.cat([alignment.gather(f) for f in src_v] + own, 1)}
     y = {"k": torch.cat([f[alignment.head :] for f in tgt_k], 1), "v": torch.cat([f[alignment.head :] for f in tgt_v], 1)}
     return x, y
 
 
-def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_tokens: int = 0) -> dict[str, ridge.Moments]:
+def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_count: int = 0) -> dict[str, ridge.Moments]:
     s, t = ModelSide.of(source), ModelSide.of(target)
-    own_width = own_tokens * embedding_width(target)
+    own_width = own_count * embedding_width(target)
     moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side) + own_width, t.num_layers * t.side_width(side)) for side in SIDES}
     for text in texts:
-        x, y = paired_features(source, target, text, capture, rule, own_tokens)
+        x, y = paired_features(source, target, text, capture, rule, own_count)
         for side in SIDES:
             moments[side].update(x[side], y[side])
         if progress:

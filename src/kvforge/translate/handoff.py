@@ -17,7 +17,7 @@ import torch
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.translate.align import Alignment, Tokenized, align, tokenize
-from kvforge.translate.capture import cache_features, own_token_features
+from kvforge.translate.capture import cache_features, own_tokens
 from kvforge.translate.translator import ModelSide, Translator
 
 
@@ -70,7 +70,7 @@ def append_translated(translator: Translator, target, aligned: dict[str, dict[in
     called with gradients on (stage 2 trains through it)."""
     t = translator.target
     n = next(iter(aligned["k"].values())).shape[0]
-    own = own_token_features(target, target_ids, start, n, translator.own_tokens)
+    own = own_tokens(target, target_ids, start, n, translator.own_tokens)
     positions = torch.arange(start, start + n, device=target.device).view(1, -1)
     rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
     for layer in range(t.num_layers):

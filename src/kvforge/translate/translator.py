@@ -9,7 +9,7 @@ Shapes: N rows; a source layer's features are (N, H_s·D_s), a target layer's (N
 Both are stored as (G, in, out) with G = 1 or H, plus a bias (G·out,) (the closed-form fit is
 centred, so the map is affine; stage 2 may train it). A head-mixing map may also read the
 target's own token embeddings at the row and the `own_tokens`-1 rows before it
-(`capture.own_token_features`), side by side after the source layers. The artifact is one
+(`capture.OwnTokens`), side by side after the source layers. The artifact is one
 .safetensors file whose metadata names both models (fingerprints), the capture point, the
 alignment rule, the layer assignment and ν, the own-token count, and what it was fitted on.
 """
@@ -24,6 +24,7 @@ import torch
 
 from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError, UnknownModelError
+from kvforge.translate.capture import OwnTokens
 
 FORMAT = "kvforge.lingo"
 FORMAT_VERSION = "1"
@@ -87,26 +88,30 @@ class Translator:
     def groups(self) -> int:
         return self.target.kv_heads if self.head_wise else 1
 
-    def inputs(self, side: str, layer: int, source_features: list[torch.Tensor], own: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, G, in): the features of E_ℓ (then `own`, the own-token features), per head group
-        when head-wise."""
-        if self.own_tokens and own is None:
-            raise ValueError(f"this translator reads the target's own {self.own_tokens} token embedding(s): pass them")
-        parts = [source_features[s] for s in self.sources[side][layer]]
-        if not self.head_wise:
-            return torch.cat(parts + ([own] if self.own_tokens else []), dim=1).unsqueeze(1)
-        x = torch.stack(parts, dim=1)  # (N, ν, H·D)
+    def inputs(self, side: str, layer: int, source_features: list[torch.Tensor]) -> torch.Tensor:
+        """(N, G, in): the features of E_ℓ, per head group when head-wise."""
+        x = torch.stack([source_features[s] for s in self.sources[side][layer]], dim=1)  # (N, ν, H·D)
         n = x.shape[0]
+        if not self.head_wise:
+            return x.reshape(n, 1, -1)
         x = x.view(n, x.shape[1], self.source.kv_heads, self.source.dim(side)).transpose(1, 2)  # (N, H, ν, D)
         return x.reshape(n, self.source.kv_heads, -1)
 
-    def apply(self, side: str, layer: int, source_features: list[torch.Tensor], own: torch.Tensor | None = None) -> torch.Tensor:
-        """Source features per layer (N, H_s·D_s) (and the own-token features (N, own·E)) ->
-        target layer features (N, H_t·D_t)."""
-        x = self.inputs(side, layer, source_features, own)
+    def apply(self, side: str, layer: int, source_features: list[torch.Tensor], own: OwnTokens | None = None) -> torch.Tensor:
+        """Source features per layer (N, H_s·D_s) (and the target's own tokens) -> target layer
+        features (N, H_t·D_t)."""
+        if self.own_tokens and (own is None or own.count != self.own_tokens):
+            raise ValueError(f"this translator reads the target's own {self.own_tokens} token embedding(s): pass them")
+        x = self.inputs(side, layer, source_features)
         w = self.weights[side][layer]
-        y = torch.einsum("ngi,gio->ngo", x.to(w.dtype), w)
-        return y.reshape(x.shape[0], -1) + self.biases[side][layer]
+        y = torch.einsum("ngi,gio->ngo", x.to(w.dtype), w[:, : x.shape[2]]).reshape(x.shape[0], -1)
+        if self.own_tokens:
+            # Weight rows past the source's: one (E, out) block per look-back j; its term depends on
+            # the token alone, so it is computed per distinct token and gathered.
+            per_token = own.embeddings @ w[0, x.shape[2] :].reshape(self.own_tokens, own.embeddings.shape[1], -1).transpose(0, 1).reshape(own.embeddings.shape[1], -1)
+            per_token = per_token.view(own.embeddings.shape[0], self.own_tokens, -1)
+            y = y + sum(per_token[own.index[:, j], j] for j in range(self.own_tokens))
+        return y + self.biases[side][layer]
 
     def macs_per_token(self) -> int:
         """Multiply-accumulates of translating one token (both sides, every target layer)."""
