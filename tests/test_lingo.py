@@ -472,3 +472,14 @@ def test_own_token_translators_round_trip_and_old_files_read_none(pair, tmp_path
         LingoFitConfig(own_tokens=5)
     with pytest.raises(ValueError, match="need head-mixing maps"):
         LingoFitConfig(own_tokens=1, head_wise=True)
+
+
+def test_own_token_macs_count_each_distinct_token_once(pair):
+    source, target = pair
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300, own_tokens=2))
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    width = target.adapter.embed(torch.tensor([[0]])).shape[-1]
+    per_row_source = t.num_layers * (s.side_width("k") * t.side_width("k") + s.side_width("v") * t.side_width("v"))
+    per_token_own = t.num_layers * 2 * width * (t.side_width("k") + t.side_width("v"))
+    assert tr.macs_per_token() == per_row_source + per_token_own
+    assert tr.macs(100, 30) == 100 * per_row_source + 30 * per_token_own

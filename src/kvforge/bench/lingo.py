@@ -16,6 +16,7 @@ from kvforge.bench.flops import decode_macs, exact_macs
 from kvforge.bench.harness import environment, interleaved_metric_medians, timed
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import align, tokenize
+from kvforge.translate.capture import own_tokens
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.translator import Translator
 
@@ -59,7 +60,9 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
         head = align(src, tgt, translator.align).head
         translated_rows = max(len(tgt.ids) - 1 - head, 0)
         a = target.adapter
-        handoff_macs = translator.macs_per_token() * translated_rows + exact_macs(a, head) + decode_macs(a, [len(tgt.ids) - 1] * a.num_layers)
+        own = own_tokens(target, tgt.ids, head, translated_rows, translator.own_tokens)
+        translate_macs = translator.macs(translated_rows, 0 if own is None else own.embeddings.shape[0])
+        handoff_macs = translate_macs + exact_macs(a, head) + decode_macs(a, [len(tgt.ids) - 1] * a.num_layers)
         results.append(
             {
                 "tokens": len(tgt.ids),
@@ -71,7 +74,8 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
                 "step_s": medians["handoff"]["step_s"],
                 "speedup": medians["reprefill"]["s"] / medians["handoff"]["s"],
                 "ceiling": exact_macs(a, len(tgt.ids)) / handoff_macs,
-                "translator_macs_per_token": translator.macs_per_token(),
+                "translator_macs_per_token": translator.macs_per_token(),  # every own-token term per row
+                "translator_macs_per_translated_row": translate_macs / max(translated_rows, 1),  # own-token terms per distinct token
                 "target_macs_per_token": exact_macs(a, len(tgt.ids)) / len(tgt.ids),
             }
         )

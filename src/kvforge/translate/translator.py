@@ -117,6 +117,13 @@ class Translator:
         """Multiply-accumulates of translating one token (both sides, every target layer)."""
         return sum(int(w.numel()) for side in SIDES for w in self.weights[side])
 
+    def macs(self, rows: int, distinct_tokens: int = 0) -> int:
+        """Multiply-accumulates of translating `rows` rows whose own tokens fill a table of
+        `distinct_tokens` rows (`OwnTokens.embeddings`): own-token terms are computed per table row."""
+        own = sum((int(w.shape[1]) - len(self.sources[side][layer]) * self.source.side_width(side)) * int(w.shape[2])
+                  for side in SIDES for layer, w in enumerate(self.weights[side])) if self.own_tokens else 0
+        return (self.macs_per_token() - own) * rows + own * distinct_tokens
+
     def zeroed(self) -> "Translator":
         """The untrained baseline: every map and bias zero (same shapes and assignment)."""
         zero = lambda ts: [torch.zeros_like(t) for t in ts]  # noqa: E731
