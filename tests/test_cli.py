@@ -384,7 +384,10 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
                  "--tokens", 40, "--runs", 1, "--json")
     assert bench.exit_code == 0, bench.output
     row = _last_json(bench)["results"][0]
-    assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * 64 * 32
+    # keys and values x 4 layers x (2 source layers of 32 + 2 own tokens of 64 (the hidden size)) x 32
+    assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * (64 + 2 * 64) * 32
+    # own-token terms once per distinct token: fewer MACs per row than the per-row bound, more than the source part
+    assert 2 * 4 * 64 * 32 < row["translator_macs_per_translated_row"] < row["translator_macs_per_token"]
 
 
 def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path, monkeypatch):

@@ -40,7 +40,7 @@ def fit_lingo_cmd(
     capture: str = typer.Option("pre-norm", "--capture", help="Key capture point: pre-norm, post-norm or post-rope."),
     align_rule: str = typer.Option("cover", "--align", help="Cross-tokenizer rule: cover, last or mean."),
     head_wise: bool = typer.Option(False, "--head-wise", help="Block-diagonal maps, head h from head h (equal KV heads only)."),
-    own_tokens: int = typer.Option(0, "--own-tokens", help="The target's own token embeddings (row t, t-1, ...) each map also reads (0-4; head-mixing maps only)."),
+    own_tokens: int = typer.Option(2, "--own-tokens", help="The target's own token embeddings (row t, t-1, ...) each map also reads (0-4; 0 with --head-wise)."),
     conversations: int = typer.Option(32, "--conversations", help="Fit conversations (plain text)."),
     max_chars: int = typer.Option(4000, "--max-chars", help="Characters per conversation."),
     lam: float = typer.Option(0.0, "--lam", help="Ridge λ relative to the mean input variance (0: eigen-truncation only)."),
