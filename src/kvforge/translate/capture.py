@@ -69,7 +69,6 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).reshape(x.shape[2], -1).float()
 
 
-
 @dataclass
 class OwnTokens:
     """The target's own tokens of N translated rows as map inputs: the RMS-normed embeddings of
