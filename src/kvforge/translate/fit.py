@@ -75,7 +75,7 @@ def paired_features(source, target, text: str, capture: str, rule: str, own_coun
 
 def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_count: int = 0) -> dict[str, ridge.Moments]:
     s, t = ModelSide.of(source), ModelSide.of(target)
-    own_width = own_count * embedding_width(target)
+    own_width = own_count * target.adapter.hidden_size
     moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side) + own_width, t.num_layers * t.side_width(side)) for side in SIDES}
     for text in texts:
         x, y = paired_features(source, target, text, capture, rule, own_count)
@@ -123,11 +123,6 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
     return Translator(s, t, config.capture, config.align, config.assign, config.nu, config.head_wise, sources, weights, biases, info,
                       config.own_tokens)
 
-
-def embedding_width(engine) -> int:
-    """The width of one of `engine`'s token embeddings (its hidden size)."""
-    with torch.no_grad():
-        return engine.adapter.embed(torch.zeros(1, 1, dtype=torch.long, device=engine.device)).shape[-1]
 
 
 def check_head_wise(config: LingoFitConfig, s: ModelSide, t: ModelSide) -> None:

@@ -108,8 +108,8 @@ class Translator:
         if self.own_tokens:
             # Weight rows past the source's: one (E, out) block per look-back j; its term depends on
             # the token alone, so it is computed per distinct token and gathered.
-            per_token = own.embeddings @ w[0, x.shape[2] :].reshape(self.own_tokens, own.embeddings.shape[1], -1).transpose(0, 1).reshape(own.embeddings.shape[1], -1)
-            per_token = per_token.view(own.embeddings.shape[0], self.own_tokens, -1)
+            blocks = w[0, x.shape[2] :].view(self.own_tokens, own.embeddings.shape[1], -1)  # (count, E, out)
+            per_token = torch.einsum("ue,jeo->ujo", own.embeddings, blocks)
             y = y + sum(per_token[own.index[:, j], j] for j in range(self.own_tokens))
         return y + self.biases[side][layer]
 
