@@ -50,6 +50,7 @@ def fit_lingo_cmd(
     lr: float = typer.Option(1e-4, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
+    recall_fraction: float = typer.Option(0.0, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
@@ -68,7 +69,7 @@ def fit_lingo_cmd(
 
     setup_threads(threads)
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -101,7 +102,7 @@ def fit_lingo_cmd(
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -111,17 +112,17 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
-    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, validate_every=validate_every, checkpoint_every=validate_every)
+    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every)
     translator = Translator.load(init)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
-    texts, read = training_texts("fit", config.samples, *lengths)
+    texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction)
     if read > VALIDATION_SKIP:
         raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer")
     # The same validation conversations for every run: past any training sample, and apart from
     # the held-out split that eval lingo scores.
-    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP)
+    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
     with err.status("teacher: the target's native distributions, once"):
         train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
@@ -129,7 +130,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, checkpoint
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
               "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
-              "validation_samples": len(validation)}
+              "recall_fraction": recall_fraction, "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
         common["validation_kl_start"] = validation_kl(translator, tgt, validation)  # the stage-1 maps

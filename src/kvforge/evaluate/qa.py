@@ -17,24 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.data.prompts import plain_text
+from kvforge.data.facts import EVAL_FACTS, plant
 from kvforge.data.sharegpt import conversations
 from kvforge.generation import GenerationConfig
 from kvforge.translate.align import tokenize
 from kvforge.translate.handoff import hand_off
 from kvforge.translate.translator import Translator
-
-NAMES = ["Biscuit", "Marigold", "Tobias", "Winnie", "Pepper", "Juniper", "Oscar", "Clementine", "Rufus", "Hazel"]
-CITIES = ["Lisbon", "Nairobi", "Oslo", "Montreal", "Kyoto", "Valparaiso", "Krakow", "Adelaide", "Tbilisi", "Quito"]
-COLOURS = ["turquoise", "maroon", "lavender", "olive", "amber", "crimson", "teal", "ochre", "indigo", "scarlet"]
-WORDS = ["pelican", "lantern", "harvest", "copper", "meadow", "falcon", "saffron", "glacier", "orchid", "tundra"]
-FACTS = [
-    ("My cat is called {}.", "What is my cat called?", NAMES),
-    ("I was born in {}.", "In which city was I born?", CITIES),
-    ("My favourite colour is {}.", "What is my favourite colour?", COLOURS),
-    ("The password for the shared drive is {}.", "What is the password for the shared drive?", WORDS),
-    ("Our team meeting is in room {}.", "Which room is our team meeting in?", [str(n) for n in range(214, 994, 77)]),
-]
 
 
 @dataclass(frozen=True)
@@ -47,19 +35,14 @@ def qa_items(count: int, prefix_chars: int = 1500, seed: int = 0, split: str = "
     rng = random.Random(seed)
     out = []
     for conv in conversations(split):
-        turns = list(conv.turns)
-        if len(turns) < 2 or turns[0][0] != "user":
-            continue
-        statement, question, answers = FACTS[len(out) % len(FACTS)]
-        answer = rng.choice(answers)
-        turns[0] = ("user", f"{statement.format(answer)} {turns[0][1].strip()}")
-        ending = f"\n\nUser: {question} Answer in a few words.\n\nAssistant:"
-        fits = [k for k in range(2, len(turns) + 1, 2)
-                if turns[k - 1][0] == "assistant" and len(plain_text(turns[:k])) + len(ending) <= prefix_chars]
-        if not fits:
+        if len(conv.turns) < 2 or conv.turns[0][0] != "user":
+            continue  # drawn before any value, so the set stays what it was
+        fact = EVAL_FACTS[len(out) % len(EVAL_FACTS)]
+        answer = rng.choice(fact.values)
+        text = plant(conv.turns, fact, answer, prefix_chars)
+        if text is None:
             continue  # the first exchange alone is too long
-        text = plain_text(turns[: max(fits)])  # whole exchanges after the fact, ending on a reply
-        out.append(QAItem(text + ending, answer))
+        out.append(QAItem(text, answer))
         if len(out) == count:
             return out
     raise ValueError(f"the {split} split holds fewer than {count} usable conversations")

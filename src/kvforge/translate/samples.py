@@ -5,7 +5,10 @@ natural  a conversation up to and including the "Assistant:" header of its last 
          that fits the prefix cap, that reply (capped) as the continuation;
 packed   several conversations' leading exchanges concatenated, one (question, answer) exchange
          removed at random: the question closes the prefix, the answer is the continuation, so the
-         reply has to come from anywhere in a long prefix, never from the exchange itself.
+         reply has to come from anywhere in a long prefix, never from the exchange itself;
+recall   a training fact planted in a conversation's first user turn and asked at its end, the
+         answer sentence as the continuation (`data.facts`: no template or value of the held-out
+         QA set), so a fact's token has to travel the whole prefix.
 Plain text ("User: ...\n\nAssistant: ..."), the same string for both models.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import random
 
+from kvforge.data.facts import recall_sample
 from kvforge.data.prompts import plain_text
 from kvforge.data.sharegpt import conversations
 
@@ -49,18 +53,26 @@ def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_co
 
 
 def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
-                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0) -> tuple[list[tuple[str, int]], int]:
-    """`count` (text, cut) samples of `split`, a `packed_fraction` of them packed (prefix of at most
-    `max_packed_chars`, from several conversations) and the rest natural, interleaved; skips the
-    first `skip` conversations and returns how many it read, so a later call can stay disjoint."""
+                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0, recall_fraction: float = 0.0) -> tuple[list[tuple[str, int]], int]:
+    """`count` (text, cut) samples of `split`: a `recall_fraction` of them recall samples, of the
+    others a `packed_fraction` packed (prefix of at most `max_packed_chars`, from several
+    conversations) and the rest natural, interleaved; skips the first `skip` conversations and returns how many it
+    read, so a later call can stay disjoint."""
+    if not (0 <= recall_fraction < 1 and 0 <= packed_fraction <= 1):
+        raise ValueError(f"sample fractions must be in [0, 1) (recall) and [0, 1] (packed), got {recall_fraction} and {packed_fraction}")
     rng = random.Random(seed)
-    out, group, read, packed = [], [], 0, 0
+    out, group, read, packed, recall = [], [], 0, 0, 0
     room = max_packed_chars - 200  # the lifted question and the assistant header
     for conv in conversations(split):
         read += 1
         if read <= skip:
             continue
-        if packed >= packed_fraction * (len(out) + 1):
+        if recall < recall_fraction * (len(out) + 1):
+            sample = recall_sample(conv.turns, rng, max_prefix_chars)
+            if sample is not None:
+                out.append(sample)
+                recall += 1
+        elif packed >= packed_fraction * (len(out) - recall + 1):
             sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
             if sample is not None:
                 out.append(sample)
