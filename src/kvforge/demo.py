@@ -110,8 +110,9 @@ DEMO_LINGO_CONVERSATIONS = 16  # a first-run fit of a few minutes; `kvforge fit 
 
 def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
     """The other packaged model prefills the same text; its cache is translated into this
-    model's (the cached stage-1 translator, fitted once when missing) and this model answers
-    without re-prefilling. TTFT is the hand-off's: translation + the first step (the source
+    model's and this model answers without re-prefilling. The translator: the stage-2 one
+    `kvforge fit lingo --stage 2` left at its default path when there is one, else the cached
+    stage-1 one (fitted once when missing). TTFT is the hand-off's: translation + the first step (the source
     already held the conversation)."""
     from kvforge.models.loading import load_model
     from kvforge.translate.align import tokenize
@@ -124,13 +125,17 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
         return DemoRow("handoff (no packaged partner for this model)", len(prompt_ids), 0.0, 0.0, "")
     source = Engine(load_model(partner, device=str(engine.device), dtype=engine.dtype))
     path = artifact_path("translator", partner, target=engine.model.name)
-    if not path.is_file():
+    adapted = path.with_name(f"{path.stem}-stage2.safetensors")
+    if adapted.is_file():
+        path = adapted
+    elif not path.is_file():
         fit_lingo(source, engine, LingoFitConfig(conversations=DEMO_LINGO_CONVERSATIONS)).save(path)
+    translator = Translator.load(path)
     # The rendered chat template holds its special tokens: tokenized once, without adding them again.
     text = engine.model.tokenizer.decode(prompt_ids)
-    h = hand_off(Translator.load(path), source, engine, text, target_tokens=tokenize(engine.model.tokenizer, text, add_special_tokens=False))
+    h = hand_off(translator, source, engine, text, target_tokens=tokenize(engine.model.tokenizer, text, add_special_tokens=False))
     out = engine.generate([h.pending], GenerationConfig(max_new_tokens=max_new_tokens), cache=h.cache)[0]
-    return DemoRow(f"handoff from {partner} (stage 1)", len(h.target_ids), h.translate_s + out.ttft_s, out.decode_tokens_per_s, out.text.strip())
+    return DemoRow(f"handoff from {partner} (stage {translator.info.get('stage', 1)})", len(h.target_ids), h.translate_s + out.ttft_s, out.decode_tokens_per_s, out.text.strip())
 
 
 DEMO_METHODS = {"exact": run_exact, "ridgefill": run_ridgefill, "speed": run_speed, "ngram": run_ngram, "handoff": run_handoff}
