@@ -50,7 +50,7 @@ def fit_lingo_cmd(
     lr: float = typer.Option(1e-4, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(64, "--samples", help="Stage 2 training conversations."),
-    recall_fraction: float = typer.Option(0.0, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's)."),
+    recall_fraction: float = typer.Option(0.5, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's; 0: the natural/packed mix alone)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),

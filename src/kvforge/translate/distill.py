@@ -46,7 +46,7 @@ class DistillConfig:
     max_prefix_chars: int = 2000  # ~500 tokens: one student forward + backward in a few seconds here
     max_packed_chars: int = 3000  # packed samples: several conversations, one question lifted to the end
     packed_fraction: float = 0.5
-    recall_fraction: float = 0.0  # planted-fact samples (translate.samples): recall weighted by frequency
+    recall_fraction: float = 0.5  # planted-fact samples (translate.samples): QA 0 -> 4 / 2 -> 7 of 16 at 100 steps
     max_continuation_chars: int = 400
     top_k: int = 32
     validate_every: int = 25
