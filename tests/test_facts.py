@@ -54,3 +54,4 @@ def test_the_qa_set_asks_only_held_out_facts():
     items = qa_items(10)
     assert all(any(f.question in item.text and f.statement.format(item.answer) in item.text for f in EVAL_FACTS) for item in items)
     assert [item.answer for item in items[:5]] == ["Biscuit", "Tbilisi", "ochre", "saffron", "522"]  # the set every QA figure was measured on
+

@@ -485,3 +485,16 @@ def test_own_token_macs_count_each_distinct_token_once(pair):
     per_token_own = t.num_layers * 2 * width * (t.side_width("k") + t.side_width("v"))
     assert tr.macs_per_token() == per_row_source + per_token_own
     assert tr.macs(100, 30) == 100 * per_row_source + 30 * per_token_own
+
+
+def test_a_pair_defaults_to_its_stage_two_translator_when_there_is_one(tmp_path, monkeypatch):
+    from kvforge.artifacts import artifact_path, default_translator_path, translator_stage2_path
+
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path))
+    stage1, stage2 = artifact_path("translator", "a/b", target="c"), translator_stage2_path("a/b", "c")
+    assert stage2.parent == stage1.parent and stage2 != stage1
+    assert default_translator_path("a/b", "c") == stage1  # neither exists: stage 1 is where a fit goes
+    stage2.parent.mkdir(parents=True)
+    stage2.write_bytes(b"")
+    assert default_translator_path("a/b", "c") == stage2
+    assert default_translator_path("c", "a/b") == artifact_path("translator", "c", target="a/b")  # per direction

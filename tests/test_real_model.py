@@ -59,8 +59,7 @@ def test_demo_answers_a_long_real_prompt(engine):
     assert [r.method.split()[0] for r in rows] == ["exact", "ridgefill", "speed", "ngram", "handoff"]
     assert rows[3].answer == rows[0].answer  # lossless drafting: exact's greedy answer
     assert rows[0].answer and prompt.endswith("two sentences.")
-    from kvforge.artifacts import artifact_path
+    from kvforge.artifacts import translator_stage2_path
 
-    stage1 = artifact_path("translator", "gemma3-270m", target="smollm2-135m")
-    stage = 2 if stage1.with_name(f"{stage1.stem}-stage2.safetensors").is_file() else 1  # the adapted one when it exists
+    stage = 2 if translator_stage2_path("gemma3-270m", "smollm2-135m").is_file() else 1  # the adapted one when it exists
     assert rows[4].method == f"handoff from gemma3-270m (stage {stage})" and rows[4].ttft_s < rows[0].ttft_s

@@ -31,3 +31,16 @@ def artifact_path(kind: str, model: str, *, cut: int | None = None, target: str 
         return kvforge_home() / "translators" / f"{safe_name(model)}-to-{safe_name(target)}.safetensors"
     raise ValueError(f"unknown artifact kind {kind!r}: use {', '.join(KINDS)}")
 
+
+def translator_stage2_path(source: str, target: str) -> Path:
+    """Where `kvforge fit lingo --stage 2` writes by default: beside the stage-1 translator."""
+    stage1 = artifact_path("translator", source, target=target)
+    return stage1.with_name(f"{stage1.stem}-stage2.safetensors")
+
+
+def default_translator_path(source: str, target: str) -> Path:
+    """The translator a command uses for the pair when given none: the stage-2 one when it
+    exists (adapted beats closed form: docs/lingo.md), else the stage-1 one."""
+    adapted = translator_stage2_path(source, target)
+    return adapted if adapted.is_file() else artifact_path("translator", source, target=target)
+

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.artifacts import artifact_path
+from kvforge.artifacts import artifact_path, default_translator_path
 from kvforge.data.prompts import held_out_conversations
 from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
@@ -110,9 +110,9 @@ DEMO_LINGO_CONVERSATIONS = 16  # a first-run fit of a few minutes; `kvforge fit 
 
 def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> DemoRow:
     """The other packaged model prefills the same text; its cache is translated into this
-    model's and this model answers without re-prefilling. The translator: the stage-2 one
-    `kvforge fit lingo --stage 2` left at its default path when there is one, else the cached
-    stage-1 one (fitted once when missing). TTFT is the hand-off's: translation + the first step (the source
+    model's and this model answers without re-prefilling. The translator: the pair's default
+    (`artifacts.default_translator_path`: stage 2 when `kvforge fit lingo --stage 2` left one,
+    else stage 1, fitted once when missing). TTFT is the hand-off's: translation + the first step (the source
     already held the conversation)."""
     from kvforge.models.loading import load_model
     from kvforge.translate.align import tokenize
@@ -124,11 +124,8 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
     if partner is None:
         return DemoRow("handoff (no packaged partner for this model)", len(prompt_ids), 0.0, 0.0, "")
     source = Engine(load_model(partner, device=str(engine.device), dtype=engine.dtype))
-    path = artifact_path("translator", partner, target=engine.model.name)
-    adapted = path.with_name(f"{path.stem}-stage2.safetensors")
-    if adapted.is_file():
-        path = adapted
-    elif not path.is_file():
+    path = default_translator_path(partner, engine.model.name)
+    if not path.is_file():
         fit_lingo(source, engine, LingoFitConfig(conversations=DEMO_LINGO_CONVERSATIONS)).save(path)
     translator = Translator.load(path)
     # The rendered chat template holds its special tokens: tokenized once, without adding them again.

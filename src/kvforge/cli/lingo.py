@@ -20,14 +20,14 @@ from kvforge.errors import KvforgeError
 
 SourceOpt = typer.Option("gemma3-270m", "--source", help="Model whose cache is translated.")
 TargetOpt = typer.Option("smollm2-135m", "--target", help="Model that decodes from the translated cache.")
-TranslatorOpt = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the cached one for the pair).")
+TranslatorOpt = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the pair's cached stage-2 one when there is one, else its stage-1 one).")
 
 
 def _translator(path: Optional[Path], source: str, target: str):
-    from kvforge.artifacts import artifact_path
+    from kvforge.artifacts import default_translator_path
     from kvforge.translate.translator import Translator
 
-    return Translator.load(path or artifact_path("translator", source, target=target))
+    return Translator.load(path or default_translator_path(source, target))
 
 
 @fit_app.command("lingo")
@@ -107,7 +107,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
     from kvforge.translate.samples import training_texts
-    from kvforge.artifacts import artifact_path
+    from kvforge.artifacts import translator_stage2_path
     from kvforge.translate.translator import ModelSide, Translator
 
     if init is None:
@@ -155,8 +155,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
         started = time.perf_counter()
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
         seconds = time.perf_counter() - started
-    default = artifact_path("translator", source, target=target)  # model names made file-safe, as stage 1's
-    path = translator.save(out or default.with_name(f"{default.stem}-stage2.safetensors"))
+    path = translator.save(out or translator_stage2_path(source, target))
     from kvforge.translate.distill import plot_distill
 
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
