@@ -55,3 +55,10 @@ def test_the_qa_set_asks_only_held_out_facts():
     assert all(any(f.question in item.text and f.statement.format(item.answer) in item.text for f in EVAL_FACTS) for item in items)
     assert [item.answer for item in items[:5]] == ["Biscuit", "Tbilisi", "ochre", "saffron", "522"]  # the set every QA figure was measured on
 
+
+
+def test_a_bad_recall_fraction_is_refused_before_anything_loads():
+    from kvforge.translate.distill import DistillConfig
+
+    with pytest.raises(ValueError, match="recall-fraction"):
+        DistillConfig(recall_fraction=1.0)

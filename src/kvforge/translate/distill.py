@@ -58,6 +58,8 @@ class DistillConfig:
             raise ValueError("steps, accumulate, samples and top_k must be >= 1")
         if self.lr <= 0:
             raise ValueError(f"the learning rate must be > 0, got {self.lr}")
+        if not 0 <= self.recall_fraction < 1:
+            raise ValueError(f"--recall-fraction must be in [0, 1), got {self.recall_fraction}")
 
 
 @dataclass
