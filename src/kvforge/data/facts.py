@@ -19,20 +19,20 @@ class Fact:
     statement: str  # with one {} for the value
     question: str
     values: tuple[str, ...]
-    reply: str  # the answer as a sentence, with one {} (training continuations)
+    reply: str = ""  # the answer as a sentence, with one {}: the continuation of a training sample
 
 
 EVAL_FACTS = (
     Fact("My cat is called {}.", "What is my cat called?",
-         ("Biscuit", "Marigold", "Tobias", "Winnie", "Pepper", "Juniper", "Oscar", "Clementine", "Rufus", "Hazel"), "Your cat is called {}."),
+         ("Biscuit", "Marigold", "Tobias", "Winnie", "Pepper", "Juniper", "Oscar", "Clementine", "Rufus", "Hazel")),
     Fact("I was born in {}.", "In which city was I born?",
-         ("Lisbon", "Nairobi", "Oslo", "Montreal", "Kyoto", "Valparaiso", "Krakow", "Adelaide", "Tbilisi", "Quito"), "You were born in {}."),
+         ("Lisbon", "Nairobi", "Oslo", "Montreal", "Kyoto", "Valparaiso", "Krakow", "Adelaide", "Tbilisi", "Quito")),
     Fact("My favourite colour is {}.", "What is my favourite colour?",
-         ("turquoise", "maroon", "lavender", "olive", "amber", "crimson", "teal", "ochre", "indigo", "scarlet"), "Your favourite colour is {}."),
+         ("turquoise", "maroon", "lavender", "olive", "amber", "crimson", "teal", "ochre", "indigo", "scarlet")),
     Fact("The password for the shared drive is {}.", "What is the password for the shared drive?",
-         ("pelican", "lantern", "harvest", "copper", "meadow", "falcon", "saffron", "glacier", "orchid", "tundra"), "The password is {}."),
+         ("pelican", "lantern", "harvest", "copper", "meadow", "falcon", "saffron", "glacier", "orchid", "tundra")),
     Fact("Our team meeting is in room {}.", "Which room is our team meeting in?",
-         tuple(str(n) for n in range(214, 994, 77)), "It is in room {}."),
+         tuple(str(n) for n in range(214, 994, 77))),
 )
 
 TRAINING_FACTS = (

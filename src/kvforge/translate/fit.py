@@ -124,7 +124,6 @@ def solve_translator(moments: dict[str, ridge.Moments], s: ModelSide, t: ModelSi
                       config.own_tokens)
 
 
-
 def check_head_wise(config: LingoFitConfig, s: ModelSide, t: ModelSide) -> None:
     if config.head_wise and s.kv_heads != t.kv_heads:
         raise ValueError(f"head-wise maps need equal KV head counts ({s.name}: {s.kv_heads}, {t.name}: {t.kv_heads}); drop --head-wise")
