@@ -293,6 +293,50 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
         SpeedFitConfig(loss="mse")
 
 
+def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_depth_as_teacher(tmp_path):
+    """loss="ce+kl": each step's loss is the reply's cross entropy under SPEED plus KL(the adapter's
+    own model at full depth || it under SPEED), both computed here by hand with the weights the
+    step saw (the second step's from the checkpoint written after the first); the teacher is the
+    adapted model, not the base (a base teacher gives another loss at the second step)."""
+    from kvforge.fill.lora import LoraAdapter
+    from kvforge.fill.speed_fit import _fit_samples, reply_log_probs
+    from kvforge.scoring import token_nll
+
+    engine = Engine(tiny_loaded("llama"))
+    speed, config = SpeedConfig(cut=2), SpeedFitConfig(steps=3, max_tokens=200, loss="ce+kl", lr=1e-2, rank=4)
+    samples = _fit_samples(engine, config)
+
+    @torch.no_grad()
+    def by_hand(sample, teacher_adapted: bool, lora: LoraAdapter | None) -> float:
+        def log_probs(plan_speed, adapted):
+            if adapted and lora is not None:
+                with lora.applied(engine.adapter):
+                    return reply_log_probs(engine, sample, plan_speed)
+            return reply_log_probs(engine, sample, plan_speed)
+
+        student, teacher = log_probs(speed, True), log_probs(None, teacher_adapted)
+        kl = float((teacher.exp() * (teacher - student)).sum(-1).mean())
+        return kl + float(token_nll(student, sample.ids[sample.prompt_tokens :]).mean())
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_one(step, _loss):
+        raise Interrupt
+
+    checkpoint = tmp_path / "speed.ckpt"
+    with pytest.raises(Interrupt):
+        fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama", stop_after_one, checkpoint, checkpoint_every=1)
+    after_one = LoraAdapter.new(engine.adapter, 4, config.alpha, "tiny-llama", engine.model.fingerprint, config.seed)
+    for name, tensor in zip(after_one.tensors, torch.load(checkpoint, weights_only=True)["params"]):
+        after_one.tensors[name] = tensor
+    steps = []
+    fit_speed(Engine(tiny_loaded("llama")), speed, config, "tiny-llama", lambda s, loss: steps.append(loss))
+    assert steps[0] == pytest.approx(by_hand(samples[0], True, None), rel=1e-4)
+    assert steps[1] == pytest.approx(by_hand(samples[1], True, after_one), rel=1e-4)
+    assert abs(steps[1] - by_hand(samples[1], False, after_one)) > 1e-3
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_full_fine_tuning_deltas_equal_the_model_with_those_weights(family, tmp_path):
     """A rank-0 adapter on layers 2..3 carries a whole delta on every projection there (q/k/v,

@@ -7,7 +7,12 @@ reply token sees exactly what a decode token sees at inference. The loss is the 
 next-token cross entropy (teacher forced, `scoring.planned_nll`), or (`loss="kl"`) the KL divergence
 from the frozen base model's full-depth next-token distribution on the same text: every reply token
 then carries the full-depth model's whole distribution, and the adapter is pulled toward the
-reference SPEED is judged against instead of toward the data. Only the adapter's deltas train
+reference SPEED is judged against instead of toward the data. `loss="ce+kl"` is the two beside each
+other, with the adapted model itself at full depth as the teacher (its distribution computed
+without gradients from the same weights): the cross entropy keeps learning the data, and the KL
+pulls the policy's predictions toward those of the very model it is judged against (the policy gap
+is SPEED vs full depth on the same adapted weights), where `kl`'s frozen teacher falls behind as
+the adapter learns. Only the adapter's deltas train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
 gradient accumulation for the effective batch. `train="full"` trains every projection of every
@@ -36,7 +41,7 @@ from kvforge.engine import Engine
 from kvforge.fill.lora import LoraAdapter
 from kvforge.fill.speed import SpeedConfig, speed_plan
 from kvforge.plan import PrefillPlan
-from kvforge.scoring import planned_logits, planned_nll
+from kvforge.scoring import planned_logits, planned_nll, token_nll
 from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoint, save_checkpoint
 
 
@@ -52,7 +57,7 @@ class SpeedFitConfig:
     max_tokens: int = 512  # prompt + reply per sample: what one step costs on this machine's CPU
     max_reply: int = 128
     seed: int = 0
-    loss: str = "ce"  # or "kl": distil from the base model at full depth
+    loss: str = "ce"  # or "kl": distil from the base model at full depth; "ce+kl": CE plus KL to itself at full depth
 
     def __post_init__(self):
         if self.steps < 1 or self.accumulate < 1 or self.max_tokens < 32:
@@ -65,7 +70,7 @@ class SpeedFitConfig:
             raise ValueError(f"--lora-rank must be >= 1, got {self.rank}")
 
 
-LOSSES = ("ce", "kl")
+LOSSES = ("ce", "kl", "ce+kl")
 TRAIN = ("lora", "full", "full-above-cut")
 CHECKPOINT = CheckpointKind("kvforge.speed-fit-checkpoint", 1, "SPEED fit")
 
@@ -129,7 +134,14 @@ def fit_speed(
         with lora.applied(engine.adapter):
             if config.loss == "ce":
                 return reply_nll(engine, sample, sample_plan(engine, sample, speed)).mean()
-            return torch.nn.functional.kl_div(reply_log_probs(engine, sample, speed), teacher, log_target=True, reduction="batchmean")
+            if config.loss == "ce+kl":
+                with torch.no_grad():  # the teacher: these very weights, every row at full depth
+                    teacher = reply_log_probs(engine, sample, None)
+            student = reply_log_probs(engine, sample, speed)
+            kl = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
+            if config.loss == "kl":
+                return kl
+            return kl + token_nll(student, sample.ids[sample.prompt_tokens :]).mean()  # log-probs are logits too
 
     while run["step"] < config.steps:
         start = time.perf_counter()
