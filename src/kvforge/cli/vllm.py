@@ -115,6 +115,9 @@ def bench_vllm_handoff_cmd(
     setup_threads(threads)
     from kvforge.bench.vllm_handoff import bench_vllm_handoff
 
+    from kvforge.artifacts import default_translator_path
+
+    translator = translator or default_translator_path(source, target)
     tr = _translator(translator, source, target)
     src, tgt = load_engine(source, "cpu", dtype), load_engine(target, "cpu", dtype)
     from kvforge.translate.translator import ModelSide
@@ -122,6 +125,7 @@ def bench_vllm_handoff_cmd(
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                                 source_dir=hf_directory(source) if source_engine == "vllm" else None)
+    report.update(translator=str(translator), stage=tr.info.get("stage", 1), own_tokens=tr.own_tokens)  # which maps were timed
     if json_out:
         emit_json(report)
         return
