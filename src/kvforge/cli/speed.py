@@ -28,7 +28,7 @@ def fit_speed_cmd(
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (cosine schedule, 5 % warmup)."),
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
-    loss: str = typer.Option("ce", "--loss", help="ce: the replies' cross entropy; kl: distil from the base model at full depth; ce+kl: cross entropy plus KL to the adapted model itself at full depth."),
+    loss: str = typer.Option("ce+kl", "--loss", help="ce+kl: the replies' cross entropy plus KL to the adapted model itself at full depth; ce: cross entropy alone; kl: distil from the base model at full depth."),
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = typer.Option(None, "--tail", help="Full-depth tail tokens of the prompt (default 64)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
@@ -50,8 +50,8 @@ def fit_speed_cmd(
     engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)
-    if out is None:  # a distilled or fully fine-tuned adapter does not replace the default one
-        suffix = "".join(f"-{x.replace('+', '-')}" for x in (loss, train) if x not in ("ce", "lora"))
+    if out is None:  # an adapter of another loss or full fine-tuning does not replace the default one
+        suffix = "".join(f"-{x.replace('+', '-')}" for x in (loss, train) if x not in ("ce+kl", "lora"))
         path = path.with_name(f"{path.stem}{suffix}{path.suffix}")
     with tqdm(total=steps, unit="step", desc=f"SPEED cut {speed.cut}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
 

@@ -12,7 +12,9 @@ other, with the adapted model itself at full depth as the teacher (its distribut
 without gradients from the same weights): the cross entropy keeps learning the data, and the KL
 pulls the policy's predictions toward those of the very model it is judged against (the policy gap
 is SPEED vs full depth on the same adapted weights), where `kl`'s frozen teacher falls behind as
-the adapter learns. Only the adapter's deltas train
+the adapter learns. Measured (issue 21): `ce+kl` is the default, policy gap +2.1 % against `ce`'s +6.9 %,
+with adapted SPEED itself as good as `ce`'s (within 1 %): the gap closes mostly because the
+adapted model at full depth moves less from the base (-2.8 % against -8.0 %). Only the adapter's deltas train
 (the base weights are frozen), in the shared loop `training.Trainer`: AdamW, no weight decay,
 cosine schedule with warmup, gradient clipping at 1.0, one conversation per micro-batch with
 gradient accumulation for the effective batch. `train="full"` trains every projection of every
@@ -57,7 +59,7 @@ class SpeedFitConfig:
     max_tokens: int = 512  # prompt + reply per sample: what one step costs on this machine's CPU
     max_reply: int = 128
     seed: int = 0
-    loss: str = "ce"  # or "kl": distil from the base model at full depth; "ce+kl": CE plus KL to itself at full depth
+    loss: str = "ce+kl"  # policy gap +2.1 % (CE alone +6.9 %, "kl" from the base model at full depth +13.3 % at tail 1)
 
     def __post_init__(self):
         if self.steps < 1 or self.accumulate < 1 or self.max_tokens < 32:
