@@ -295,9 +295,9 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
 
 def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_depth_as_teacher(tmp_path):
     """loss="ce+kl": each step's loss is the reply's cross entropy under SPEED plus KL(the adapter's
-    own model at full depth || it under SPEED), both computed here by hand with the weights the
-    step saw (the second step's from the checkpoint written after the first); the teacher is the
-    adapted model, not the base (a base teacher gives another loss at the second step)."""
+    own model at full depth || it under SPEED) (times `kl_weight`), both computed here by hand with
+    the weights the step saw (the second step's from the checkpoint written after the first); the
+    teacher is the adapted model, not the base (a base teacher gives another loss at the second step)."""
     from kvforge.fill.lora import LoraAdapter
     from kvforge.fill.speed_fit import _fit_samples, reply_log_probs
     from kvforge.scoring import token_nll
@@ -307,7 +307,7 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
     samples = _fit_samples(engine, config)
 
     @torch.no_grad()
-    def by_hand(sample, teacher_adapted: bool, lora: LoraAdapter | None) -> float:
+    def by_hand(sample, teacher_adapted: bool, lora: LoraAdapter | None, kl_weight: float = 1.0) -> float:
         def log_probs(plan_speed, adapted):
             if adapted and lora is not None:
                 with lora.applied(engine.adapter):
@@ -316,7 +316,7 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
 
         student, teacher = log_probs(speed, True), log_probs(None, teacher_adapted)
         kl = float((teacher.exp() * (teacher - student)).sum(-1).mean())
-        return kl + float(token_nll(student, sample.ids[sample.prompt_tokens :]).mean())
+        return kl_weight * kl + float(token_nll(student, sample.ids[sample.prompt_tokens :]).mean())
 
     class Interrupt(Exception):
         pass
@@ -335,6 +335,12 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
     assert steps[0] == pytest.approx(by_hand(samples[0], True, None), rel=1e-4)
     assert steps[1] == pytest.approx(by_hand(samples[1], True, after_one), rel=1e-4)
     assert abs(steps[1] - by_hand(samples[1], False, after_one)) > 1e-3
+    weighted = []
+    fit_speed(Engine(tiny_loaded("llama")), speed, SpeedFitConfig(steps=1, max_tokens=200, loss="ce+kl", rank=4, kl_weight=3.0),
+              "tiny-llama", lambda s, loss: weighted.append(loss))
+    assert weighted[0] == pytest.approx(by_hand(samples[0], True, None, kl_weight=3.0), rel=1e-4) and weighted[0] > steps[0] + 1e-3
+    with pytest.raises(ValueError, match="--kl-weight"):
+        SpeedFitConfig(kl_weight=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -29,6 +29,7 @@ def fit_speed_cmd(
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
     loss: str = typer.Option("ce+kl", "--loss", help="ce+kl: the replies' cross entropy plus KL to the adapted model itself at full depth; ce: cross entropy alone; kl: distil from the base model at full depth."),
+    kl_weight: float = typer.Option(1.0, "--kl-weight", help="ce+kl: the KL term's weight beside the cross entropy."),
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = typer.Option(None, "--tail", help="Full-depth tail tokens of the prompt (default 64)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
@@ -46,7 +47,8 @@ def fit_speed_cmd(
     from kvforge.fill.speed_fit import SpeedFitConfig, fit_speed
 
     setup_threads(threads)
-    config = SpeedFitConfig(steps=steps, rank=lora_rank, train=train, lr=lr, accumulate=accumulate, max_tokens=max_tokens, loss=loss)
+    config = SpeedFitConfig(steps=steps, rank=lora_rank, train=train, lr=lr, accumulate=accumulate, max_tokens=max_tokens, loss=loss,
+                            kl_weight=kl_weight)
     engine = load_engine(model, device, dtype)
     speed = resolve_config(engine.num_layers, cut, anchors, tail)
     path = out or artifact_path("adapter", model, cut=speed.cut)
