@@ -339,8 +339,9 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
     fit_speed(Engine(tiny_loaded("llama")), speed, SpeedFitConfig(steps=1, max_tokens=200, loss="ce+kl", rank=4, kl_weight=3.0),
               "tiny-llama", lambda s, loss: weighted.append(loss))
     assert weighted[0] == pytest.approx(by_hand(samples[0], True, None, kl_weight=3.0), rel=1e-4) and weighted[0] > steps[0] + 1e-3
-    with pytest.raises(ValueError, match="--kl-weight"):
-        SpeedFitConfig(kl_weight=0)
+    for bad in ({"kl_weight": 0}, {"kl_weight": 2.0, "loss": "ce"}):
+        with pytest.raises(ValueError, match="--kl-weight"):
+            SpeedFitConfig(**bad)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -113,9 +113,8 @@ def bench_vllm_handoff_cmd(
     if source_engine not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --source-engine {source_engine!r}: use kvforge or vllm")
     setup_threads(threads)
-    from kvforge.bench.vllm_handoff import bench_vllm_handoff
-
     from kvforge.artifacts import default_translator_path
+    from kvforge.bench.vllm_handoff import bench_vllm_handoff
 
     translator = translator or default_translator_path(source, target)
     tr = _translator(translator, source, target)

@@ -67,8 +67,8 @@ class SpeedFitConfig:
             raise ValueError("--steps and accumulation must be >= 1 and --max-tokens >= 32")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.kl_weight <= 0:
-            raise ValueError(f"--kl-weight must be > 0, got {self.kl_weight}")
+        if self.kl_weight <= 0 or (self.kl_weight != 1.0 and self.loss != "ce+kl"):
+            raise ValueError(f"--kl-weight must be > 0 and applies to --loss ce+kl only (got {self.kl_weight} with --loss {self.loss})")
         if self.train not in TRAIN:
             raise ValueError(f"--train must be one of {', '.join(TRAIN)}, got {self.train!r}")
         if self.train == "lora" and self.rank < 1:
