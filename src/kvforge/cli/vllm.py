@@ -103,7 +103,6 @@ def bench_vllm_handoff_cmd(
 ):
     """KV-Lingo hand-off into vLLM (translated cache loaded by kvforge's connector) vs vLLM re-prefilling the target: time to first token."""
     from kvforge.cli.common import load_engine, parse_lengths
-    from kvforge.cli.lingo import _translator
     from kvforge.models.loading import hf_directory
 
     _need_vllm()
@@ -116,10 +115,11 @@ def bench_vllm_handoff_cmd(
     from kvforge.artifacts import default_translator_path
     from kvforge.bench.vllm_handoff import bench_vllm_handoff
 
-    translator = translator or default_translator_path(source, target)
-    tr = _translator(translator, source, target)
+    from kvforge.translate.translator import ModelSide, Translator
+
+    translator = translator or default_translator_path(source, target)  # resolved here: the report names it
+    tr = Translator.load(translator)
     src, tgt = load_engine(source, "cpu", dtype), load_engine(target, "cpu", dtype)
-    from kvforge.translate.translator import ModelSide
 
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
