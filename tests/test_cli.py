@@ -302,6 +302,27 @@ def tiny_translator(tiny_gemma_dir, tiny_model_dir, tmp_path_factory):
     return out
 
 
+def test_fit_lingo_writes_snapshots_and_moments_and_solves_from_them(tiny_gemma_dir, tiny_model_dir, tmp_path):
+    out, moments = tmp_path / "t.safetensors", tmp_path / "m.safetensors"
+    pair = ("--source", tiny_gemma_dir, "--target", tiny_model_dir)
+    obj = _last_json(_run("fit", "lingo", *pair, "--nu", 1, "--conversations", 3, "--max-chars", 300, "--snapshots", "1,2",
+                          "--save-moments", moments, "--out", out, "--json"))
+    assert [s["conversations"] for s in obj["snapshots"]] == [1, 2] and obj["moments"] == str(moments)
+    assert obj["snapshots"][0]["tokens"] < obj["snapshots"][1]["tokens"] < obj["tokens"]
+    assert all(Path(s["out"]).is_file() for s in obj["snapshots"]) and Path(obj["snapshots"][0]["out"]).name == "t-1conv.safetensors"
+    again = _last_json(_run("fit", "lingo", *pair, "--moments", moments, "--nu", 1, "--out", tmp_path / "again.safetensors", "--json"))
+    assert again["tokens"] == obj["tokens"] and again["from_moments"] and again["sources"] == obj["sources"]
+    r2 = _last_json(_run("fit", "lingo", *pair, "--moments", moments, "--assign", "r2", "--nu", 2, "--out", tmp_path / "r2.safetensors", "--json"))
+    assert r2["assign"] == "r2" and all(len(chosen) == 2 for chosen in r2["sources"]["k"])
+    _assert_one_line_errors([
+        (("fit", "lingo", "--source", tiny_model_dir, "--target", tiny_gemma_dir, "--moments", moments), "accumulated for"),
+        (("fit", "lingo", *pair, "--moments", moments, "--snapshots", "1"), "need a fit that prefills"),
+        (("fit", "lingo", *pair, "--conversations", 2, "--snapshots", "2"), "between 0 and --conversations (2)"),
+        (("fit", "lingo", *pair, "--snapshots", "a,b"), "comma-separated conversation counts"),
+        (("fit", "lingo", *pair, "--moments", tmp_path / "none.safetensors"), "no moments at"),
+    ])
+
+
 def test_handoff_generates_from_the_translated_cache(tiny_gemma_dir, tiny_model_dir, tiny_translator):
     obj = _last_json(_run("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
                           "--prompt", "the cat sat on the mat. the cat", "-n", 5, "--json"))

@@ -18,7 +18,7 @@ from kvforge.errors import ArtifactError, UnknownModelError
 from kvforge.translate.align import Tokenized, align
 from kvforge.translate.assign import assign_layers, depth_band, feature_block
 from kvforge.translate.capture import CAPTURE_POINTS, cache_features, own_tokens
-from kvforge.translate.fit import LingoFitConfig, accumulate, fit_lingo, solve_translator
+from kvforge.translate.fit import LingoFitConfig, LingoMoments, accumulate, fit_lingo, solve_translator
 from kvforge.translate.handoff import hand_off
 from kvforge.translate.translator import ModelSide, Translator
 
@@ -230,6 +230,51 @@ def test_artifact_round_trip_and_refusals(pair, tmp_path):
         Translator.load(tmp_path / "bad.safetensors")
     with pytest.raises(ArtifactError, match="no translator"):
         Translator.load(tmp_path / "missing.safetensors")
+
+
+def test_a_snapshot_is_the_fit_of_that_many_conversations(pair):
+    source, target = pair
+    config = LingoFitConfig(assign="depth", nu=1, conversations=3, max_chars=300, own_tokens=1)
+    seen = {}
+    full, kept = fit_lingo(source, target, config, snapshots=(1, 2), on_snapshot=seen.__setitem__, keep_moments=True)
+    assert sorted(seen) == [1, 2] and kept.moments["k"].n == full.info["fit"]["tokens"]
+    for count, snapshot in seen.items():
+        alone = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=count, max_chars=300, own_tokens=1))
+        assert snapshot.info["fit"]["conversations"] == count and snapshot.info["fit"]["tokens"] == alone.info["fit"]["tokens"]
+        for side in "kv":
+            for a, b in zip(snapshot.weights[side], alone.weights[side]):
+                torch.testing.assert_close(a, b)
+    assert seen[1].info["fit"]["tokens"] < seen[2].info["fit"]["tokens"] < full.info["fit"]["tokens"]
+    with pytest.raises(ValueError, match="snapshots must lie between"):
+        fit_lingo(source, target, config, snapshots=(3,))
+
+
+def test_saved_moments_solve_any_assignment_as_a_fresh_fit_would(pair, tmp_path):
+    source, target = pair
+    s, t = ModelSide.of(source), ModelSide.of(target)
+    config = LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300, own_tokens=1)
+    fitted, kept = fit_lingo(source, target, config, keep_moments=True)
+    path = kept.save(tmp_path / "m.safetensors")
+    back = LingoMoments.load(path)
+    assert back.config == config and back.moments["v"].n == kept.moments["v"].n
+    same = back.solve(s, t, config)
+    for a, b in zip(same.weights["k"], fitted.weights["k"]):
+        torch.testing.assert_close(a, b)
+    # Another assignment from the file equals that assignment solved on freshly accumulated moments;
+    # the file's data settings win over the request's (the rows were captured under them).
+    other = back.solve(s, t, LingoFitConfig(assign="r2", nu=2, capture="post-rope", own_tokens=0))
+    fresh = solve_translator(accumulate(source, target, plain_texts("fit", 2, min_chars=200, max_chars=300), "pre-norm", "cover", own_count=1), s, t,
+                             LingoFitConfig(assign="r2", nu=2, conversations=2, max_chars=300, own_tokens=1))
+    assert other.capture == "pre-norm" and other.own_tokens == 1 and other.sources == fresh.sources and other.assign == "r2"
+    for a, b in zip(other.weights["v"], fresh.weights["v"]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ArtifactError, match="accumulated for .* not "):
+        back.solve(t, s, config)
+    (tmp_path / "bad.safetensors").write_bytes(path.read_bytes()[:300])
+    with pytest.raises(ArtifactError, match="cannot read lingo moments"):
+        LingoMoments.load(tmp_path / "bad.safetensors")
+    with pytest.raises(ArtifactError, match="no moments at"):
+        LingoMoments.load(tmp_path / "missing.safetensors")
 
 
 def test_hand_off_refuses_a_cache_of_another_shape_and_survives_unmappable_text(pair):

@@ -54,6 +54,9 @@ def fit_lingo_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
+    snapshots: Optional[str] = typer.Option(None, "--snapshots", help="Stage 1: conversation counts below --conversations (e.g. 32,96) at which a translator is also written (<out>-<n>conv.safetensors): the data curve from one pass."),
+    save_moments: Optional[Path] = typer.Option(None, "--save-moments", help="Stage 1: also write the accumulated float64 moments (about 1 GB for this pair) to solve other assignments later."),
+    moments: Optional[Path] = typer.Option(None, "--moments", help="Stage 1: solve from moments written by --save-moments instead of prefilling (capture, alignment, own tokens and data come from the file)."),
     lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
@@ -65,7 +68,8 @@ def fit_lingo_cmd(
     from tqdm import tqdm
 
     from kvforge.artifacts import artifact_path
-    from kvforge.translate.fit import LingoFitConfig, fit_lingo
+    from kvforge.translate.fit import LingoFitConfig, LingoMoments, fit_lingo
+    from kvforge.translate.translator import ModelSide
 
     setup_threads(threads)
     if stage == 2:
@@ -74,22 +78,38 @@ def fit_lingo_cmd(
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
                             own_tokens=own_tokens)
-    src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
-    with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+    out = out or artifact_path("translator", source, target=target)
+    counts = _counts(snapshots, conversations) if snapshots else []
+    if moments is not None:
+        if counts or save_moments:
+            raise KvforgeError("--moments solves from saved moments: --snapshots and --save-moments need a fit that prefills")
+        saved = LingoMoments.load(moments)
+        src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)  # to check the pair's fingerprints
+        translator, written, dtype_name = saved.solve(ModelSide.of(src), ModelSide.of(tgt), config), [], saved.dtype
+    else:
+        src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
+        dtype_name, written = dtype_of(tgt), []
 
-        def progress(rows: int) -> None:
-            bar.set_postfix(rows=rows)
-            bar.update(1)
+        def write_snapshot(count: int, snapshot) -> None:
+            written.append(_fit_summary(snapshot, snapshot.save(out.with_name(f"{out.stem}-{count}conv{out.suffix}"))))
 
-        translator = fit_lingo(src, tgt, config, progress)
-    path = translator.save(out or artifact_path("translator", source, target=target))
-    r2 = translator.info["r2_fit"]
-    summary = {
-        "command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "dtype": dtype_of(tgt),
-        "tokens": translator.info["fit"]["tokens"], "out": str(path), "seconds": translator.info["seconds"],
-        "r2_fit_keys_mean": sum(r2["k"]) / len(r2["k"]), "r2_fit_values_mean": sum(r2["v"]) / len(r2["v"]),
-        "sources": translator.sources, "macs_per_token": translator.macs_per_token(), **translator.info["fit"],
-    }
+        with tqdm(total=conversations, unit="conv", desc=f"{source} → {target}", file=sys.stderr, disable=json_out and not sys.stderr.isatty()) as bar:
+
+            def progress(rows: int) -> None:
+                bar.set_postfix(rows=rows)
+                bar.update(1)
+
+            translator, kept = fit_lingo(src, tgt, config, progress, tuple(counts), write_snapshot, keep_moments=True)
+        kept.dtype = dtype_name
+        if save_moments:
+            kept.save(save_moments)
+    path = translator.save(out)
+    summary = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "dtype": dtype_name,
+               **_fit_summary(translator, path)}
+    if written:
+        summary["snapshots"] = written
+    if save_moments:
+        summary["moments"] = str(save_moments)
     if json_out:
         emit_json(summary)
         return
@@ -97,6 +117,25 @@ def fit_lingo_cmd(
         f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, own tokens {own_tokens}, {summary['tokens']} rows in "
         f"{summary['seconds']:.0f} s; fit R² keys {summary['r2_fit_keys_mean']:.3f}, values {summary['r2_fit_values_mean']:.3f}"
     )
+
+
+def _counts(text: str, conversations: int) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise KvforgeError(f"--snapshots must be comma-separated conversation counts, got {text!r}") from exc
+    if not counts or not all(0 < n < conversations for n in counts):
+        raise KvforgeError(f"--snapshots must list conversation counts between 0 and --conversations ({conversations}), got {text!r}")
+    return counts
+
+
+def _fit_summary(translator, path: Path) -> dict:
+    r2 = translator.info["r2_fit"]
+    return {
+        "tokens": translator.info["fit"]["tokens"], "out": str(path), "seconds": translator.info["seconds"],
+        "r2_fit_keys_mean": sum(r2["k"]) / len(r2["k"]), "r2_fit_values_mean": sum(r2["v"]) / len(r2["v"]),
+        "sources": translator.sources, "macs_per_token": translator.macs_per_token(), **translator.info["fit"],
+    }
 
 
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on

@@ -13,12 +13,16 @@ as zero (λ = 0 by default, as the source; `lam` adds a ridge). Continuations ar
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
 from kvforge import ridge
+from kvforge.cache import atomic_save_safetensors, read_artifact
+from kvforge.errors import ArtifactError
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import ALIGN_RULES, align, tokenize
 from kvforge.translate.assign import ASSIGNMENTS, assign_layers, feature_block
@@ -73,10 +77,13 @@ def paired_features(source, target, text: str, capture: str, rule: str, own_coun
     return x, y
 
 
-def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_count: int = 0) -> dict[str, ridge.Moments]:
+def accumulate(source, target, texts: list[str], capture: str, rule: str, progress=None, own_count: int = 0,
+               moments: dict[str, ridge.Moments] | None = None) -> dict[str, ridge.Moments]:
+    """Moments of `texts`' aligned rows, added to `moments` in place when given (a fit in segments)."""
     s, t = ModelSide.of(source), ModelSide.of(target)
     own_width = own_count * target.adapter.hidden_size
-    moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side) + own_width, t.num_layers * t.side_width(side)) for side in SIDES}
+    if moments is None:
+        moments = {side: ridge.Moments.zeros(s.num_layers * s.side_width(side) + own_width, t.num_layers * t.side_width(side)) for side in SIDES}
     for text in texts:
         x, y = paired_features(source, target, text, capture, rule, own_count)
         for side in SIDES:
@@ -138,13 +145,83 @@ def _group_features(chosen: list[int], layer: int, group: int, s: ModelSide, t: 
     return inputs, layer * tw + group * td + torch.arange(td)
 
 
-def fit_lingo(source, target, config: LingoFitConfig, progress=None) -> Translator:
-    """Stage 1 end to end: capture, accumulate, assign, solve. `progress(tokens)` per text."""
+def fit_lingo(source, target, config: LingoFitConfig, progress=None, snapshots: tuple[int, ...] = (), on_snapshot=None,
+              keep_moments: bool = False):
+    """Stage 1 end to end: capture, accumulate, assign, solve. `progress(tokens)` per text.
+
+    `snapshots`: conversation counts below `config.conversations` at which a translator is also
+    solved from the moments so far and handed to `on_snapshot(count, translator)`: the curve of
+    quality against data from one pass (the texts are the same first-n at every count, so the
+    snapshot at n is the fit of n conversations). With `keep_moments` the final moments are
+    returned beside the translator (`LingoMoments`, to solve other assignments without prefilling)."""
     s, t = ModelSide.of(source), ModelSide.of(target)
     check_head_wise(config, s, t)
+    bad = [n for n in snapshots if not 0 < n < config.conversations]
+    if bad:
+        raise ValueError(f"snapshots must lie between 0 and the {config.conversations} conversations fitted, got {bad}")
     start = time.perf_counter()
     texts = plain_texts("fit", config.conversations, min_chars=200, max_chars=config.max_chars)
-    moments = accumulate(source, target, texts, config.capture, config.align, progress, config.own_tokens)
+    moments, done = None, 0
+    for stop in sorted(set(snapshots)) + [config.conversations]:
+        moments = accumulate(source, target, texts[done:stop], config.capture, config.align, progress, config.own_tokens, moments)
+        done = stop
+        if stop < config.conversations and on_snapshot:
+            on_snapshot(stop, _solve_timed(moments, s, t, replace(config, conversations=stop), start))
+    translator = _solve_timed(moments, s, t, config, start)
+    return (translator, LingoMoments(s, t, config, moments)) if keep_moments else translator
+
+
+def _solve_timed(moments, s: ModelSide, t: ModelSide, config: LingoFitConfig, start: float) -> Translator:
     translator = solve_translator(moments, s, t, config)
     translator.info["seconds"] = time.perf_counter() - start
     return translator
+
+
+MOMENTS_FORMAT, MOMENTS_VERSION = "kvforge.lingo-moments", "1"
+MOMENTS_FIELDS = ("sx", "sy", "xx", "xy", "yy")
+# What the accumulated rows depend on; a solve from saved moments takes these from the file.
+DATA_SETTINGS = ("capture", "align", "own_tokens", "conversations", "max_chars")
+
+
+@dataclass
+class LingoMoments:
+    """A stage-1 fit's float64 moments with the models and data settings they came from: any layer
+    assignment, ν, λ or head-wise choice is then solved from them without prefilling again."""
+
+    source: ModelSide
+    target: ModelSide
+    config: LingoFitConfig
+    moments: dict[str, ridge.Moments]
+    dtype: str = "float32"  # the engines' dtype the rows were captured in
+
+    def solve(self, source: ModelSide, target: ModelSide, config: LingoFitConfig) -> Translator:
+        """The translator of `config`'s assignment, ν, λ and head-wise choice; its data settings
+        must be (or are taken as) the file's."""
+        if (source.fingerprint, target.fingerprint) != (self.source.fingerprint, self.target.fingerprint):
+            raise ArtifactError(f"moments were accumulated for {self.source.label()} → {self.target.label()}, not {source.label()} → {target.label()}")
+        config = replace(config, **{k: getattr(self.config, k) for k in DATA_SETTINGS})
+        start = time.perf_counter()
+        translator = solve_translator(self.moments, source, target, config)
+        translator.info["seconds"] = time.perf_counter() - start
+        translator.info["fit"]["from_moments"] = True
+        return translator
+
+    def save(self, path: str | Path) -> Path:
+        tensors = {f"{side}.{f}": getattr(m, f).contiguous() for side, m in self.moments.items() for f in MOMENTS_FIELDS}
+        meta = {"format": MOMENTS_FORMAT, "format_version": MOMENTS_VERSION, "kind": "lingo-moments",
+                "source": json.dumps(asdict(self.source)), "target": json.dumps(asdict(self.target)),
+                "config": json.dumps(asdict(self.config)), "dtype": self.dtype, "rows": json.dumps({side: m.n for side, m in self.moments.items()})}
+        path = Path(path)
+        atomic_save_safetensors(tensors, path, meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LingoMoments":
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"no moments at {path}: write them with `kvforge fit lingo --save-moments PATH`")
+        with read_artifact(path, MOMENTS_FORMAT, MOMENTS_VERSION, "lingo moments file") as (f, meta):
+            rows = json.loads(meta["rows"])
+            moments = {side: ridge.Moments(int(rows[side]), *(f.get_tensor(f"{side}.{name}") for name in MOMENTS_FIELDS)) for side in SIDES}
+            return cls(ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"])),
+                       LingoFitConfig(**json.loads(meta["config"])), moments, meta["dtype"])
