@@ -200,9 +200,7 @@ class LingoMoments:
         if (source.fingerprint, target.fingerprint) != (self.source.fingerprint, self.target.fingerprint):
             raise ArtifactError(f"moments were accumulated for {self.source.label()} → {self.target.label()}, not {source.label()} → {target.label()}")
         config = replace(config, **{k: getattr(self.config, k) for k in DATA_SETTINGS})
-        start = time.perf_counter()
-        translator = solve_translator(self.moments, source, target, config)
-        translator.info["seconds"] = time.perf_counter() - start
+        translator = _solve_timed(self.moments, source, target, config, time.perf_counter())
         translator.info["fit"]["from_moments"] = True
         return translator
 
