@@ -441,7 +441,7 @@ def test_a_translator_into_a_latent_cache_recovers_the_known_relation_and_hands_
 
 def test_a_dense_model_hands_off_into_a_latent_cache(tmp_path):
     source, target = Engine(tiny_loaded("qwen3", seed=2)), Engine(tiny_loaded("deepseek_v3", seed=3))
-    tr = fit_lingo(source, target, LingoFitConfig(conversations=3, max_chars=300))
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=2, conversations=3, max_chars=300))
     path = tr.save(tmp_path / "t.safetensors")
     tr = Translator.load(path)  # the latent's width survives the artifact
     assert (tr.source.side_width("v"), tr.target.side_width("k"), tr.target.side_width("v")) == (32, 8, 12)

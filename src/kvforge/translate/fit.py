@@ -36,10 +36,12 @@ MAX_OWN_TOKENS = 4
 class LingoFitConfig:
     capture: str = "pre-norm"
     align: str = "cover"
-    assign: str = "depth"
-    nu: int = 3
+    # r2 with ν = 5 on 320 conversations (268K aligned rows) was the best closed form into SmolLM2:
+    # +22.7 % bits per byte over native against +30.8 % for depth ν = 3 on 32 (docs/lingo.md).
+    assign: str = "r2"
+    nu: int = 5
     head_wise: bool = False
-    conversations: int = 32
+    conversations: int = 320
     max_chars: int = 4000  # per conversation: ~1K tokens on both models here
     lam: float = 0.0
     rel_tol: float = 1e-8
