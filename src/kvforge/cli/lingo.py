@@ -114,7 +114,8 @@ def fit_lingo_cmd(
         emit_json(summary)
         return
     err.print(
-        f"wrote {path}: {source} → {target}, {assign} ν={nu}, {capture}, {align_rule}, own tokens {own_tokens}, {summary['tokens']} rows in "
+        f"wrote {path}: {source} → {target}, {translator.assign} ν={translator.nu}, {translator.capture}, {translator.align}, "
+        f"own tokens {translator.own_tokens}, {summary['tokens']} rows in "
         f"{summary['seconds']:.0f} s; fit R² keys {summary['r2_fit_keys_mean']:.3f}, values {summary['r2_fit_values_mean']:.3f}"
     )
 
