@@ -100,7 +100,6 @@ def fit_lingo_cmd(
                 bar.update(1)
 
             translator, kept = fit_lingo(src, tgt, config, progress, tuple(counts), write_snapshot, keep_moments=True)
-        kept.dtype = dtype_name
         if save_moments:
             kept.save(save_moments)
     path = translator.save(out)

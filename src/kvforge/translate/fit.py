@@ -23,6 +23,7 @@ import torch
 from kvforge import ridge
 from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError
+from kvforge.models.loading import dtype_name
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import ALIGN_RULES, align, tokenize
 from kvforge.translate.assign import ASSIGNMENTS, assign_layers, feature_block
@@ -170,7 +171,7 @@ def fit_lingo(source, target, config: LingoFitConfig, progress=None, snapshots: 
         if stop < config.conversations and on_snapshot:
             on_snapshot(stop, _solve_timed(moments, s, t, replace(config, conversations=stop), start))
     translator = _solve_timed(moments, s, t, config, start)
-    return (translator, LingoMoments(s, t, config, moments)) if keep_moments else translator
+    return (translator, LingoMoments(s, t, config, moments, dtype_name(target.dtype))) if keep_moments else translator
 
 
 def _solve_timed(moments, s: ModelSide, t: ModelSide, config: LingoFitConfig, start: float) -> Translator:
