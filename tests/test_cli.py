@@ -320,6 +320,7 @@ def test_fit_lingo_writes_snapshots_and_moments_and_solves_from_them(tiny_gemma_
         (("fit", "lingo", *pair, "--conversations", 2, "--snapshots", "2"), "between 0 and --conversations (2)"),
         (("fit", "lingo", *pair, "--snapshots", "a,b"), "comma-separated conversation counts"),
         (("fit", "lingo", *pair, "--moments", tmp_path / "none.safetensors"), "no moments at"),
+        (("fit", "lingo", *pair, "--stage", 2, "--moments", moments), "are stage-1 options"),
     ])
 
 

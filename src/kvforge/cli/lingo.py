@@ -72,6 +72,8 @@ def fit_lingo_cmd(
     from kvforge.translate.translator import ModelSide
 
     setup_threads(threads)
+    if stage == 2 and (snapshots or save_moments or moments):
+        raise KvforgeError("--snapshots, --save-moments and --moments are stage-1 options (closed form); stage 2 starts from --init")
     if stage == 2:
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
     if stage != 1:
