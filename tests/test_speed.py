@@ -295,7 +295,7 @@ def test_distilling_from_full_depth_starts_at_the_policy_kl_and_lowers_it():
 
 def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_depth_as_teacher(tmp_path):
     """loss="ce+kl": each step's loss is the reply's cross entropy under SPEED plus KL(the adapter's
-    own model at full depth || it under SPEED) (times `kl_weight`), both computed here by hand with
+    own model at full depth || it under SPEED) (times `kl_weight`, 1.5 unless given), both computed here by hand with
     the weights the step saw (the second step's from the checkpoint written after the first); the
     teacher is the adapted model, not the base (a base teacher gives another loss at the second step)."""
     from kvforge.fill.lora import LoraAdapter
@@ -307,7 +307,7 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
     samples = _fit_samples(engine, config)
 
     @torch.no_grad()
-    def by_hand(sample, teacher_adapted: bool, lora: LoraAdapter | None, kl_weight: float = 1.0) -> float:
+    def by_hand(sample, teacher_adapted: bool, lora: LoraAdapter | None, kl_weight: float = 1.5) -> float:
         def log_probs(plan_speed, adapted):
             if adapted and lora is not None:
                 with lora.applied(engine.adapter):
@@ -339,7 +339,8 @@ def test_cross_entropy_beside_self_distillation_uses_the_adapted_model_at_full_d
     fit_speed(Engine(tiny_loaded("llama")), speed, SpeedFitConfig(steps=1, max_tokens=200, loss="ce+kl", rank=4, kl_weight=3.0),
               "tiny-llama", lambda s, loss: weighted.append(loss))
     assert weighted[0] == pytest.approx(by_hand(samples[0], True, None, kl_weight=3.0), rel=1e-4) and weighted[0] > steps[0] + 1e-3
-    for bad in ({"kl_weight": 0}, {"kl_weight": 2.0, "loss": "ce"}):
+    assert config.kl_weight == 1.5 and SpeedFitConfig(loss="ce").kl_weight is None  # the default applies to ce+kl only
+    for bad in ({"kl_weight": 0}, {"kl_weight": 1.5, "loss": "ce"}, {"kl_weight": 1.0, "loss": "kl"}):
         with pytest.raises(ValueError, match="--kl-weight"):
             SpeedFitConfig(**bad)
 

@@ -29,7 +29,7 @@ def fit_speed_cmd(
     accumulate: int = typer.Option(1, "--accumulate", help="Conversations per optimizer step."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Prompt + reply tokens per training conversation."),
     loss: str = typer.Option("ce+kl", "--loss", help="ce+kl: the replies' cross entropy plus KL to the adapted model itself at full depth; ce: cross entropy alone; kl: distil from the base model at full depth."),
-    kl_weight: float = typer.Option(1.0, "--kl-weight", help="ce+kl: the KL term's weight beside the cross entropy."),
+    kl_weight: Optional[float] = typer.Option(None, "--kl-weight", help="ce+kl: the KL term's weight beside the cross entropy (default 1.5)."),
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = typer.Option(None, "--tail", help="Full-depth tail tokens of the prompt (default 64)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
