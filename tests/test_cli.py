@@ -329,6 +329,9 @@ def test_handoff_generates_from_the_translated_cache(tiny_gemma_dir, tiny_model_
                           "--prompt", "the cat sat on the mat. the cat", "-n", 5, "--json"))
     assert obj["command"] == "handoff" and obj["tokens"] == obj["source_tokens"] == 31
     assert len(obj["token_ids"]) == 5 and obj["ttft_s"] >= obj["translate_s"] > 0
+    tailed = _last_json(_run("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
+                             "--prompt", "the cat sat on the mat. the cat", "-n", 5, "--native-tail", 6, "--json"))
+    assert tailed["native_tail"] == 6 and len(tailed["token_ids"]) == 5
 
 
 def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
@@ -364,6 +367,9 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--prompt", " "), "empty prompt"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tmp_path / "no.safetensors", "--prompt", "x"), "no translator"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--turns", empty_turns(tmp_path)), "holds no user message"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--turns", empty_turns(tmp_path),
+          "--native-tail", 4), "--native-tail applies to one text"),
+        (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, *base, "--native-tail", -1), "native tail must be >= 0 tokens"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
     ]
@@ -410,6 +416,23 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * (64 + 2 * 64) * 32
     # own-token terms once per distinct token: fewer MACs per row than the per-row bound, more than the source part
     assert 2 * 4 * 64 * 32 < row["translator_macs_per_translated_row"] < row["translator_macs_per_token"]
+    tailed = _run("bench", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
+                  "--tokens", 40, "--runs", 1, "--native-tail", 8, "--json")
+    assert tailed.exit_code == 0, tailed.output
+    tail_row = _last_json(tailed)["results"][0]
+    assert tail_row["native_tail"] == 8 and tail_row["ceiling"] < row["ceiling"]  # the tail's rows cost a prefill, not a map
+
+
+def test_a_native_tail_over_the_whole_prefix_scores_as_the_native_cache(tiny_model_dir, tiny_translator, tmp_path):
+    ev = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 2, "--prefix-chars", 200, "--continuation-chars", 60,
+              "--native-tail", 1000, "--plot", tmp_path / "cka.png", "--json")
+    assert ev.exit_code == 0, ev.output
+    obj = _last_json(ev)
+    assert obj["native_tail"] == 1000 and obj["kl"] == pytest.approx(0, abs=1e-6)
+    assert obj["bpb_target_translated"] == pytest.approx(obj["bpb_target_native"], rel=1e-5) == obj["bpb_target_zero"]
+    short = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 2, "--prefix-chars", 200, "--continuation-chars", 60,
+                 "--native-tail", 16, "--plot", tmp_path / "cka.png", "--json")
+    assert _last_json(short)["kl"] > 1e-4  # most rows still translated
 
 
 def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from conftest import ATTENTION_FAMILIES, HYBRID_FAMILIES, tiny_loaded
 from kvforge.models.adapters import adapter_for
 from kvforge.models.loading import LoadedModel
 from kvforge import ridge
-from kvforge.cache import KVCache
+from kvforge.cache import KVCache, RowKind
 from kvforge.engine import Engine
 from kvforge.data.prompts import plain_texts
 from kvforge.errors import ArtifactError, UnknownModelError
@@ -50,6 +50,34 @@ def test_identity_maps_reproduce_a_models_own_cache_and_logits(family, capture):
     assert int(h.cache[0].row_kinds()[0, 0]) == 0 and int(h.cache[0].row_kinds()[0, -1]) == 2  # head native, rest translated
     last = torch.tensor([ids[-1]])
     torch.testing.assert_close(engine.decode_step(last, h.cache), engine.decode_step(last, exact), atol=1e-4, rtol=1e-4)
+
+
+def test_a_native_tail_is_the_targets_own_prefill_over_the_translated_rows():
+    """native_tail=T: the last T cache rows are the target's own (exact) rows, computed attending to
+    the translated ones; with a zero translator they equal the native cache at layer 0 (which sees
+    only the token and its position) and differ from it above (they attended to zero rows), while
+    the translated rows before them are the tail-less hand-off's. A tail over every row is the
+    native cache itself; a negative one is refused."""
+    engine = Engine(tiny_loaded("llama"))
+    zero = identity_translator(engine, "pre-norm").zeroed()
+    ids = hand_off(zero, engine, engine, TEXT).target_ids
+    rows, tail = len(ids) - 1, 7
+    _, native = engine.prefill([ids[:-1]], logits="none")
+    plain, tailed = hand_off(zero, engine, engine, TEXT).cache, hand_off(zero, engine, engine, TEXT, native_tail=tail).cache
+    assert tailed.lengths() == [rows] * engine.num_layers
+    kinds = tailed[0].row_kinds()[0]
+    assert int(kinds[0]) == RowKind.EXACT and (kinds[1 : rows - tail] == RowKind.TRANSLATED).all() and (kinds[rows - tail :] == RowKind.EXACT).all()
+    top = engine.num_layers - 1
+    for side in ("keys", "values"):
+        got, want = getattr(tailed[0], side)()[:, :, rows - tail :], getattr(native[0], side)()[:, :, rows - tail :]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(getattr(tailed[top], side)()[:, :, rows - tail :], getattr(native[top], side)()[:, :, rows - tail :], atol=1e-3)
+        torch.testing.assert_close(getattr(tailed[top], side)()[:, :, : rows - tail], getattr(plain[top], side)()[:, :, : rows - tail])
+    whole = hand_off(zero, engine, engine, TEXT, native_tail=rows).cache
+    last = torch.tensor([ids[-1]])
+    torch.testing.assert_close(engine.decode_step(last, whole), engine.decode_step(last, native), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="native tail"):
+        hand_off(zero, engine, engine, TEXT, native_tail=-1)
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

@@ -3,7 +3,8 @@ cache and running one decoding step, in one process, interleaved, median of `run
 
 The source already holds its cache (it has just served the conversation), so its prefill is not
 timed; text is tokenized once outside both arms. The hand-off arm times alignment, translation
-(head rows native) and the target's step on its last token. FLOPs: the translator's multiply-
+(head rows native, and the last `native_tail` rows, which the target prefills over the translated
+ones) and the target's step on its last token. FLOPs: the translator's multiply-
 accumulates per token next to the target's own per-token prefill MACs, and the MAC ceiling
 (re-prefill MACs / (translation + head rows + one step)).
 """
@@ -33,7 +34,7 @@ def text_of_tokens(tokenizer, tokens: int) -> str:
     raise ValueError(f"held-out data holds fewer than {tokens} tokens")
 
 
-def bench_lingo(translator: Translator, source, target, lengths: list[int], runs: int = 3, progress=None) -> dict:
+def bench_lingo(translator: Translator, source, target, lengths: list[int], runs: int = 3, progress=None, native_tail: int = 0) -> dict:
     results = []
     for n in lengths:
         text = text_of_tokens(target.model.tokenizer, n)
@@ -49,7 +50,7 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
         def handoff():
             def run():
                 alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
-                cache = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
+                cache = translate_cache(translator, source, target, src_cache, alignment, tgt.ids, native_tail)
                 return cache
 
             translate_s, cache = timed(run)
@@ -57,17 +58,21 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
             return {"s": translate_s + step_s, "translate_s": translate_s, "step_s": step_s}
 
         medians = interleaved_metric_medians({"reprefill": reprefill, "handoff": handoff}, runs)
-        head = align(src, tgt, translator.align).head
-        translated_rows = max(len(tgt.ids) - 1 - head, 0)
+        rows = len(tgt.ids) - 1  # the cache's; the last token is the step
+        head = min(align(src, tgt, translator.align).head, rows)
+        native_from = max(head, rows - native_tail)
+        translated_rows = native_from - head
         a = target.adapter
         own = own_tokens(target, tgt.ids, head, translated_rows, translator.own_tokens)
         translate_macs = translator.macs(translated_rows, 0 if own is None else own.embeddings.shape[0])
-        handoff_macs = translate_macs + exact_macs(a, head) + decode_macs(a, [len(tgt.ids) - 1] * a.num_layers)
+        tail_macs = exact_macs(a, rows) - exact_macs(a, native_from)  # the tail's rows, attending to every row before them
+        handoff_macs = translate_macs + exact_macs(a, head) + tail_macs + decode_macs(a, [rows] * a.num_layers)
         results.append(
             {
                 "tokens": len(tgt.ids),
                 "source_tokens": len(src.ids),
                 "method": "handoff",
+                "native_tail": native_tail,
                 "reprefill_s": medians["reprefill"]["s"],
                 "handoff_s": medians["handoff"]["s"],
                 "translate_s": medians["handoff"]["translate_s"],

@@ -20,6 +20,7 @@ from kvforge.errors import KvforgeError
 
 SourceOpt = typer.Option("gemma3-270m", "--source", help="Model whose cache is translated.")
 TargetOpt = typer.Option("smollm2-135m", "--target", help="Model that decodes from the translated cache.")
+NativeTailOpt = typer.Option(0, "--native-tail", help="The text's last N tokens the target prefills itself, attending to the translated rows (the newest message, say); 0: every row but the head translated.")
 TranslatorOpt = typer.Option(None, "--translator", help="Translator from `kvforge fit lingo` (default: the pair's cached stage-2 one when there is one, else its stage-1 one).")
 
 
@@ -221,6 +222,7 @@ def handoff(
     turns: Optional[Path] = typer.Option(None, "--turns", help="A conversation instead: user messages, one per line (or a JSON list); SOURCE answers the first, the models alternate."),
     back_translator: Optional[Path] = typer.Option(None, "--back-translator", help="With --turns: TARGET → SOURCE translator (default: the cached one)."),
     mode: str = typer.Option("alternated", "--mode", help="With --turns: alternated (translate only new tokens), naive (retranslate the whole prefix) or native (re-prefill)."),
+    native_tail: int = NativeTailOpt,
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     seed: Optional[int] = typer.Option(None, "--seed"),
@@ -238,6 +240,8 @@ def handoff(
     if turns is not None:
         if prompt is not None or prompt_file is not None:
             raise KvforgeError("give --turns or a prompt, not both")
+        if native_tail:
+            raise KvforgeError("--native-tail applies to one text; with --turns each new message is prefilled by its speaker already")
         return _handoff_turns(source, target, translator, back_translator, turns, mode, max_new_tokens, temperature, seed, device, dtype, json_out)
     if (prompt is None) == (prompt_file is None):
         raise KvforgeError("give exactly one of --prompt or --prompt-file")
@@ -246,12 +250,12 @@ def handoff(
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt), capture)
     with err.status(f"{source} prefills"):
-        h = hand_off(tr, src, tgt, text)
+        h = hand_off(tr, src, tgt, text, native_tail=native_tail)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out = tgt.generate([h.pending], config, cache=h.cache)[0]
     result = {
         "command": "handoff", "model": target, "source": source, "target": target, "method": "handoff", "dtype": dtype_of(tgt),
-        "tokens": len(h.target_ids), "source_tokens": len(h.source_ids), "translate_s": h.translate_s,
+        "tokens": len(h.target_ids), "source_tokens": len(h.source_ids), "native_tail": native_tail, "translate_s": h.translate_s,
         "ttft_s": h.translate_s + out.ttft_s, "decode_tokens_per_s": out.decode_tokens_per_s,
         "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
     }
@@ -323,6 +327,7 @@ def eval_lingo_cmd(
     continuation_chars: int = typer.Option(400, "--continuation-chars"),
     qa: int = typer.Option(0, "--qa", help="Context-grounded questions (a fact stated early, asked at the end; 0: skip)."),
     qa_prefix_chars: int = typer.Option(1500, "--qa-prefix-chars", help="QA: characters of conversation holding the fact and the question."),
+    native_tail: int = NativeTailOpt,
     multiturn: int = typer.Option(0, "--multiturn", help="Held-out conversations replayed with the models alternating (0: skip)."),
     turns: int = typer.Option(6, "--turns", help="Turns per multi-turn conversation."),
     turn_chars: int = typer.Option(300, "--turn-chars", help="Multi-turn: characters kept of each user message and each reply."),
@@ -351,17 +356,18 @@ def eval_lingo_cmd(
     report = {
         "command": "eval lingo", "model": tr.target.name, "source": tr.source.name, "target": tr.target.name, "method": "lingo",
         "dtype": dtype_of(tgt), "translator": str(translator), "capture": tr.capture, "align": tr.align, "assign": tr.assign, "nu": tr.nu,
-        "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), "compared": {label: str(p) for label, p in zip(others, compare)},
+        "head_wise": tr.head_wise, "stage": tr.info.get("stage", 1), "native_tail": native_tail, "compared": {label: str(p) for label, p in zip(others, compare)},
     }
     tick = lambda what: (lambda i, n: err.print(f"[dim]{what} {i}/{n}[/dim]"))  # noqa: E731
     if samples:
-        settings = LingoEvalSettings(samples=samples, prefix_chars=prefix_chars, continuation_chars=continuation_chars)
+        settings = LingoEvalSettings(samples=samples, prefix_chars=prefix_chars, continuation_chars=continuation_chars, native_tail=native_tail)
         report.update(eval_lingo(tr, src, tgt, settings, progress=tick("sample"), compare=others))
         report["plot"] = plot_cka(report, tr, plot or Path("benchmarks/results") / f"lingo-cka-{name}.png")
     if qa:
         from kvforge.evaluate.qa import eval_qa, qa_items
 
-        report["qa"] = eval_qa({"translated": tr, **others}, src, tgt, qa_items(qa, qa_prefix_chars), progress=tick("question"))
+        report["qa"] = eval_qa({"translated": tr, **others}, src, tgt, qa_items(qa, qa_prefix_chars), progress=tick("question"),
+                               native_tail=native_tail)
         report.setdefault("tokens", report["qa"]["prompt_tokens"])
     if multiturn:
         from kvforge.evaluate.multiturn import MultiTurnSettings, eval_multiturn, plot_turns
@@ -418,6 +424,7 @@ def bench_lingo_cmd(
     translator: Optional[Path] = TranslatorOpt,
     tokens: str = typer.Option("512,2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    native_tail: int = NativeTailOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -432,7 +439,7 @@ def bench_lingo_cmd(
     tr = _translator(translator, source, target)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
-    report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"), native_tail=native_tail)
     if json_out:
         emit_json(report)
         return

@@ -5,7 +5,8 @@ Each sample is a held-out conversation as plain text, cut at a character c where
 start a token (the last such point within `prefix_chars`), so both models score exactly the same
 continuation text[c:]. Loss is in bits per byte of that text (the tokenizers differ). Arms:
   target native      the target's exact cache of its prefix;
-  target translated  the hand-off: the source's exact prefix cache translated (head rows native);
+  target translated  the hand-off: the source's exact prefix cache translated (head rows native, and
+                     the last `native_tail` rows when set);
   target zero        the same with every map zero (the untrained baseline);
   source native      the source's own exact cache.
 In every arm the cache holds the prefix but its last token, and one teacher-forced forward over
@@ -43,6 +44,7 @@ class LingoEvalSettings:
     prefix_chars: int = 2000
     continuation_chars: int = 400
     skip: int = 0  # held-out conversations to skip
+    native_tail: int = 0  # prefix tokens before the last that the target prefills itself (`translate_cache`)
 
 
 class CacheGeometry:
@@ -121,8 +123,8 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         cut = split_text(source, target, text, settings.prefix_chars, translator.align)
         src, tgt, c, ps, pt = cut.src, cut.tgt, cut.cut, cut.source_prefix, cut.target_prefix
         alignment, src_cache, native = cut.alignment, cut.source_cache, cut.native_cache
-        translated = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
-        zeroed = translate_cache(zero, source, target, src_cache, alignment, tgt.ids)
+        translated = translate_cache(translator, source, target, src_cache, alignment, tgt.ids, settings.native_tail)
+        zeroed = translate_cache(zero, source, target, src_cache, alignment, tgt.ids, settings.native_tail)
         # Geometry and R² on the rows the translator wrote, at its capture point.
         if alignment.index.shape[0]:
             sk, sv = cache_features(source.adapter, src_cache, translator.capture)
@@ -142,7 +144,8 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         logits_native = continuation_logits(target, tgt.ids, pt, native)
         logits_translated = continuation_logits(target, tgt.ids, pt, translated)
         logits_zero = continuation_logits(target, tgt.ids, pt, zeroed)
-        logits_compare = {label: continuation_logits(target, tgt.ids, pt, translate_cache(other, source, target, src_cache, alignment, tgt.ids))
+        logits_compare = {label: continuation_logits(target, tgt.ids, pt, translate_cache(other, source, target, src_cache, alignment, tgt.ids,
+                                                                                    settings.native_tail))
                           for label, other in compare.items()}
         src_cache.trim(1)
         logits_source = continuation_logits(source, src.ids, ps, src_cache)

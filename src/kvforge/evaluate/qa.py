@@ -53,8 +53,10 @@ def correct(reply: str, answer: str) -> bool:
 
 
 @torch.inference_mode()
-def eval_qa(translators: dict[str, Translator], source, target, items: list[QAItem], max_new_tokens: int = 16, progress=None) -> dict:
-    """Accuracy per arm: target_native, one per translator, source_native."""
+def eval_qa(translators: dict[str, Translator], source, target, items: list[QAItem], max_new_tokens: int = 16, progress=None,
+            native_tail: int = 0) -> dict:
+    """Accuracy per arm: target_native, one per translator (the hand-off's last `native_tail` tokens
+    prefilled by the target), source_native."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     hits = {"target_native": [], **{label: [] for label in translators}, "source_native": []}
     replies, prompt_tokens = [], 0
@@ -66,7 +68,7 @@ def eval_qa(translators: dict[str, Translator], source, target, items: list[QAIt
             prompt_tokens += len(ids) if engine is target else 0
         _, source_cache = source.prefill([tokenize(source.model.tokenizer, item.text).ids], logits="none")
         for label, tr in translators.items():
-            h = hand_off(tr, source, target, item.text, source_cache)
+            h = hand_off(tr, source, target, item.text, source_cache, native_tail=native_tail)
             row[label] = target.generate([h.pending], config, cache=h.cache)[0].text
         for arm in hits:
             hits[arm].append(correct(row[arm], item.answer))

@@ -37,19 +37,26 @@ def check_source_cache(translator: Translator, cache: KVCache, rows: int) -> Non
 
 
 def translate_cache(
-    translator: Translator, source, target, source_cache: KVCache, alignment: Alignment, target_ids: list[int]
+    translator: Translator, source, target, source_cache: KVCache, alignment: Alignment, target_ids: list[int], native_tail: int = 0
 ) -> KVCache:
     """The target's cache for target rows [0, alignment.rows): head rows native, the rest
-    translated from `source_cache` (the source engine's exact cache of the same text)."""
+    translated from `source_cache` (the source engine's exact cache of the same text) but the last
+    `native_tail`, which the target prefills itself over the translated rows (the source's
+    "translate the context, prefill the prompt" setting: the newest text, which the next tokens
+    lean on most, is the target's own, for a prefill of `native_tail` tokens)."""
+    if native_tail < 0:
+        raise ValueError(f"native tail must be >= 0 tokens, got {native_tail}")
     head = min(alignment.head, alignment.rows)
+    native_from = max(head, alignment.rows - native_tail)
     cache = target.new_cache(1, capacity=alignment.rows + 1)
     if head:
         target.prefill([target_ids[:head]], cache=cache, logits="none")
-    if alignment.rows - head <= 0:
-        return cache
-    with torch.inference_mode():
-        aligned = aligned_features(translator, source, source_cache, alignment)
-        append_translated(translator, target, aligned, head, cache, target_ids)
+    if native_from > head:
+        with torch.inference_mode():
+            aligned = aligned_features(translator, source, source_cache, alignment.truncate(native_from))
+            append_translated(translator, target, aligned, head, cache, target_ids)
+    if native_from < alignment.rows:
+        target.prefill([target_ids[native_from : alignment.rows]], cache=cache, logits="none")
     return cache
 
 
@@ -92,12 +99,14 @@ class Handoff:
 
 
 def hand_off(
-    translator: Translator, source, target, text: str, source_cache: KVCache | None = None, target_tokens: Tokenized | None = None
+    translator: Translator, source, target, text: str, source_cache: KVCache | None = None, target_tokens: Tokenized | None = None,
+    native_tail: int = 0,
 ) -> Handoff:
     """Translate the source's cache of `text` into a target cache (the source prefills it first
     when no cache is given). `target_tokens`: the target's tokenization of `text` when the caller
     has made it -- the ids it serves, e.g. a rendered chat template tokenized without special
-    tokens because it holds them already; by default `text` is tokenized with them. Raises a
+    tokens because it holds them already; by default `text` is tokenized with them. `native_tail`:
+    the text's last tokens the target prefills itself (`translate_cache`). Raises a
     one-line error for a translator of another pair."""
     translator.check_pair(ModelSide.of(source), ModelSide.of(target))
     if not text or not text.strip():
@@ -112,6 +121,6 @@ def hand_off(
     check_source_cache(translator, source_cache, len(src.ids))
     start = time.perf_counter()
     alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
-    cache = translate_cache(translator, source, target, source_cache, alignment, tgt.ids)
+    cache = translate_cache(translator, source, target, source_cache, alignment, tgt.ids, native_tail)
     return Handoff(cache, tgt.ids[-1], tgt.ids, src.ids, time.perf_counter() - start)
 
