@@ -6,7 +6,7 @@ timed; text is tokenized once outside both arms. The hand-off arm times alignmen
 (head rows native, and the last `native_tail` rows, which the target prefills over the translated
 ones) and the target's step on its last token. FLOPs: the translator's multiply-
 accumulates per token next to the target's own per-token prefill MACs, and the MAC ceiling
-(re-prefill MACs / (translation + head rows + one step)).
+(re-prefill MACs / (translation + head and tail rows + one step)).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class Handoff:
     pending: int
     target_ids: list[int]
     source_ids: list[int]
-    translate_s: float  # alignment + translation + the target's head rows
+    translate_s: float  # alignment + translation + the target's head (and native tail) rows
 
 
 def hand_off(
