@@ -236,6 +236,13 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     logits, cache = served.routes["handoff"].prefillers["handoff"](request)
     assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
     assert request.report.prefill == "handoff" and logits.shape[0] == 1
+    # --handoff-native-tail over the whole prompt: the target's own prefill, logits and all
+    whole = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1,
+                                     handoff_native_tail=len(expected)))[target]
+    (request,) = _make_group(whole, body, chat=True)
+    logits, _ = whole.routes["handoff"].prefillers["handoff"](request)
+    exact, _ = whole.engine.prefill([expected])
+    torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
 
 
 def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):

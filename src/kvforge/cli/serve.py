@@ -34,6 +34,7 @@ def serve(
     speed_tail: Optional[int] = SpeedTailOpt,
     translator: Optional[Path] = typer.Option(None, "--translator", help="KV-Lingo translator from --model into --target (enables prefill 'handoff')."),
     target: Optional[str] = typer.Option(None, "--target", help="Second served model, the translator's target."),
+    handoff_native_tail: int = typer.Option(0, "--handoff-native-tail", help="Hand-off: the prompt's last N tokens the target prefills itself over the translated rows (the newest message, say)."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together (continuous batching)."),
@@ -58,14 +59,15 @@ def serve(
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     setup_threads(threads)
-    if max_batch < 1 or queue_size < 1 or history_entries < 0:
-        raise ValueError("--max-batch and --queue-size must be >= 1, --history-entries >= 0")
+    if max_batch < 1 or queue_size < 1 or history_entries < 0 or handoff_native_tail < 0:
+        raise ValueError("--max-batch and --queue-size must be >= 1, --history-entries and --handoff-native-tail >= 0")
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave it out to serve without one")
     with err.status(f"loading {model}"):
         served = build_served(ServeConfig(
             model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
             attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail, history_entries=history_entries,
+            handoff_native_tail=handoff_native_tail,
         ))
     guard = " (API key required)" if api_key else ""
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)

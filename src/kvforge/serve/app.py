@@ -74,6 +74,7 @@ class ServeConfig:
     anchors: str | None = None
     speed_tail: int | None = None
     history_entries: int = DEFAULT_MAX_ENTRIES  # per scheduler, (n-gram, successor) pairs; 0: no history
+    handoff_native_tail: int = 0  # a hand-off's last prompt tokens the target prefills itself (`translate_cache`)
 
 
 @dataclass
@@ -134,7 +135,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         translator = Translator.load(config.translator)
         target = load(config.target)
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
-        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None), "handoff": handoff_prefiller(translator, engine, target)}
+        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries)
     return served
 
@@ -151,13 +152,13 @@ def planned_prefiller(engine, make_plan):
     return prefill
 
 
-def handoff_prefiller(translator, source, target):
+def handoff_prefiller(translator, source, target, native_tail: int = 0):
     import torch
 
     from kvforge.translate.handoff import hand_off
 
     def prefill(r: AppRequest):
-        h = hand_off(translator, source, target, r.text, target_tokens=r.tokens)
+        h = hand_off(translator, source, target, r.text, target_tokens=r.tokens, native_tail=native_tail)
         r.prompt_ids = h.target_ids  # the ids the request was checked with, when it tokenized them
         r.report = PrefillReport("handoff", len(h.target_ids), None, None)
         logits = target.decode_step(torch.tensor([h.pending]), h.cache)
