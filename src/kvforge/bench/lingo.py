@@ -18,7 +18,7 @@ from kvforge.bench.harness import environment, interleaved_metric_medians, timed
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import align, tokenize
 from kvforge.translate.capture import own_tokens
-from kvforge.translate.handoff import translate_cache
+from kvforge.translate.handoff import native_rows, translate_cache
 from kvforge.translate.translator import Translator
 
 
@@ -59,8 +59,7 @@ def bench_lingo(translator: Translator, source, target, lengths: list[int], runs
 
         medians = interleaved_metric_medians({"reprefill": reprefill, "handoff": handoff}, runs)
         rows = len(tgt.ids) - 1  # the cache's; the last token is the step
-        head = min(align(src, tgt, translator.align).head, rows)
-        native_from = max(head, rows - native_tail)
+        head, native_from = native_rows(align(src, tgt, translator.align).truncate(rows), native_tail)
         translated_rows = native_from - head
         a = target.adapter
         own = own_tokens(target, tgt.ids, head, translated_rows, translator.own_tokens)

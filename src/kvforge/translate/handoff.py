@@ -36,6 +36,15 @@ def check_source_cache(translator: Translator, cache: KVCache, rows: int) -> Non
         raise ValueError(f"source cache holds {cache.lengths()[0]} rows but the text is {rows} source tokens")
 
 
+def native_rows(alignment: Alignment, native_tail: int) -> tuple[int, int]:
+    """(head, native_from): target rows [0, head) and [native_from, alignment.rows) are the target's
+    own, computed by its prefill; the rows between them are translated."""
+    if native_tail < 0:
+        raise ValueError(f"native tail must be >= 0 tokens, got {native_tail}")
+    head = min(alignment.head, alignment.rows)
+    return head, max(head, alignment.rows - native_tail)
+
+
 def translate_cache(
     translator: Translator, source, target, source_cache: KVCache, alignment: Alignment, target_ids: list[int], native_tail: int = 0
 ) -> KVCache:
@@ -44,10 +53,7 @@ def translate_cache(
     `native_tail`, which the target prefills itself over the translated rows (the source's
     "translate the context, prefill the prompt" setting: the newest text, which the next tokens
     lean on most, is the target's own, for a prefill of `native_tail` tokens)."""
-    if native_tail < 0:
-        raise ValueError(f"native tail must be >= 0 tokens, got {native_tail}")
-    head = min(alignment.head, alignment.rows)
-    native_from = max(head, alignment.rows - native_tail)
+    head, native_from = native_rows(alignment, native_tail)
     cache = target.new_cache(1, capacity=alignment.rows + 1)
     if head:
         target.prefill([target_ids[:head]], cache=cache, logits="none")
