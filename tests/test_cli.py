@@ -370,6 +370,7 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--turns", empty_turns(tmp_path),
           "--native-tail", 4), "--native-tail applies to one text"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, *base, "--native-tail", -1), "native tail must be >= 0 tokens"),
+        (("eval", "lingo", "--translator", tiny_translator, "--multiturn", 2, "--native-tail", 4), "with --multiturn each new message"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
     ]

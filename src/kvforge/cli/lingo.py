@@ -343,6 +343,8 @@ def eval_lingo_cmd(
     from kvforge.evaluate.lingo import LingoEvalSettings, eval_lingo, plot_cka
     from kvforge.translate.translator import ModelSide, Translator
 
+    if multiturn and native_tail:
+        raise KvforgeError("--native-tail applies to one text; with --multiturn each new message is prefilled by its speaker already")
     setup_threads(threads)
     tr = Translator.load(translator)
     src, tgt = load_engine(tr.source.name, device, dtype), load_engine(tr.target.name, device, dtype)
