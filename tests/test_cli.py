@@ -412,7 +412,9 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     bench = _run("bench", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
                  "--tokens", 40, "--runs", 1, "--json")
     assert bench.exit_code == 0, bench.output
-    row = _last_json(bench)["results"][0]
+    report = _last_json(bench)
+    assert report["translator"] == str(tiny_translator) and report["stage"] == 1  # the report names the maps it timed
+    row = report["results"][0]
     # keys and values x 4 layers x (2 source layers of 32 + 2 own tokens of 64 (the hidden size)) x 32
     assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * (64 + 2 * 64) * 32
     # own-token terms once per distinct token: fewer MACs per row than the per-row bound, more than the source part

@@ -436,12 +436,16 @@ def bench_lingo_cmd(
     from kvforge.bench.lingo import bench_lingo
     from kvforge.translate.translator import ModelSide
 
+    from kvforge.artifacts import default_translator_path
+
     setup_threads(threads)
     lengths = parse_lengths(tokens)
+    translator = translator or default_translator_path(source, target)  # resolved here: the report names it
     tr = _translator(translator, source, target)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"), native_tail=native_tail)
+    report.update(translator=str(translator), stage=tr.info.get("stage", 1), assign=tr.assign, nu=tr.nu, own_tokens=tr.own_tokens)  # which maps were timed
     if json_out:
         emit_json(report)
         return
