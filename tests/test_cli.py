@@ -370,7 +370,7 @@ def test_lingo_bad_input_is_one_line(tiny_gemma_dir, tiny_model_dir, tiny_transl
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator, "--turns", empty_turns(tmp_path),
           "--native-tail", 4), "--native-tail applies to one text"),
         (("handoff", "--source", tiny_gemma_dir, "--target", tiny_model_dir, *base, "--native-tail", -1), "native tail must be >= 0 tokens"),
-        (("eval", "lingo", "--translator", tiny_translator, "--multiturn", 2, "--native-tail", 4), "with --multiturn each new message"),
+        (("eval", "lingo", "--translator", tiny_translator, "--samples", 0, "--multiturn", 2, "--native-tail", 4), "with --multiturn each new message"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--assign", "magic"), "unknown layer assignment"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--capture", "mid-rope"), "unknown capture point"),
     ]
@@ -383,9 +383,10 @@ def test_eval_lingo_compares_translators_asks_questions_and_replays_turns(tiny_g
                 "--max-chars", 300, "--out", back).exit_code == 0
     ev = _run("eval", "lingo", "--translator", tiny_translator, "--compare", tiny_translator, "--samples", 2, "--prefix-chars", 150,
               "--continuation-chars", 40, "--plot", tmp_path / "cka.png", "--qa", 2, "--qa-prefix-chars", 200, "--multiturn", 2,
-              "--turns", 3, "--turn-chars", 20, "--back-translator", back, "--json")
+              "--turns", 3, "--turn-chars", 20, "--back-translator", back, "--native-tail", 2, "--json")
     assert ev.exit_code == 0, ev.output
     obj = _last_json(ev)
+    assert obj["native_tail"] == 2 and obj["multiturn"]["native_tail"] == 0  # the tail is the single-text arms'; turns prefill their own
     same = obj["compare"]["t"]  # the same translator again: the same numbers
     assert same["bpb"] == pytest.approx(obj["bpb_target_translated"]) and same["kl"] == pytest.approx(obj["kl"], abs=1e-9)
     assert obj["kl_ci"][0] <= obj["kl"] <= obj["kl_ci"][1]

@@ -343,8 +343,8 @@ def eval_lingo_cmd(
     from kvforge.evaluate.lingo import LingoEvalSettings, eval_lingo, plot_cka
     from kvforge.translate.translator import ModelSide, Translator
 
-    if multiturn and native_tail:
-        raise KvforgeError("--native-tail applies to one text; with --multiturn each new message is prefilled by its speaker already")
+    if multiturn and native_tail and not (samples or qa):
+        raise KvforgeError("--native-tail applies to one text (--samples, --qa); with --multiturn each new message is prefilled by its speaker already")
     setup_threads(threads)
     tr = Translator.load(translator)
     src, tgt = load_engine(tr.source.name, device, dtype), load_engine(tr.target.name, device, dtype)
@@ -377,6 +377,7 @@ def eval_lingo_cmd(
         back = _translator(back_translator, tr.target.name, tr.source.name)
         settings = MultiTurnSettings(conversations=multiturn, turns=turns, user_chars=turn_chars, reply_chars=turn_chars)
         report["multiturn"] = eval_multiturn((src, tgt), (tr, back), settings, progress=tick("conversation"))
+        report["multiturn"]["native_tail"] = 0  # each speaker prefills the new message itself; --native-tail is the other arms'
         report.setdefault("tokens", report["multiturn"]["tokens"])
         stage = f"-stage{report['stage']}"
         report["multiturn"]["plot"] = plot_turns(report["multiturn"], Path("benchmarks/results") / f"lingo-turns-{name}{stage}.png",
@@ -433,10 +434,9 @@ def bench_lingo_cmd(
     json_out: bool = JsonOpt,
 ):
     """Hand-off TTFT: the target's re-prefill vs translation + one decoding step."""
+    from kvforge.artifacts import default_translator_path
     from kvforge.bench.lingo import bench_lingo
     from kvforge.translate.translator import ModelSide
-
-    from kvforge.artifacts import default_translator_path
 
     setup_threads(threads)
     lengths = parse_lengths(tokens)
