@@ -38,7 +38,7 @@ CHECKPOINT = CheckpointKind("kvforge.distill-checkpoint", 2, "distillation")
 @dataclass(frozen=True)
 class DistillConfig:
     steps: int = 100  # with lr 1e-4 and 128 samples: the measured winner (QA 6 of 16 into SmolLM2; 250 steps from 256 samples at 3e-5 recalled 4)
-    lr: float = 1e-4
+    lr: float = 1e-4  # into SmolLM2 the rate that recalled most; into Gemma 3e-5 beat it on every count (docs/lingo.md)
     warmup_fraction: float = 0.05
     accumulate: int = 8  # conversations per optimizer step (the source's effective batch)
     samples: int = 128
