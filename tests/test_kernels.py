@@ -198,8 +198,35 @@ def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(
     alone = torch.cat([kernels.small_linear(x[r : r + 1], packed, bias) for r in range(32)])
     for m in range(2, 33):
         assert torch.equal(kernels.small_linear(x[:m], packed, bias), alone[:m]), m
+    batch = x.repeat(5, 1)[:150]  # a batch's verification: row chunks of 16 (AMX) or 9 (AVX-512) and a rest
+    assert torch.equal(kernels.small_linear(batch, packed, bias), alone.repeat(5, 1)[:150])
     ref = F.linear(x.float(), w.float(), bias.float())
     assert ((alone.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+
+
+def test_small_linear_takes_amx_tiles_where_the_cpu_has_them():
+    """On an AMX-BF16 CPU small_linear multiplies on the tiles (weights with a multiple of 32
+    inputs); the AVX-512 path gives the same products within one bf16 rounding."""
+    import os
+    from pathlib import Path
+
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "amx_bf16" not in cpu or os.environ.get("KVFORGE_AMX") == "0":
+        pytest.skip("no AMX-BF16 here")
+    assert kernels.amx() and kernels.kind() == "amx"
+    lib = kernels._library()
+    assert lib.kvforge_amx_usable(576) and not lib.kvforge_amx_usable(40)  # 40 inputs: not whole A tiles
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(208, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(20, 576, generator=g).bfloat16()
+    packed = kernels.pack_pairs(w)
+    tiles = kernels.small_linear(x, packed)
+    lib.kvforge_amx_disable()
+    try:
+        vectors = kernels.small_linear(x, packed)
+    finally:
+        lib.kvforge_amx_enable()
+    assert ((tiles.float() - vectors.float()).abs() <= vectors.float().abs() * 2**-7 + 1e-3).all()
 
 
 def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the_rest():

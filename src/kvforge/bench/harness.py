@@ -77,7 +77,10 @@ def interleaved_samples(
 
 def environment(engine=None) -> dict:
     """What a timing depends on, reported beside it (with an engine: the dtype it runs in)."""
-    env = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    from kvforge import kernels
+
+    # machines differ between runs (AMX or not, AVX-512 or not): the kernels a run used go with it
+    env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels.kind()}
     if engine is not None:
         env["dtype"] = dtype_name(engine.dtype)
     return env

@@ -6,7 +6,8 @@ such a buffer at 7-9 GB/s here (a 3 x 64 by 64 x T product per head and sequence
 streams 17-23 GB/s, and a 9-token verification at 4K (27 query rows per KV head) is bound by
 multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for up
 to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode step's weights at
-~10 GB/s here). `rms_norm.c`: a bf16 RMSNorm in one call instead of four ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
+~10 GB/s here); on CPUs with AMX-BF16 `small_linear_amx.c` does its multiplies on the tiles, so up
+to 32 rows cost about one (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
 (well under a second: no torch headers; called through ctypes with raw pointers); where there is
 no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
 and callers keep torch's ops.
@@ -28,7 +29,10 @@ import torch
 from kvforge.paths import kvforge_home
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c")]
+_AMX_SOURCE = Path(__file__).with_name("small_linear_amx.c")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
+# the AMX build first; a compiler without AMX intrinsics (gcc < 11) builds the rest alone
+_BUILDS = [(_SOURCES + [_AMX_SOURCE], ["-mamx-tile", "-mamx-bf16"]), (_SOURCES, ["-DKVFORGE_NO_AMX"])]
 _MAX_DIM = 256  # MAX_DIM in the C source
 
 
@@ -39,20 +43,12 @@ def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
-    tag = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = kvforge_home() / "kernels" / f"kvforge-kernels-{tag}.so"
-    try:  # any failure to build or load (read-only home, noexec mount, a compiler error) keeps torch's ops
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
-                built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, timeout=120)
-                if done.returncode != 0:
-                    return None
-                os.replace(built, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
+    lib = None
+    for sources, extra in _BUILDS:
+        lib = _build(compiler, sources, [*_FLAGS, *extra])
+        if lib is not None:
+            break
+    if lib is None:
         return None
     if not lib.kvforge_supported():  # compiled, but this CPU lacks AVX512-BF16 (or BW, VL)
         return None
@@ -66,7 +62,44 @@ def _library() -> ctypes.CDLL | None:
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
+    if hasattr(lib, "kvforge_amx_enable"):
+        lib.kvforge_amx_usable.argtypes = [i64]
+        if os.environ.get("KVFORGE_AMX", "1") != "0":
+            lib.kvforge_amx_enable()  # small_linear takes the tiles from now on where this CPU and Linux allow them
     return lib
+
+
+def _build(compiler: str, sources: list[Path], flags: list[str]) -> ctypes.CDLL | None:
+    """The library of `sources` built with `flags` into kvforge's cache (once per source and flag
+    set) and loaded; None where it does not compile or load."""
+    source = b"".join(path.read_bytes() for path in sources)
+    tag = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = kvforge_home() / "kernels" / f"kvforge-kernels-{tag}.so"
+    try:  # any failure to build or load (read-only home, noexec mount, a compiler error) keeps torch's ops
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
+                built = Path(tmp) / target.name
+                done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built)], capture_output=True, timeout=120)
+                if done.returncode != 0:
+                    return None
+                os.replace(built, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def kind() -> str:
+    """Which compiled kernels run here: "amx" (small_linear on tiles), "avx512-bf16", or "none"
+    (torch's ops)."""
+    return "amx" if amx() else "avx512-bf16" if _library() is not None else "none"
+
+
+def amx() -> bool:
+    """Whether `small_linear` runs on AMX tiles here (an AMX-BF16 CPU, Linux's permission, and
+    `KVFORGE_AMX` not 0); False where the kernels are not available at all."""
+    lib = _library()
+    return bool(lib is not None and hasattr(lib, "kvforge_amx_usable") and lib.kvforge_amx_usable(32))
 
 
 def _widths_ok(dim: int) -> bool:

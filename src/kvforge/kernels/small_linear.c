@@ -108,8 +108,20 @@ static long row_tile(long left) { return left < MAX_ROWS ? left : MAX_ROWS; }
  * weight at K = 1536, within L2) before the next group, so the weights stream from memory once. */
 #define GROUP 12
 
+#ifndef KVFORGE_NO_AMX
+int kvforge_amx_usable(long k);
+void kvforge_small_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
+                              long n, long k);
+#endif
+
 void kvforge_small_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
                           long n, long k) {
+#ifndef KVFORGE_NO_AMX
+    if (kvforge_amx_usable(k)) { /* a weight takes one path at every width: its rows round alike */
+        kvforge_small_linear_amx(x, packed, bias, out, m, n, k);
+        return;
+    }
+#endif
     const long blocks = n / 16;
     if (m == 1) {
         rows_over_blocks(x, packed, bias, out, 1, n, k, 0, blocks);
