@@ -227,6 +227,15 @@ def test_small_linear_takes_amx_tiles_where_the_cpu_has_them():
     finally:
         lib.kvforge_amx_enable()
     assert ((tiles.float() - vectors.float()).abs() <= vectors.float().abs() * 2**-7 + 1e-3).all()
+    # attention's value pass sums 32 keys per tile: parts may start only where a chunk does
+    assert kernels.value_part_step(64) == 32 and kernels.value_part_step(48) == 2
+    k, v, _ = _buffer(1, 1, 96, 64, seed=3)
+    weights, inverse = kernels.few_query_softmax(kernels.few_query_scores(torch.randn(1, 1, 3, 64).bfloat16(), k, 90, 0.1), 90)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.few_query_values(weights[..., 2:], inverse, v, 90, start=2)
+    whole = kernels.few_query_values(weights, inverse, v, 90)
+    sums = kernels.few_query_values(weights, inverse, v, 64, finish=False)
+    assert torch.equal(kernels.few_query_values(weights[..., 64:], inverse, v, 90, start=64, sums=sums), whole)
 
 
 def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the_rest():

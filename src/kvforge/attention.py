@@ -191,14 +191,14 @@ def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     sequence 0 (read once instead of B times: 16 samples of a 4K prompt read 1.5 GB of K/V a step
     otherwise); each sequence scores its own later rows; the softmax runs over each row's whole
     row of scores; the value pass runs over the shared rows for the stacked rows, then resumes each
-    row's sums over its own rows from the same even key. A key's score does not depend on which
+    row's sums over its own rows from the same key (even; a multiple of 32 on AMX). A key's score does not depend on which
     rows share the call nor where its block starts, a softmax row on its scores alone, and a value
     sum is the same additions in the same order (`few_query_values` in parts): the result equals
     `grouped_attention`'s without `shared` to the bit (tested)."""
     b, hq, tq, d = q.shape
     heads = k.shape[1]
     r = hq // heads * tq
-    split = shared - shared % 2  # the value pass pairs keys (2i, 2i + 1): resume on a pair's first key
+    split = shared - shared % kernels.value_part_step(d)  # where the value pass may resume (pairs; AMX: chunks of 32)
     own_rows = q.reshape(b, heads, r, d)
     stacked = own_rows.transpose(0, 1).reshape(1, heads, b * r, d)
     scores = kernels.few_query_scores(stacked, k[:1], split, scaling, columns=length)  # -inf from `split` on

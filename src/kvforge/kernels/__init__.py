@@ -157,21 +157,30 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
     of a bf16 buffer v (B, H, C, D) -> (B, H, R, D) fp32; weights column j is key start + j.
 
     In parts: `finish=False` returns the raw sums of the part (not normalized); a later part passes
-    them as `sums` (written in place and returned) and starts where the last one ended, at an even
-    key. A row's sums are then the same additions, in the same order, as one pass from key 0."""
+    them as `sums` (written in place and returned) and starts where the last one ended, at a key
+    that is a multiple of `value_part_step(D)`. A row's sums are then the same additions, in the
+    same order, as one pass from key 0."""
     b, h, r, w = weights.shape
     c, d = v.shape[2], v.shape[-1]
     if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
-            or w % 2 or w < length - start or not 0 <= start <= length <= c or start % 2 or inverse.shape != (b, h, r)
+            or w % 2 or w < length - start or not 0 <= start <= length <= c or start % value_part_step(d)
+            or inverse.shape != (b, h, r)
             or inverse.dtype != torch.float32 or not _widths_ok(d)
             or (sums is not None and (sums.shape != (b, h, r, d) or sums.dtype != torch.float32 or not sums.is_contiguous()))):
         raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
-                         f"buffer, got {v.dtype} {tuple(v.shape)} with length {length} from row {start} (even)")
+                         f"buffer, got {v.dtype} {tuple(v.shape)} with length {length} from row {start} "
+                         f"(a multiple of {value_part_step(d)})")
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
     _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
                           d, int(sums is not None), int(finish))
     return out
+
+
+def value_part_step(dim: int) -> int:
+    """Where a value pass of heads of width `dim` may be split into parts: every 2 keys (AVX-512
+    sums key pairs in order), every 32 on AMX (a tile sums 32 keys at once, in an order of its own)."""
+    return 32 if dim % 32 == 0 and amx() else 2
 
 
 # Up to this many tokens per sequence a bf16 step's linears run `small_linear` (decode and

@@ -271,6 +271,172 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
     }
 }
 
+
+#ifndef KVFORGE_NO_AMX
+/* The same two passes on AMX tiles where the CPU has them (a head width that is a multiple of
+ * 32): the multiplies of many query rows (a verification's 27 per KV head, a batch of samples'
+ * shared rows, a prefill chunk's ~100) cost no more than of one. Scores: the keys transposed into
+ * pairs as above are a B tile per 32 dims, the query rows A tiles, so each score is summed in its
+ * own fp32 element over the dims in order. Values: the weights are A tiles (32 keys), pairs of
+ * value rows interleaved as above B tiles (16 dims), each output element summed over chunks of
+ * 32 keys in order (within a chunk the tile sums in an order of its own: measured, a pass split
+ * at an even key that is not a chunk's first rounds apart, so parts start at multiples of 32:
+ * `value_part_step`). The invariant above holds with these sums: a row's bits never depend on
+ * the rows beside it or the tiling; keys past `length` are never read (a partial chunk goes
+ * through zeroed copies). */
+int kvforge_amx_usable(long k);
+void kvforge_amx_configure(const unsigned char rows[8]);
+
+#define TROWS 16 /* query rows per A tile */
+
+/* Rows [r0, r0 + nr) (nr <= 32) of one head against its keys: tiles 0, 1 C (16 and nr - 16
+ * rows), 2, 3 A (the same rows' queries), 4 B (16 pairs of 16 keys). */
+static void qk_rows_amx(const uint16_t *qg, const uint16_t *kg, float *sg, long nr, long length, long capacity,
+                        long columns, long dim, float scale, int more_heads) {
+    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0, chunks = dim / 32;
+    const unsigned char rows[8] = {(unsigned char)n0, (unsigned char)n1, (unsigned char)n0, (unsigned char)n1, 16, 0, 0, 0};
+    kvforge_amx_configure(rows);
+    __m512i kt[MAX_DIM / 2];
+    uint16_t tail[BLOCK * MAX_DIM];
+    float tail_scores[2 * TROWS * BLOCK];
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (long t = 0; t < length; t += BLOCK) {
+        const int whole = t + BLOCK <= length;
+        if (whole) {
+            transpose_keys(kg + t * dim, kt, dim);
+            const long u = t + PREFETCH * BLOCK; /* as in qk: into L2, never past the next head's buffer */
+            const uint16_t *ahead = u < length ? kg + u * dim
+                                    : more_heads && u - length + BLOCK <= capacity ? kg + (capacity + u - length) * dim : NULL;
+            if (ahead)
+                for (int j = 0; j < BLOCK; j++)
+                    for (long c = 0; c < dim; c += 32) _mm_prefetch((const char *)(ahead + j * dim + c), _MM_HINT_T1);
+        } else { /* a short last block: the same arithmetic on a zero-padded copy */
+            memset(tail, 0, sizeof(uint16_t) * BLOCK * dim);
+            memcpy(tail, kg + t * dim, sizeof(uint16_t) * (length - t) * dim);
+            transpose_keys(tail, kt, dim);
+        }
+        float *out = whole ? sg + t : tail_scores;
+        const long stride = whole ? columns : BLOCK;
+        _tile_zero(0);
+        if (n1) _tile_zero(1);
+        for (long c = 0; c < chunks; c++) {
+            _tile_loadd(4, kt + c * 16, 64);
+            _tile_loadd(2, qg + c * 32, dim * 2);
+            _tile_dpbf16ps(0, 2, 4);
+            if (n1) {
+                _tile_loadd(3, qg + TROWS * dim + c * 32, dim * 2);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+        }
+        _tile_stored(0, out, stride * 4);
+        if (n1) _tile_stored(1, out + TROWS * stride, stride * 4);
+        const long keys = whole ? BLOCK : length - t;
+        for (long r = 0; r < nr; r++) {
+            const __m512 scores = _mm512_mul_ps(_mm512_loadu_ps(out + r * stride), scaled);
+            _mm512_mask_storeu_ps(sg + r * columns + t, first(keys), scores);
+        }
+    }
+}
+
+static void qk_amx(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
+                   long columns, long dim, float scale) {
+    for (long g = 0; g < bh; g++) {
+        float *sg = scores + g * rows * columns;
+        for (long r0 = 0; r0 < rows; r0 += 2 * TROWS) {
+            const long nr = rows - r0 < 2 * TROWS ? rows - r0 : 2 * TROWS;
+            qk_rows_amx(q + (g * rows + r0) * dim, k + g * capacity * dim, sg + r0 * columns, nr, length, capacity, columns,
+                        dim, scale, g + 1 < bh);
+        }
+        for (long r = 0; r < rows; r++)
+            for (long u = length; u < columns; u++) sg[r * columns + u] = -INFINITY;
+    }
+    _tile_release();
+}
+
+/* Rows [r0, r0 + nr) (nr <= 32), output dims [d0, d0 + 32): tiles 0-3 C (rows 0-15 / 16-31 x
+ * dims d0 / d0 + 16), 4, 5 A (the rows' weights for 32 keys), 6, 7 B (32 keys' values, 16 dims). */
+static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg, float *og, long nr, long wstride,
+                        long start, long length, long dim, long d0, int resume, int finish, __m512i interleave) {
+    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0;
+    const int two = d0 + 16 < dim; /* a second 16-dim chunk (D = 16 + 32n ends on one) */
+    const unsigned char rows[8] = {(unsigned char)n0, (unsigned char)(two ? n0 : 0), (unsigned char)n1,
+                                   (unsigned char)(two ? n1 : 0), (unsigned char)n0, (unsigned char)n1, 16,
+                                   (unsigned char)(two ? 16 : 0)};
+    kvforge_amx_configure(rows);
+    const long ostride = dim * 4;
+    if (resume) { /* the sums a pass over [0, start) left, unnormalized */
+        _tile_loadd(0, og + d0, ostride);
+        if (two) _tile_loadd(1, og + d0 + 16, ostride);
+        if (n1) _tile_loadd(2, og + TROWS * dim + d0, ostride);
+        if (n1 && two) _tile_loadd(3, og + TROWS * dim + d0 + 16, ostride);
+    } else {
+        _tile_zero(0);
+        if (two) _tile_zero(1);
+        if (n1) _tile_zero(2);
+        if (n1 && two) _tile_zero(3);
+    }
+    __m512i b0[16], b1[16];
+    uint16_t a[2 * TROWS * 32];
+    for (long t0 = start; t0 < length; t0 += 32) {
+        for (long p = 0; p < 16; p++) { /* key pair (t0 + 2p, t0 + 2p + 1); keys past `length` read as zero */
+            const long t = t0 + 2 * p;
+            b0[p] = t < length ? value_pairs(vg, t, d0, length, dim, interleave) : _mm512_setzero_si512();
+            if (two) b1[p] = t < length ? value_pairs(vg, t, d0 + 16, length, dim, interleave) : _mm512_setzero_si512();
+            _mm_prefetch((const char *)(vg + (t + 64) * dim + d0), _MM_HINT_T0);
+        }
+        const long keys = length - t0 < 32 ? length - t0 : 32, column = t0 - start;
+        const uint16_t *rows0 = wg + column, *rows1 = wg + TROWS * wstride + column;
+        long astride = wstride * 2;
+        if (keys < 32 || column + 32 > wstride) { /* a partial chunk: the weights through a zeroed copy */
+            const long have = (keys + 1) & ~1L; /* the weights run to `length` rounded up to even */
+            memset(a, 0, sizeof(a));
+            for (long r = 0; r < nr; r++) memcpy(a + r * 32, wg + r * wstride + column, sizeof(uint16_t) * have);
+            rows0 = a, rows1 = a + TROWS * 32, astride = 64;
+        }
+        _tile_loadd(6, b0, 64);
+        if (two) _tile_loadd(7, b1, 64);
+        _tile_loadd(4, rows0, astride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) _tile_dpbf16ps(1, 4, 7);
+        if (n1) {
+            _tile_loadd(5, rows1, astride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, og + d0, ostride);
+    if (two) _tile_stored(1, og + d0 + 16, ostride);
+    if (n1) _tile_stored(2, og + TROWS * dim + d0, ostride);
+    if (n1 && two) _tile_stored(3, og + TROWS * dim + d0 + 16, ostride);
+    if (finish) /* + 0 as in pv: a -0 reads +0 */
+        for (long r = 0; r < nr; r++) {
+            const __m512 norm = _mm512_set1_ps(inv[r]);
+            for (long d = d0; d < d0 + (two ? 32 : 16); d += 16) {
+                float *o = og + r * dim + d;
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(o), _mm512_setzero_ps()), norm));
+            }
+        }
+}
+
+static void pv_amx(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
+                   long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
+    __m512i interleave;
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    for (long g = 0; g < bh; g++)
+        for (long r0 = 0; r0 < rows; r0 += 2 * TROWS) {
+            const long nr = rows - r0 < 2 * TROWS ? rows - r0 : 2 * TROWS;
+            for (long d0 = 0; d0 < dim; d0 += 32)
+                pv_rows_amx(weights + (g * rows + r0) * wstride, inverse + g * rows + r0, v + g * capacity * dim,
+                            out + (g * rows + r0) * dim, nr, wstride, start, length, dim, d0, resume, finish, interleave);
+        }
+    _tile_release();
+}
+#endif
+
 /* Entry points: each head width its own compiled loop (constant trip counts keep the
  * accumulators in registers). */
 #define BY_DIM(call, dim)                                                                          \
@@ -283,6 +449,12 @@ INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v,
 
 void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
                 long columns, long dim, float scale) {
+#ifndef KVFORGE_NO_AMX
+    if (kvforge_amx_usable(dim)) { /* a head width takes one path at every row count: its rows round alike */
+        qk_amx(q, k, scores, bh, rows, capacity, length, columns, dim, scale);
+        return;
+    }
+#endif
 #define QK(d) qk(q, k, scores, bh, rows, capacity, length, columns, d, scale)
     BY_DIM(QK, dim)
 }
@@ -294,6 +466,12 @@ void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, lon
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
                 long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
+#ifndef KVFORGE_NO_AMX
+    if (kvforge_amx_usable(dim)) {
+        pv_amx(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, dim, resume, finish);
+        return;
+    }
+#endif
 #define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, d, resume, finish)
     BY_DIM(PV, dim)
 }

@@ -51,15 +51,23 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* Tiles 0-3: C (mr rows of 16 fp32); 4: A (mr rows of 32 bf16); 5-7: B (16 pairs of 16 outputs). */
-static void configure(int mr) {
+/* Every tile 64 bytes wide, tile t `rows[t]` rows (0: unused); shared with the attention kernels. */
+void kvforge_amx_configure(const unsigned char rows[8]) {
     struct tile_config cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.bytes_per_row[t] = 64;
-        cfg.rows[t] = t < 5 ? mr : 16;
+        cfg.bytes_per_row[t] = rows[t] ? 64 : 0;
+        cfg.rows[t] = rows[t];
     }
+    /* gcc 12 does not see _tile_loadconfig read the struct and drops the stores above without this */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+/* Tiles 0-3: C (mr rows of 16 fp32); 4: A (mr rows of 32 bf16); 5-7: B (16 pairs of 16 outputs). */
+static void configure(int mr) {
+    const unsigned char rows[8] = {mr, mr, mr, mr, mr, 16, 16, 16};
+    kvforge_amx_configure(rows);
 }
 
 /* fp32 sums (mr rows, `stride` floats apart) plus bias -> bf16 outputs, rounded once. */
