@@ -290,50 +290,58 @@ void kvforge_amx_configure(const unsigned char rows[8]);
 #define TROWS 16 /* query rows per A tile */
 
 /* Rows [r0, r0 + nr) (nr <= 32) of one head against its keys: tiles 0, 1 C (16 and nr - 16
- * rows), 2, 3 A (the same rows' queries), 4 B (16 pairs of 16 keys). */
+ * rows), 2, 3 A (the same rows' queries), 4 B (16 pairs of 16 keys). A tile load does not take
+ * data from stores still in flight, nor a vector load from a tile store, so the blocks run as a
+ * pipeline over two buffers: block i's keys are transposed while block i - 1 is multiplied and
+ * block i - 2's scores scaled into place. */
 static void qk_rows_amx(const uint16_t *qg, const uint16_t *kg, float *sg, long nr, long length, long capacity,
                         long columns, long dim, float scale, int more_heads) {
-    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0, chunks = dim / 32;
+    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0, chunks = dim / 32, blocks = (length + BLOCK - 1) / BLOCK;
     const unsigned char rows[8] = {(unsigned char)n0, (unsigned char)n1, (unsigned char)n0, (unsigned char)n1, 16, 0, 0, 0};
     kvforge_amx_configure(rows);
-    __m512i kt[MAX_DIM / 2];
+    __m512i kt[2][MAX_DIM / 2];
+    float raw[2][2 * TROWS * BLOCK];
     uint16_t tail[BLOCK * MAX_DIM];
-    float tail_scores[2 * TROWS * BLOCK];
     const __m512 scaled = _mm512_set1_ps(scale);
-    for (long t = 0; t < length; t += BLOCK) {
-        const int whole = t + BLOCK <= length;
-        if (whole) {
-            transpose_keys(kg + t * dim, kt, dim);
-            const long u = t + PREFETCH * BLOCK; /* as in qk: into L2, never past the next head's buffer */
-            const uint16_t *ahead = u < length ? kg + u * dim
-                                    : more_heads && u - length + BLOCK <= capacity ? kg + (capacity + u - length) * dim : NULL;
-            if (ahead)
-                for (int j = 0; j < BLOCK; j++)
-                    for (long c = 0; c < dim; c += 32) _mm_prefetch((const char *)(ahead + j * dim + c), _MM_HINT_T1);
-        } else { /* a short last block: the same arithmetic on a zero-padded copy */
-            memset(tail, 0, sizeof(uint16_t) * BLOCK * dim);
-            memcpy(tail, kg + t * dim, sizeof(uint16_t) * (length - t) * dim);
-            transpose_keys(tail, kt, dim);
+    for (long i = 0; i < blocks + 2; i++) {
+        if (i >= 2) { /* block i - 2: scale its raw scores into place */
+            const long t = (i - 2) * BLOCK, keys = length - t < BLOCK ? length - t : BLOCK;
+            const float *in = raw[i & 1];
+            for (long r = 0; r < nr; r++)
+                _mm512_mask_storeu_ps(sg + r * columns + t, first(keys), _mm512_mul_ps(_mm512_loadu_ps(in + r * BLOCK), scaled));
         }
-        float *out = whole ? sg + t : tail_scores;
-        const long stride = whole ? columns : BLOCK;
-        _tile_zero(0);
-        if (n1) _tile_zero(1);
-        for (long c = 0; c < chunks; c++) {
-            _tile_loadd(4, kt + c * 16, 64);
-            _tile_loadd(2, qg + c * 32, dim * 2);
-            _tile_dpbf16ps(0, 2, 4);
-            if (n1) {
-                _tile_loadd(3, qg + TROWS * dim + c * 32, dim * 2);
-                _tile_dpbf16ps(1, 3, 4);
+        if (i < blocks) { /* block i: its keys transposed into pairs */
+            const long t = i * BLOCK;
+            if (t + BLOCK <= length) {
+                transpose_keys(kg + t * dim, kt[i & 1], dim);
+                const long u = t + PREFETCH * BLOCK; /* as in qk: into L2, never past the next head's buffer */
+                const uint16_t *ahead = u < length ? kg + u * dim
+                                        : more_heads && u - length + BLOCK <= capacity ? kg + (capacity + u - length) * dim : NULL;
+                if (ahead)
+                    for (int j = 0; j < BLOCK; j++)
+                        for (long c = 0; c < dim; c += 32) _mm_prefetch((const char *)(ahead + j * dim + c), _MM_HINT_T1);
+            } else { /* a short last block: the same arithmetic on a zero-padded copy */
+                memset(tail, 0, sizeof(uint16_t) * BLOCK * dim);
+                memcpy(tail, kg + t * dim, sizeof(uint16_t) * (length - t) * dim);
+                transpose_keys(tail, kt[i & 1], dim);
             }
         }
-        _tile_stored(0, out, stride * 4);
-        if (n1) _tile_stored(1, out + TROWS * stride, stride * 4);
-        const long keys = whole ? BLOCK : length - t;
-        for (long r = 0; r < nr; r++) {
-            const __m512 scores = _mm512_mul_ps(_mm512_loadu_ps(out + r * stride), scaled);
-            _mm512_mask_storeu_ps(sg + r * columns + t, first(keys), scores);
+        if (i >= 1 && i <= blocks) { /* block i - 1: the products */
+            const __m512i *keys = kt[(i - 1) & 1];
+            float *out = raw[(i - 1) & 1];
+            _tile_zero(0);
+            if (n1) _tile_zero(1);
+            for (long c = 0; c < chunks; c++) {
+                _tile_loadd(4, keys + c * 16, 64);
+                _tile_loadd(2, qg + c * 32, dim * 2);
+                _tile_dpbf16ps(0, 2, 4);
+                if (n1) {
+                    _tile_loadd(3, qg + TROWS * dim + c * 32, dim * 2);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+            }
+            _tile_stored(0, out, BLOCK * 4);
+            if (n1) _tile_stored(1, out + TROWS * BLOCK, BLOCK * 4);
         }
     }
 }
@@ -354,10 +362,11 @@ static void qk_amx(const uint16_t *q, const uint16_t *k, float *scores, long bh,
 }
 
 /* Rows [r0, r0 + nr) (nr <= 32), output dims [d0, d0 + 32): tiles 0-3 C (rows 0-15 / 16-31 x
- * dims d0 / d0 + 16), 4, 5 A (the rows' weights for 32 keys), 6, 7 B (32 keys' values, 16 dims). */
+ * dims d0 / d0 + 16), 4, 5 A (the rows' weights for 32 keys), 6, 7 B (32 keys' values, 16 dims).
+ * Pipelined as qk_rows_amx: chunk j's values are interleaved while chunk j - 1 is multiplied. */
 static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg, float *og, long nr, long wstride,
                         long start, long length, long dim, long d0, int resume, int finish, __m512i interleave) {
-    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0;
+    const long n0 = nr < TROWS ? nr : TROWS, n1 = nr - n0, chunks = (length - start + 31) / 32;
     const int two = d0 + 16 < dim; /* a second 16-dim chunk (D = 16 + 32n ends on one) */
     const unsigned char rows[8] = {(unsigned char)n0, (unsigned char)(two ? n0 : 0), (unsigned char)n1,
                                    (unsigned char)(two ? n1 : 0), (unsigned char)n0, (unsigned char)n1, 16,
@@ -375,33 +384,40 @@ static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg
         if (n1) _tile_zero(2);
         if (n1 && two) _tile_zero(3);
     }
-    __m512i b0[16], b1[16];
-    uint16_t a[2 * TROWS * 32];
-    for (long t0 = start; t0 < length; t0 += 32) {
-        for (long p = 0; p < 16; p++) { /* key pair (t0 + 2p, t0 + 2p + 1); keys past `length` read as zero */
-            const long t = t0 + 2 * p;
-            b0[p] = t < length ? value_pairs(vg, t, d0, length, dim, interleave) : _mm512_setzero_si512();
-            if (two) b1[p] = t < length ? value_pairs(vg, t, d0 + 16, length, dim, interleave) : _mm512_setzero_si512();
-            _mm_prefetch((const char *)(vg + (t + 64) * dim + d0), _MM_HINT_T0);
+    __m512i b0[2][16], b1[2][16];
+    uint16_t a[2][2 * TROWS * 32];
+    const uint16_t *weights[2];
+    long astride[2];
+    for (long j = 0; j <= chunks; j++) {
+        if (j < chunks) { /* chunk j: key pairs (t, t + 1) interleaved; keys past `length` read as zero */
+            const long t0 = start + j * 32, keys = length - t0 < 32 ? length - t0 : 32, column = t0 - start;
+            for (long p = 0; p < 16; p++) {
+                const long t = t0 + 2 * p;
+                b0[j & 1][p] = t < length ? value_pairs(vg, t, d0, length, dim, interleave) : _mm512_setzero_si512();
+                if (two) b1[j & 1][p] = t < length ? value_pairs(vg, t, d0 + 16, length, dim, interleave) : _mm512_setzero_si512();
+                _mm_prefetch((const char *)(vg + (t + 64) * dim + d0), _MM_HINT_T0); /* both rows of a pair ahead */
+                _mm_prefetch((const char *)(vg + (t + 65) * dim + d0), _MM_HINT_T0);
+            }
+            weights[j & 1] = wg + column, astride[j & 1] = wstride * 2;
+            if (keys < 32 || column + 32 > wstride) { /* a partial chunk: the weights through a zeroed copy */
+                const long have = (keys + 1) & ~1L; /* the weights run to `length` rounded up to even */
+                memset(a[j & 1], 0, sizeof(a[0]));
+                for (long r = 0; r < nr; r++) memcpy(a[j & 1] + r * 32, wg + r * wstride + column, sizeof(uint16_t) * have);
+                weights[j & 1] = a[j & 1], astride[j & 1] = 64;
+            }
         }
-        const long keys = length - t0 < 32 ? length - t0 : 32, column = t0 - start;
-        const uint16_t *rows0 = wg + column, *rows1 = wg + TROWS * wstride + column;
-        long astride = wstride * 2;
-        if (keys < 32 || column + 32 > wstride) { /* a partial chunk: the weights through a zeroed copy */
-            const long have = (keys + 1) & ~1L; /* the weights run to `length` rounded up to even */
-            memset(a, 0, sizeof(a));
-            for (long r = 0; r < nr; r++) memcpy(a + r * 32, wg + r * wstride + column, sizeof(uint16_t) * have);
-            rows0 = a, rows1 = a + TROWS * 32, astride = 64;
-        }
-        _tile_loadd(6, b0, 64);
-        if (two) _tile_loadd(7, b1, 64);
-        _tile_loadd(4, rows0, astride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two) _tile_dpbf16ps(1, 4, 7);
-        if (n1) {
-            _tile_loadd(5, rows1, astride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) _tile_dpbf16ps(3, 5, 7);
+        if (j >= 1) { /* chunk j - 1: the products */
+            const int u = (j - 1) & 1;
+            _tile_loadd(6, b0[u], 64);
+            if (two) _tile_loadd(7, b1[u], 64);
+            _tile_loadd(4, weights[u], astride[u]);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) _tile_dpbf16ps(1, 4, 7);
+            if (n1) {
+                _tile_loadd(5, weights[u] + TROWS * (astride[u] / 2), astride[u]);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
         }
     }
     _tile_stored(0, og + d0, ostride);
