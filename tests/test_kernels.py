@@ -170,17 +170,32 @@ def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
     positions = torch.arange(70)[None]
     layer.append(k, v, positions)
     q = torch.randn(1, 9, 70, 64, generator=g).bfloat16()
-    with mock.patch.object(kernels, "few_query_scores", wraps=kernels.few_query_scores) as scores:
+    with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as fused:
         ours = attend(q, layer, positions, 0.125, new_rows=70)
-    assert scores.call_count == 3  # 70 tokens in chunks of 32
+    assert fused.call_count == 3  # 70 tokens in chunks of 32
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
     assert (ours.float() - ref.float()).abs().max() < 2e-2
-    with mock.patch.object(kernels, "few_query_scores", wraps=kernels.few_query_scores) as scores:
+    with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as fused:
         windowed = attend(q, layer, positions, 0.125, window=16, new_rows=70)
-    assert scores.call_count == 0
+    assert fused.call_count == 0
     mask = visibility_mask(positions, positions, 16)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
     assert torch.equal(windowed, ref)
+
+
+@pytest.mark.parametrize("dim", [48, 64, 256])
+@pytest.mark.parametrize("rows, tokens, length", [(3, 1, 37), (27, 9, 100), (96, 32, 130), (40, 5, 70)])
+def test_attention_in_one_call_gives_the_three_passes_bits(dim, rows, tokens, length):
+    """few_query_attention (32 rows at a time, each group's scores kept in cache) = scores, softmax
+    and values as three calls, to the bit, for row counts above and below a group, on AMX tiles
+    (dims that are multiples of 32, where the CPU has them) and AVX-512 (48)."""
+    k, v, g = _buffer(2, 2, 136, dim, seed=dim + rows)
+    q = torch.randn(2, 2, rows, dim, generator=g).bfloat16()
+    scores = kernels.few_query_scores(q, k, length, 0.1)
+    weights, inverse = kernels.few_query_softmax(scores, length, tokens)
+    assert torch.equal(kernels.few_query_attention(q, k, v, length, 0.1, tokens), kernels.few_query_values(weights, inverse, v, length))
+    with pytest.raises(ValueError, match="few_query_attention"):
+        kernels.few_query_attention(q, k, v, length, 0.1, tokens=rows + 1)
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 40), (208, 64)])

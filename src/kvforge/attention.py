@@ -131,6 +131,8 @@ def grouped_attention(
         # row's softmax covers only the keys it sees (the step's causal triangle included), so a
         # row's bits do not depend on the step's width; on the mask path a hidden key's score is
         # -inf and its weight exactly 0.
+        if mask is None and length is not None:  # the three passes in one call
+            return kernels.few_query_attention(rows, k, v, length, scaling, tq).to(v.dtype).view(b, hq, tq, v.shape[-1])
         read = k.shape[2] if length is None else length
         scores = kernels.few_query_scores(rows, k, read, scaling)
         if mask is not None:
@@ -174,9 +176,7 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
         c1 = min(tq, c0 + PREFILL_CHUNK)
         n, read = c1 - c0, length - (tq - c1)
         rows = q[:, :, c0:c1].reshape(b, heads, group * n, d)
-        scores = kernels.few_query_scores(rows, k, read, scaling, columns=read)
-        weights, inverse = kernels.few_query_softmax(scores, read, n)
-        out[:, :, c0:c1] = kernels.few_query_values(weights, inverse, v, read).view(b, hq, n, v.shape[-1])
+        out[:, :, c0:c1] = kernels.few_query_attention(rows, k, v, read, scaling, n).view(b, hq, n, v.shape[-1])
     return out
 
 

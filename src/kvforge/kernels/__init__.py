@@ -59,6 +59,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
+    lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    lib.kvforge_attend.restype = ctypes.c_int
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
@@ -181,6 +183,28 @@ def value_part_step(dim: int) -> int:
     """Where a value pass of heads of width `dim` may be split into parts: every 2 keys (AVX-512
     sums key pairs in order), every 32 on AMX (a tile sums 32 keys at once, in an order of its own)."""
     return 32 if dim % 32 == 0 and amx() else 2
+
+
+def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float,
+                        tokens: int = 1) -> torch.Tensor:
+    """bf16 query rows (B, H, R, D) over rows [0, length) of bf16 buffers k, v (B, H, C, D) ->
+    (B, H, R, D) fp32: `few_query_scores`, `few_query_softmax(..., tokens)` and
+    `few_query_values` in one call, a few rows at a time so their scores stay in cache between
+    the passes (a long prefill's scores otherwise go through memory three times); the same bits."""
+    b, h, r, d = rows.shape
+    c = k.shape[2]
+    if (not k.is_contiguous() or not v.is_contiguous() or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
+            or rows.dtype != torch.bfloat16 or k.shape != v.shape or k.shape[:2] != (b, h) or k.shape[3] != d
+            or not 0 < length <= c or not 1 <= tokens <= max(r, 1) or r % tokens or not _widths_ok(d)):
+        raise ValueError(f"few_query_attention: bf16 rows {rows.dtype} {tuple(rows.shape)} in steps of {tokens} tokens over "
+                         f"contiguous bf16 buffers, got {k.dtype} {tuple(k.shape)} / {v.dtype} {tuple(v.shape)} "
+                         f"with length {length}")
+    rows = rows.contiguous()
+    out = torch.empty(b, h, r, d, dtype=torch.float32)
+    if _library().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
+                                 scale, tokens) != 0:
+        raise MemoryError(f"few_query_attention: no memory for the scores of {length} keys")
+    return out
 
 
 # Up to this many tokens per sequence a bf16 step's linears run `small_linear` (decode and

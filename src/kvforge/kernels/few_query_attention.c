@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 16    /* keys scored per block: one 16-lane vector of scores */
@@ -174,12 +175,12 @@ INLINE __mmask16 first(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n)
  * inverse `pv` multiplies in at the end, so the weights a row uses sum to exactly 1 after
  * rounding. A row's weights are zero from its last key to `length` rounded up to even. */
 static void softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
-                    long wstride, long length, long tokens) {
+                    long wstride, long length, long tokens, long row0) { /* row i is its head's row row0 + i % rows */
     const long padded = (length + 1) & ~1L;
     for (long i = 0; i < bh * rows; i++) {
         const float *s = scores + i * columns;
         uint16_t *w = weights + i * wstride;
-        const long n = length - (tokens - 1 - (i % rows) % tokens);
+        const long n = length - (tokens - 1 - (row0 + i % rows) % tokens);
         long t;
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (t = 0; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
@@ -477,7 +478,7 @@ void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lo
 
 void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
                      long wstride, long length, long tokens) {
-    softmax(scores, weights, inverse, bh, rows, columns, wstride, length, tokens);
+    softmax(scores, weights, inverse, bh, rows, columns, wstride, length, tokens, 0);
 }
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
@@ -490,4 +491,59 @@ void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v
 #endif
 #define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, d, resume, finish)
     BY_DIM(PV, dim)
+}
+
+/* The three passes in one call over rows [0, length) of every head, ATTEND_ROWS query rows at a
+ * time: a group's scores and weights (32 x 4K keys: 512 KB of scores) stay in L2 between the
+ * passes, where three whole-call passes send a prefill chunk's (3 heads x 96 rows x 4K keys: 4.7
+ * MB) through memory three times. Each row's arithmetic is the passes' own, so the bits are too.
+ * Returns 0, or -1 where the scratch could not be allocated (nothing written). */
+#define ATTEND_ROWS 32
+
+int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long bh, long rows,
+                   long capacity, long length, long dim, float scale, long tokens) {
+    const long wstride = (length + 1) & ~1L, columns = length > 0 ? length : 1;
+    float *scores = malloc(sizeof(float) * ATTEND_ROWS * columns);
+    uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * (wstride > 0 ? wstride : 2));
+    float inverse[ATTEND_ROWS];
+    if (!scores || !weights) {
+        free(scores);
+        free(weights);
+        return -1;
+    }
+#ifndef KVFORGE_NO_AMX
+    const int amx = kvforge_amx_usable(dim);
+    __m512i interleave;
+    {
+        uint16_t idx[32];
+        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
+        interleave = _mm512_loadu_si512(idx);
+    }
+#endif
+    for (long g = 0; g < bh; g++)
+        for (long r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
+            const long nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
+            const uint16_t *qg = q + (g * rows + r0) * dim, *kg = k + g * capacity * dim, *vg = v + g * capacity * dim;
+            float *og = out + (g * rows + r0) * dim;
+#ifndef KVFORGE_NO_AMX
+            if (amx) {
+                qk_rows_amx(qg, kg, scores, nr, length, capacity, length, dim, scale, g + 1 < bh);
+                softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
+                for (long d0 = 0; d0 < dim; d0 += 32)
+                    pv_rows_amx(weights, inverse, vg, og, nr, wstride, 0, length, dim, d0, 0, 1, interleave);
+                continue;
+            }
+#endif
+#define ATTEND_QK(d) qk(qg, kg, scores, 1, nr, capacity, length, length, d, scale)
+#define ATTEND_PV(d) pv(weights, inverse, vg, og, 1, nr, wstride, capacity, 0, length, d, 0, 1)
+            BY_DIM(ATTEND_QK, dim)
+            softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
+            BY_DIM(ATTEND_PV, dim)
+        }
+#ifndef KVFORGE_NO_AMX
+    if (amx) _tile_release();
+#endif
+    free(scores);
+    free(weights);
+    return 0;
 }
