@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge import kernels
-from kvforge.attention import grouped_attention, visibility_mask
+from kvforge.attention import PREFILL_CHUNK, grouped_attention, visibility_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(64), reason="no AVX-512 or no C compiler here")
 
@@ -134,7 +134,7 @@ def test_weights_are_a_softmax_rounded_once_and_normalized_by_their_rounded_sum(
         torch.testing.assert_close(inverse[..., r], 1 / weights[..., r, :seen].float().sum(-1), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("tokens", [33, 100])
+@pytest.mark.parametrize("tokens", [65, 140])
 def test_a_prefill_in_chunks_gives_each_row_the_bits_of_its_own_decode_step(tokens):
     """A long step (a prefill) runs the kernel a few tokens at a time; each row must come out as
     a one-token step at its own position gives it (the kernel's invariant), so prefilling and
@@ -147,7 +147,7 @@ def test_a_prefill_in_chunks_gives_each_row_the_bits_of_its_own_decode_step(toke
     length = prefix + tokens
     whole = grouped_attention(q, k, v, 0.125, length=length)
     assert tokens > attention.PREFILL_CHUNK  # the chunked path ran
-    for t in (0, 31, 32, tokens - 1):
+    for t in (0, 63, 64, tokens - 1):  # either side of a chunk boundary
         alone = grouped_attention(q[:, :, t : t + 1], k, v, 0.125, length=prefix + t + 1)
         assert torch.equal(whole[:, :, t : t + 1], alone)
     causal = torch.ones(tokens, length, dtype=torch.bool).tril(prefix)
@@ -172,7 +172,7 @@ def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
     q = torch.randn(1, 9, 70, 64, generator=g).bfloat16()
     with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as fused:
         ours = attend(q, layer, positions, 0.125, new_rows=70)
-    assert fused.call_count == 3  # 70 tokens in chunks of 32
+    assert fused.call_count == -(-70 // PREFILL_CHUNK)  # 70 tokens in chunks
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
     assert (ours.float() - ref.float()).abs().max() < 2e-2
     with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as fused:
@@ -319,7 +319,17 @@ def test_rms_norm_kernel_matches_torch_and_a_row_alone(family, dim):
         assert rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True).requires_grad
         norm.weight.requires_grad_(False)
         assert rms_norm(norm, x.float().requires_grad_().bfloat16(), stream=True).requires_grad
-    with torch.inference_mode(), mock.patch.object(kernels, "rms_norm", wraps=kernels.rms_norm) as compiled:
-        long = (torch.randn(1, kernels.SMALL_ROWS + 1, dim, generator=g) * 20).bfloat16()
-        assert torch.equal(rms_norm(norm, long, stream=True), rms_norm(norm, long))  # a prefill: torch's ops
-        assert compiled.call_count == 0
+    long = (torch.randn(1, kernels.SMALL_ROWS + 1, dim, generator=g) * 20).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for n, calls in ((2, 0), (1, 1)):  # a prefill: torch's ops on more threads, the kernel on one
+            torch.set_num_threads(n)
+            with torch.inference_mode(), mock.patch.object(kernels, "rms_norm", wraps=kernels.rms_norm) as compiled:
+                prefill = rms_norm(norm, long, stream=True)
+                assert compiled.call_count == calls
+            if calls:
+                assert torch.equal(prefill[:, 5:6], rms_norm(norm, long[:, 5:6], stream=True))  # a row's bits: its own
+            else:
+                assert torch.equal(prefill, rms_norm(norm, long))
+    finally:
+        torch.set_num_threads(threads)
