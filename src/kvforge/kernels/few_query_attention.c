@@ -205,6 +205,14 @@ static void softmax(const float *scores, uint16_t *weights, float *inverse, long
     }
 }
 
+/* The permutation value_pairs interleaves two rows with: lane 2i takes a's element i, lane 2i + 1
+ * b's (index 32 + i). */
+INLINE __m512i pair_interleave(void) {
+    uint16_t idx[32];
+    for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
+    return _mm512_loadu_si512(idx);
+}
+
 /* v rows t and t + 1, 16 dims from c, interleaved into pairs (row t's value low); a row at or
  * past `length` reads as zero and is never touched. */
 INLINE __m512i value_pairs(const uint16_t *v, long t, long c, long length, const long dim, __m512i interleave) {
@@ -221,12 +229,7 @@ INLINE __m512i value_pairs(const uint16_t *v, long t, long c, long length, const
 INLINE void pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
                long wstride, long capacity, long start, long length, const long dim, int resume, int finish) {
     const long chunks = dim / 16;
-    __m512i interleave; /* lane 2i: a's element i, lane 2i + 1: b's (index 32 + i) */
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
-        interleave = _mm512_loadu_si512(idx);
-    }
+    const __m512i interleave = pair_interleave();
     for (long g = 0; g < bh; g++) {
         const uint16_t *wg = weights + g * rows * wstride;
         const uint16_t *vg = v + g * capacity * dim;
@@ -437,12 +440,7 @@ static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg
 
 static void pv_amx(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
                    long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
-    __m512i interleave;
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
-        interleave = _mm512_loadu_si512(idx);
-    }
+    const __m512i interleave = pair_interleave();
     for (long g = 0; g < bh; g++)
         for (long r0 = 0; r0 < rows; r0 += 2 * TROWS) {
             const long nr = rows - r0 < 2 * TROWS ? rows - r0 : 2 * TROWS;
@@ -513,12 +511,7 @@ int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, floa
     }
 #ifndef KVFORGE_NO_AMX
     const int amx = kvforge_amx_usable(dim);
-    __m512i interleave;
-    {
-        uint16_t idx[32];
-        for (int i = 0; i < 16; i++) idx[2 * i] = (uint16_t)i, idx[2 * i + 1] = (uint16_t)(32 + i);
-        interleave = _mm512_loadu_si512(idx);
-    }
+    const __m512i interleave = pair_interleave();
 #endif
     for (long g = 0; g < bh; g++)
         for (long r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
