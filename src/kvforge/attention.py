@@ -191,10 +191,10 @@ def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     sequence 0 (read once instead of B times: 16 samples of a 4K prompt read 1.5 GB of K/V a step
     otherwise); each sequence scores its own later rows; the softmax runs over each row's whole
     row of scores; the value pass runs over the shared rows for the stacked rows, then resumes each
-    row's sums over its own rows from the same key (even; a multiple of 32 on AMX). A key's score does not depend on which
-    rows share the call nor where its block starts, a softmax row on its scores alone, and a value
-    sum is the same additions in the same order (`few_query_values` in parts): the result equals
-    `grouped_attention`'s without `shared` to the bit (tested)."""
+    row's sums over its own rows from the same key (even; a multiple of 32 on AMX tiles). A key's
+    score does not depend on which rows share the call nor where its block starts, a softmax row on
+    its scores alone, and a value sum is the same additions in the same order (`few_query_values`
+    in parts): the result equals `grouped_attention`'s without `shared` to the bit (tested)."""
     b, hq, tq, d = q.shape
     heads = k.shape[1]
     r = hq // heads * tq

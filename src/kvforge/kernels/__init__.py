@@ -6,8 +6,10 @@ such a buffer at 7-9 GB/s here (a 3 x 64 by 64 x T product per head and sequence
 streams 17-23 GB/s, and a 9-token verification at 4K (27 query rows per KV head) is bound by
 multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for up
 to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode step's weights at
-~10 GB/s here); on CPUs with AMX-BF16 `small_linear_amx.c` does its multiplies on the tiles, so up
-to 32 rows cost about one (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
+~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
+the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
+one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
+ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
 (well under a second: no torch headers; called through ctypes with raw pointers); where there is
 no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
 and callers keep torch's ops.
@@ -67,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(lib, "kvforge_amx_enable"):
         lib.kvforge_amx_usable.argtypes = [i64]
         if os.environ.get("KVFORGE_AMX", "1") != "0":
-            lib.kvforge_amx_enable()  # small_linear takes the tiles from now on where this CPU and Linux allow them
+            lib.kvforge_amx_enable()  # the kernels take the tiles from now on where this CPU and Linux allow them
     return lib
 
 
@@ -92,14 +94,15 @@ def _build(compiler: str, sources: list[Path], flags: list[str]) -> ctypes.CDLL 
 
 
 def kind() -> str:
-    """Which compiled kernels run here: "amx" (small_linear on tiles), "avx512-bf16", or "none"
+    """Which compiled kernels run here: "amx" (on tiles where shapes allow), "avx512-bf16", or "none"
     (torch's ops)."""
     return "amx" if amx() else "avx512-bf16" if _library() is not None else "none"
 
 
 def amx() -> bool:
-    """Whether `small_linear` runs on AMX tiles here (an AMX-BF16 CPU, Linux's permission, and
-    `KVFORGE_AMX` not 0); False where the kernels are not available at all."""
+    """Whether the kernels multiply on AMX tiles here (`small_linear` for weights with a multiple of
+    32 inputs, attention for heads as wide: an AMX-BF16 CPU, Linux's permission, and `KVFORGE_AMX`
+    not 0); False where the kernels are not available at all."""
     lib = _library()
     return bool(lib is not None and hasattr(lib, "kvforge_amx_usable") and lib.kvforge_amx_usable(32))
 

@@ -41,7 +41,7 @@ int kvforge_amx_enable(void) {
     return amx_on = 1;
 }
 
-void kvforge_amx_disable(void) { amx_on = 0; }
+void kvforge_amx_disable(void) { amx_on = 0; } /* tests: the AVX-512 paths on an AMX CPU */
 
 int kvforge_amx_usable(long k) { return amx_on && k % 32 == 0; }
 
