@@ -331,6 +331,7 @@ static void qk_rows_amx(const uint16_t *qg, const uint16_t *kg, float *sg, long 
             }
         }
         if (i >= 1 && i <= blocks) { /* block i - 1: the products */
+            __asm__ volatile("" : : : "memory"); /* gcc's tile loads do not say they read memory: keep kt's stores */
             const __m512i *keys = kt[(i - 1) & 1];
             float *out = raw[(i - 1) & 1];
             _tile_zero(0);
@@ -399,8 +400,10 @@ static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg
                 const long t = t0 + 2 * p;
                 b0[j & 1][p] = t < length ? value_pairs(vg, t, d0, length, dim, interleave) : _mm512_setzero_si512();
                 if (two) b1[j & 1][p] = t < length ? value_pairs(vg, t, d0 + 16, length, dim, interleave) : _mm512_setzero_si512();
-                _mm_prefetch((const char *)(vg + (t + 64) * dim + d0), _MM_HINT_T0); /* both rows of a pair ahead */
-                _mm_prefetch((const char *)(vg + (t + 65) * dim + d0), _MM_HINT_T0);
+                if (t + 65 < length) { /* both rows of a pair ahead, never past the rows in use */
+                    _mm_prefetch((const char *)(vg + (t + 64) * dim + d0), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vg + (t + 65) * dim + d0), _MM_HINT_T0);
+                }
             }
             weights[j & 1] = wg + column, astride[j & 1] = wstride * 2;
             if (keys < 32 || column + 32 > wstride) { /* a partial chunk: the weights through a zeroed copy */
@@ -411,6 +414,7 @@ static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg
             }
         }
         if (j >= 1) { /* chunk j - 1: the products */
+            __asm__ volatile("" : : : "memory"); /* as in qk_rows_amx: keep the stores into b0, b1 and a */
             const int u = (j - 1) & 1;
             _tile_loadd(6, b0[u], 64);
             if (two) _tile_loadd(7, b1[u], 64);
