@@ -103,8 +103,13 @@ def amx() -> bool:
     """Whether the kernels multiply on AMX tiles here (`small_linear` for weights with a multiple of
     32 inputs, attention for heads as wide: an AMX-BF16 CPU, Linux's permission, and `KVFORGE_AMX`
     not 0); False where the kernels are not available at all."""
+    return _tiles(32)
+
+
+def _tiles(width: int) -> bool:
+    """Whether the C kernels take the AMX path for this input or head width (their own test)."""
     lib = _library()
-    return bool(lib is not None and hasattr(lib, "kvforge_amx_usable") and lib.kvforge_amx_usable(32))
+    return bool(lib is not None and hasattr(lib, "kvforge_amx_usable") and lib.kvforge_amx_usable(width))
 
 
 def _widths_ok(dim: int) -> bool:
@@ -185,7 +190,7 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
 def value_part_step(dim: int) -> int:
     """Where a value pass of heads of width `dim` may be split into parts: every 2 keys (AVX-512
     sums key pairs in order), every 32 on AMX (a tile sums 32 keys at once, in an order of its own)."""
-    return 32 if dim % 32 == 0 and amx() else 2
+    return 32 if _tiles(dim) else 2
 
 
 def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float,

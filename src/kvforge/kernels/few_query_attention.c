@@ -406,7 +406,7 @@ static void pv_rows_amx(const uint16_t *wg, const float *inv, const uint16_t *vg
                 }
             }
             weights[j & 1] = wg + column, astride[j & 1] = wstride * 2;
-            if (keys < 32 || column + 32 > wstride) { /* a partial chunk: the weights through a zeroed copy */
+            if (keys < 32) { /* a partial chunk (a whole one lies within the weights' rows): a zeroed copy */
                 const long have = (keys + 1) & ~1L; /* the weights run to `length` rounded up to even */
                 memset(a[j & 1], 0, sizeof(a[0]));
                 for (long r = 0; r < nr; r++) memcpy(a[j & 1] + r * 32, wg + r * wstride + column, sizeof(uint16_t) * have);
@@ -499,14 +499,14 @@ void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v
  * time: a group's scores and weights (32 x 4K keys: 512 KB of scores) stay in L2 between the
  * passes, where three whole-call passes send a prefill chunk's (3 heads x 96 rows x 4K keys: 4.7
  * MB) through memory three times. Each row's arithmetic is the passes' own, so the bits are too.
- * Returns 0, or -1 where the scratch could not be allocated (nothing written). */
+ * Requires length >= 1. Returns 0, or -1 where the scratch could not be allocated (nothing written). */
 #define ATTEND_ROWS 32
 
 int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long bh, long rows,
                    long capacity, long length, long dim, float scale, long tokens) {
-    const long wstride = (length + 1) & ~1L, columns = length > 0 ? length : 1;
-    float *scores = malloc(sizeof(float) * ATTEND_ROWS * columns);
-    uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * (wstride > 0 ? wstride : 2));
+    const long wstride = (length + 1) & ~1L;
+    float *scores = malloc(sizeof(float) * ATTEND_ROWS * length);
+    uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * wstride);
     float inverse[ATTEND_ROWS];
     if (!scores || !weights) {
         free(scores);
