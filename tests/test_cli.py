@@ -459,6 +459,15 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     assert written.parent == tmp_path / "home" / "translators" and written.name.endswith("-stage2.safetensors") and written.is_file()
     bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
     assert bad.exit_code == 2 and "needs --init" in bad.stderr
+    tailed = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                             "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--native-tail", 8, "--out", tmp_path / "tail.safetensors",
+                             "--plot", tmp_path / "kl.png", "--json"))
+    assert tailed["native_tail"] == 8 and Translator.load(tmp_path / "tail.safetensors").info["distill"]["native_tail"] == 8
+    _assert_one_line_errors([
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--native-tail", 8), "is a stage-2 option"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--native-tail", -1),
+         "must be >= 0"),
+    ])
 
 
 def test_fit_lingo_lr_sweep_reports_every_rate_and_picks_an_interior_one(tiny_gemma_dir, tiny_model_dir, tiny_translator):

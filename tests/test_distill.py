@@ -9,7 +9,10 @@ import torch
 from conftest import tiny_loaded
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
-from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, trainable
+from kvforge.scoring import continuation_logits
+from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, student_logits, trainable
+from kvforge.translate.handoff import translate_cache
+from kvforge.translate.split import split_text
 from kvforge.translate.fit import LingoFitConfig, fit_lingo
 
 TEXTS = [
@@ -197,3 +200,36 @@ def test_stage_two_trains_the_own_token_part_of_a_map(setup):
     student_kl(tr, target, sample).backward()
     own_rows = slice(tr.weights["v"][0].shape[1] - 2 * target.adapter.embed(torch.tensor([[0]])).shape[-1], None)
     assert all(float(p.grad[:, own_rows].abs().sum()) > 0 for p in params if p.dim() == 3)  # every map's own-token rows
+
+
+@pytest.mark.parametrize("tail", [0, 10, 1000])
+def test_the_student_sees_the_cache_a_hand_off_with_that_native_tail_serves(setup, tail):
+    source, target, translator, _ = setup
+    text, cut = TEXTS[0]
+    sample = prepare(translator, source, target, text, cut, top_k=8, native_tail=tail)
+    split = split_text(source, target, text, cut + 1, translator.align)
+    with torch.no_grad():
+        served = translate_cache(translator, source, target, split.source_cache, split.alignment, split.tgt.ids, native_tail=tail)
+        expected = continuation_logits(target, split.tgt.ids, split.target_prefix, served)
+        student = student_logits(translator, target, sample)
+    torch.testing.assert_close(student, expected)
+    translated = sample.native_from - sample.head
+    assert translated == max(0, sample.prefix - 1 - sample.head - tail)
+    if tail >= sample.prefix:  # nothing translated: the student is the target on its own cache
+        native = continuation_logits(target, split.tgt.ids, split.target_prefix, split.native_cache)
+        torch.testing.assert_close(student, native, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_reach_the_maps_through_a_native_tail(setup):
+    source, target, translator, _ = setup
+    tr = copy.deepcopy(translator)
+    sample = prepare(tr, source, target, *TEXTS[1], top_k=8, native_tail=10)
+    assert sample.head < sample.native_from < sample.prefix - 1
+    params = trainable(tr)
+    student_kl(tr, target, sample).backward()
+    assert any(float(p.grad.abs().sum()) > 0 for p in params)
+
+
+def test_a_negative_native_tail_is_refused():
+    with pytest.raises(ValueError, match="native-tail"):
+        DistillConfig(native_tail=-1)

@@ -55,6 +55,7 @@ def fit_lingo_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
+    train_native_tail: int = typer.Option(0, "--native-tail", help="Stage 2: train for hand-offs whose last N prefix tokens the target prefills itself (as handoff/eval/serve --native-tail); 0: every row but the head translated."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", help="Stage 1: conversation counts below --conversations (e.g. 32,96) at which a translator is also written (<out>-<n>conv.safetensors): the data curve from one pass."),
     save_moments: Optional[Path] = typer.Option(None, "--save-moments", help="Stage 1: also write the accumulated float64 moments (about 1 GB for this pair) to solve other assignments later."),
     moments: Optional[Path] = typer.Option(None, "--moments", help="Stage 1: solve from moments written by --save-moments instead of prefilling (capture, alignment, own tokens and data come from the file)."),
@@ -75,8 +76,11 @@ def fit_lingo_cmd(
     setup_threads(threads)
     if stage == 2 and (snapshots or save_moments or moments):
         raise KvforgeError("--snapshots, --save-moments and --moments are stage-1 options (closed form); stage 2 starts from --init")
+    if stage != 2 and train_native_tail:
+        raise KvforgeError("--native-tail is a stage-2 option: the closed form fits every aligned row, whatever a hand-off later prefills natively")
     if stage == 2:
-        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out)
+        return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
+                           device, dtype, json_out, train_native_tail)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -144,7 +148,8 @@ def _fit_summary(translator, path: Path) -> dict:
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
-def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out):
+def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
+                native_tail=0):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -154,7 +159,8 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
 
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
-    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every)
+    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
+                           native_tail=native_tail)
     translator = Translator.load(init)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
@@ -166,13 +172,13 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     # the held-out split that eval lingo scores.
     held, _ = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
     with err.status("teacher: the target's native distributions, once"):
-        train = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in texts]
-        validation = [prepare(translator, src, tgt, text, cut, config.top_k) for text, cut in held]
+        train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in texts]
+        validation = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in held]
     from kvforge.translate.distill import validation_kl
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
               "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
-              "recall_fraction": recall_fraction, "validation_samples": len(validation)}
+              "recall_fraction": recall_fraction, "native_tail": native_tail, "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
         common["validation_kl_start"] = validation_kl(translator, tgt, validation)  # the stage-1 maps

@@ -28,7 +28,7 @@ import torch
 
 from kvforge.scoring import continuation_logits
 from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoint, save_checkpoint
-from kvforge.translate.handoff import aligned_features, append_translated
+from kvforge.translate.handoff import aligned_features, append_translated, native_rows
 from kvforge.translate.split import split_text
 from kvforge.translate.translator import SIDES, Translator
 
@@ -49,6 +49,7 @@ class DistillConfig:
     recall_fraction: float = 0.5  # planted-fact samples (translate.samples): QA 0 -> 4 / 2 -> 7 of 16 at 100 steps
     max_continuation_chars: int = 400
     top_k: int = 32
+    native_tail: int = 0  # the prefix's last tokens the student prefills natively over the translated rows (as `--native-tail` serves)
     validate_every: int = 25
     checkpoint_every: int = 25
     seed: int = 0
@@ -58,6 +59,8 @@ class DistillConfig:
             raise ValueError("steps, accumulate, samples and top_k must be >= 1")
         if self.lr <= 0:
             raise ValueError(f"the learning rate must be > 0, got {self.lr}")
+        if self.native_tail < 0:
+            raise ValueError(f"--native-tail must be >= 0 tokens, got {self.native_tail}")
         if not 0 <= self.recall_fraction < 1:
             raise ValueError(f"--recall-fraction must be in [0, 1), got {self.recall_fraction}")
 
@@ -67,35 +70,49 @@ class DistillSample:
     target_ids: list[int]
     prefix: int  # target tokens of the prefix
     head: int  # target rows computed natively
+    native_from: int  # rows [head, native_from) translated, [native_from, prefix - 1) the target's own (a native tail)
     aligned: dict[str, dict[int, torch.Tensor]]  # frozen source features of the translated rows
     teacher_logp: torch.Tensor  # (T, k) renormalised top-k log-probs
     teacher_index: torch.Tensor  # (T, k)
 
 
-def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int) -> DistillSample:
-    """Everything frozen about one sample: aligned source features and the teacher's top-k."""
+def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int, native_tail: int = 0) -> DistillSample:
+    """Everything frozen about one sample: aligned source features of the rows the student
+    translates (all but the head and the last `native_tail`) and the teacher's top-k."""
     with torch.inference_mode():
         # cut + 1: a prefix ending "Assistant:" keeps the space when the tokenizer splits it off
         split = split_text(source, target, text, cut + 1, translator.align)
-        alignment, pt = split.alignment, split.target_prefix
+        pt = split.target_prefix
+        head, native_from = native_rows(split.alignment, native_tail)
+        alignment = split.alignment.truncate(native_from)
         aligned = aligned_features(translator, source, split.source_cache, alignment) if alignment.index.shape[0] else {"k": {}, "v": {}}
         logits = continuation_logits(target, split.tgt.ids, pt, split.native_cache)
         values, index = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.shape[-1]), dim=-1)
         teacher = torch.log_softmax(values, -1)
     # Clones made outside inference mode: the student's backward saves them.
     frozen = {side: {layer: f.clone() for layer, f in d.items()} for side, d in aligned.items()}
-    return DistillSample(split.tgt.ids, pt, min(alignment.head, pt - 1), frozen, teacher.clone(), index.clone())
+    return DistillSample(split.tgt.ids, pt, head, native_from, frozen, teacher.clone(), index.clone())
 
 
-def student_kl(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
-    """Mean KL(teacher ‖ student) per continuation token, differentiable in the translator."""
+def student_logits(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
+    """(T, V) logits over the continuation from the cache a hand-off serves: head rows native,
+    translated rows, then the native tail (if any) over them. Differentiable in the translator."""
     cache = target.new_cache(1, capacity=len(sample.target_ids))
     with torch.no_grad():
         target.prefill([sample.target_ids[: sample.head]], cache=cache, logits="none")
     if sample.aligned["k"]:
         append_translated(translator, target, sample.aligned, sample.head, cache, sample.target_ids)
-    logp = torch.log_softmax(continuation_logits(target, sample.target_ids, sample.prefix, cache).float(), -1)
-    student = logp.gather(-1, sample.teacher_index)
+    # The native tail and the continuation in one forward: a second append would overwrite cache
+    # storage the first one's attention saved for the backward.
+    ids = sample.target_ids
+    positions = torch.arange(sample.native_from, len(ids) - 1, device=target.device).view(1, -1)
+    h = target.run_layers(target.adapter.embed(torch.tensor([ids[sample.native_from : -1]], device=target.device)), positions, cache)
+    return target.adapter.head(h[:, sample.prefix - 1 - sample.native_from :])[0].float()
+
+
+def student_kl(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
+    """Mean KL(teacher ‖ student) per continuation token, differentiable in the translator."""
+    student = torch.log_softmax(student_logits(translator, target, sample).float(), -1).gather(-1, sample.teacher_index)
     return (sample.teacher_logp.exp() * (sample.teacher_logp - student)).sum(-1).mean()
 
 
