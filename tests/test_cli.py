@@ -477,3 +477,12 @@ def test_fit_lingo_lr_sweep_reports_every_rate_and_picks_an_interior_one(tiny_ge
     obj = _last_json(result)
     rates = [r["lr"] for r in obj["lr_sweep"]]
     assert len(rates) >= 5 and rates == sorted(rates) and rates[0] < obj["lr_selected"] < rates[-1]
+
+
+def test_bench_vllm_handoff_refuses_bad_settings_before_loading_anything():
+    pytest.importorskip("vllm")
+    _assert_one_line_errors([
+        (("bench", "vllm-handoff", "--runs", 0), "--runs must be >= 1"),
+        (("bench", "vllm-handoff", "--source-engine", "tgi"), "unknown --source-engine"),
+        (("bench", "vllm-handoff", "--native-tail", -1), "--native-tail must be >= 0"),
+    ])

@@ -161,6 +161,24 @@ def test_injected_exact_cache_gives_vllms_own_logits_and_tokens(model_dir, plain
         assert abs(lp.logprob - first_injected[token].logprob) < 1e-3
 
 
+def test_an_injected_cache_of_a_shorter_prefix_leaves_vllm_to_prefill_the_rest(model_dir, plain):
+    # what `bench vllm-handoff --native-tail N` relies on: vLLM loads the rows before the tail and prefills the tail itself
+    prompt = prompts()[1] + prompts()[0]
+    engine = Engine(load_model(str(model_dir)))
+    loaded = len(prompt) - 17
+    _, cache = engine.prefill([prompt[:loaded]], logits="none")
+    key = CacheStore("memory").put(prompt, cache, prompt[:loaded], config_id(model_dir))
+    try:
+        own = generate(plain, [prompt], greedy(max_tokens=16, logprobs=5))[0]
+        injected = generate(plain, [prompt], greedy(max_tokens=16, logprobs=5, extra_args={"kv_transfer_params": {"kvforge_cache": key}}))[0]
+    finally:
+        MEMORY.pop(key, None)
+    assert injected.num_cached_tokens == loaded
+    assert injected.outputs[0].token_ids == own.outputs[0].token_ids
+    for token, lp in own.outputs[0].logprobs[0].items():
+        assert abs(lp.logprob - injected.outputs[0].logprobs[0][token].logprob) < 1e-3
+
+
 def test_a_bad_injection_fails_its_request_and_the_engine_stays_up(model_dir, plain, tmp_path):
     prompt = prompts()[1]
     engine = Engine(load_model(str(model_dir)))

@@ -6,7 +6,10 @@ token from vLLM:
 - `reprefill`: vLLM prefills the target's tokens itself (its exact path);
 - `handoff`: KV-Lingo translates the source's cache into the target's (alignment, translation,
   the target's few head rows computed natively by kvforge), the cache goes into the connector's
-  in-memory store, and vLLM loads it and computes only the last token.
+  in-memory store, and vLLM loads it and computes only the last token. With `native_tail` N the
+  store holds the rows before the text's last N tokens and vLLM prefills those N itself over the
+  loaded rows (the target's own prefill, in vLLM's fast path: "translate the context, prefill the
+  prompt").
 With `source_dir`, the source is vLLM-served too: its cache is read out of its vLLM engine through
 the connector's save path (a request with `kvforge_save`, untimed like the source's prefill), so
 both models run in vLLM and kvforge only translates. The store and vLLM run in this process (no file or network round trip: a disaggregated
@@ -25,11 +28,11 @@ import statistics
 from kvforge.bench.harness import environment, interleaved_samples
 from kvforge.bench.lingo import text_of_tokens
 from kvforge.translate.align import align, tokenize
-from kvforge.translate.handoff import translate_cache
+from kvforge.translate.handoff import native_rows, translate_cache
 
 
 def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int], runs: int = 3, progress=None,
-                       source_dir=None) -> dict:
+                       source_dir=None, native_tail: int = 0) -> dict:
     from vllm import SamplingParams
 
     from kvforge.errors import KvforgeError
@@ -64,15 +67,16 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
             def handoff():
                 start = time.perf_counter()
                 alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
-                cache = translate_cache(translator, source, target, src_cache, alignment, tgt.ids)
+                _, loaded = native_rows(alignment, native_tail)  # rows vLLM loads; it prefills the rest
+                cache = translate_cache(translator, source, target, src_cache, alignment.truncate(loaded), tgt.ids)
                 translated = time.perf_counter()
-                key = store.put(tgt.ids, cache, tgt.ids[:-1], model_id)
+                key = store.put(tgt.ids, cache, tgt.ids[:loaded], model_id)
                 params = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"kvforge_cache": key}})
                 out = generate(llm, [tgt.ids], params)[0]
                 seconds = time.perf_counter() - start
                 MEMORY.pop(key, None)
-                if out.outputs[0].finish_reason == "error" or out.num_cached_tokens != len(tgt.ids) - 1:
-                    raise KvforgeError(f"vLLM did not load the handed-off cache ({out.num_cached_tokens} of {len(tgt.ids) - 1} rows)")
+                if out.outputs[0].finish_reason == "error" or out.num_cached_tokens != loaded:
+                    raise KvforgeError(f"vLLM did not load the handed-off cache ({out.num_cached_tokens} of {loaded} rows)")
                 return {"s": seconds, "translate_s": translated - start, "token": out.outputs[0].token_ids[0]}
 
             samples = interleaved_samples({"reprefill": reprefill, "handoff": handoff}, runs)
@@ -80,7 +84,7 @@ def bench_vllm_handoff(translator, source, target, target_dir, lengths: list[int
                        for arm, xs in samples.items()}
             results.append({
                 "source_engine": "vllm" if source_llm is not None else "kvforge", "source": source.model.name, "target": target.model.name, "tokens": len(tgt.ids), "source_tokens": len(src.ids),
-                "handoff_s": medians["handoff"]["s"], "translate_s": medians["handoff"]["translate_s"],
+                "native_tail": native_tail, "handoff_s": medians["handoff"]["s"], "translate_s": medians["handoff"]["translate_s"],
                 "reprefill_s": medians["reprefill"]["s"], "speedup": medians["reprefill"]["s"] / medians["handoff"]["s"],
                 "first_token_agrees": all(h["token"] == r["token"] for h, r in zip(samples["handoff"], samples["reprefill"])),
             })

@@ -97,6 +97,7 @@ def bench_vllm_handoff_cmd(
     tokens: str = typer.Option("2048,4096", "--tokens", help="Comma-separated target prompt lengths."),
     source_engine: str = typer.Option("kvforge", "--source-engine", help="kvforge: the source prefills in kvforge's engine; vllm: in vLLM, its cache read out through the connector."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    native_tail: int = typer.Option(0, "--native-tail", help="The text's last N tokens vLLM prefills itself over the loaded translated rows; 0: it computes only the last token."),
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
@@ -111,6 +112,8 @@ def bench_vllm_handoff_cmd(
         raise KvforgeError("--runs must be >= 1")
     if source_engine not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --source-engine {source_engine!r}: use kvforge or vllm")
+    if native_tail < 0:
+        raise KvforgeError(f"--native-tail must be >= 0 tokens, got {native_tail}")
     setup_threads(threads)
     from kvforge.artifacts import default_translator_path
     from kvforge.bench.vllm_handoff import bench_vllm_handoff
@@ -123,7 +126,7 @@ def bench_vllm_handoff_cmd(
 
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
-                                source_dir=hf_directory(source) if source_engine == "vllm" else None)
+                                source_dir=hf_directory(source) if source_engine == "vllm" else None, native_tail=native_tail)
     report.update(translator=str(translator), stage=tr.info.get("stage", 1), own_tokens=tr.own_tokens)  # which maps were timed
     if json_out:
         emit_json(report)
