@@ -233,3 +233,13 @@ def test_gradients_reach_the_maps_through_a_native_tail(setup):
 def test_a_negative_native_tail_is_refused():
     with pytest.raises(ValueError, match="native-tail"):
         DistillConfig(native_tail=-1)
+
+
+def test_a_sample_whose_tail_covers_every_row_trains_nothing_and_breaks_nothing(setup):
+    source, target, translator, _ = setup
+    tr = copy.deepcopy(translator)
+    covered = [prepare(tr, source, target, text, cut, top_k=8, native_tail=1000) for text, cut in TEXTS]
+    assert all(s.native_from == s.head for s in covered)
+    before = [w.clone() for w in tr.weights["k"]]
+    tr, state = distill(tr, target, covered, [], DistillConfig(steps=1, lr=1e-3, accumulate=2))
+    assert state.step == 1 and all(torch.equal(a, b) for a, b in zip(before, tr.weights["k"]))

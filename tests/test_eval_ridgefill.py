@@ -65,10 +65,25 @@ def test_the_all_token_gap_and_its_interval_sit_beside_the_novel_one(setup):
     assert out["identity_ppl_gap_all_pct"] == arms["identity"]["ppl_gap_all_pct"] and len(out["identity_ppl_gap_all_ci"]) == 2
 
 
+def test_the_decode_time_rescue_is_scored_beside_the_same_prefill_without_it(setup):
+    engine, maps, _, report = setup
+    arms, rescue = report["arms"], report["rescue"]
+    assert {"ridgefill", "ridgefill_no_rescue"} <= arms.keys()
+    assert rescue["ngram"] == CONFIG.rescue.ngram and rescue["rows_per_sample"] >= 0 and 0 <= rescue["share_of_filled"] <= 1
+    out = summary(report, "tiny", CONFIG, SETTINGS.prompt_tokens)
+    assert out["rescue"] == rescue and out["no_rescue_ppl_gap_all_pct"] == arms["ridgefill_no_rescue"]["ppl_gap_all_pct"]
+    off = eval_ridgefill(engine, maps, replace(CONFIG, rescue=None), replace(SETTINGS, needles=0))
+    assert "ridgefill_no_rescue" not in off["arms"] and "rescue" not in off
+    # without the rescue the plain arm is what the rescued run scored beside it
+    assert _same(off["arms"]["ridgefill"], arms["ridgefill_no_rescue"])
+    if rescue["rows_per_sample"] == 0:
+        assert _same(arms["ridgefill"], arms["ridgefill_no_rescue"])
+
+
 def test_needles_are_reported_per_arm_among_those_really_filled(setup):
     _, _, _, report = setup
     needle = report["needle"]
-    arms = ("ridgefill", "identity", "ridgefill_no_attended")
+    arms = ("ridgefill", "identity", "ridgefill_no_attended", "ridgefill_no_rescue")
     assert set(needle["filled"]) == set(arms) and needle["needle_filled"] == needle["filled"]["ridgefill"]
     # Without the attended-row rescue every needle before the tail is wholly in filled rows.
     assert needle["filled"]["ridgefill_no_attended"] == SETTINGS.needles
@@ -123,7 +138,7 @@ def test_the_cli_json_carries_the_new_figures(tiny_model_dir, tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"ppl_gap_all_pct", "ppl_gap_all_ci", "identity_ppl_gap_all_pct", "identity_ppl_gap_all_ci", "needle_ridgefill_no_attended", "needle_by_arm"} <= set(out)
-    assert set(out["needle_by_arm"]) == {"ridgefill", "identity", "ridgefill_no_attended"} and out["all_tokens"] == 16
+    assert set(out["needle_by_arm"]) == {"ridgefill", "identity", "ridgefill_no_attended", "ridgefill_no_rescue"} and out["all_tokens"] == 16
     table = run(*common)
     assert table.exit_code == 0 and "ridgefill_no_attended" in table.stdout and "wholly filled answered" in table.stdout
 

@@ -68,6 +68,7 @@ class Generation:
     stop_matched: str | None = None
     prefill: PrefillReport | None = None  # what the prompt's prefill ran (one planned prompt)
     logprobs: list[TokenLogprob] | None = None  # one per token id, with `GenerationConfig.logprobs`
+    rescued_rows: int | None = None  # filled prompt rows RidgeFill's rescue recomputed while decoding (None: no rescue ran)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,7 +110,8 @@ def generate(
     """Generate for one prompt (a list of ids) or a batch (a list of lists).
 
     `on_text(i, delta)` receives sequence i's new text as it is produced. `plan`: a
-    `PrefillPlan` for the prompt (one prompt); decode always runs every layer. `cache`: the
+    `PrefillPlan` for the prompt (one prompt); decode always runs every layer, and the plan's
+    `decode` hook, if any, runs before each step. `cache`: the
     prompts continue the sequences it holds (a translated cache, for a hand-off).
     """
     config = config or GenerationConfig()
@@ -126,6 +128,8 @@ def generate(
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
     report = planned_report(plan, cache, prompts, cached[0])
+    # what the plan does between decode steps (RidgeFill's rescue of filled rows a copy reads)
+    between = plan.decode(engine, prompts[0], cache) if plan is not None and plan.decode is not None and len(prompts) == 1 else None
     positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
@@ -144,12 +148,17 @@ def generate(
             cache = cache.select_batch(rows)
             tokens, positions = tokens[rows], positions[rows]
             active = [active[row] for row in keep]
+        if between is not None:
+            between.before_step(engine, cache, int(tokens[0]))
         logits = engine.decode_step(tokens, cache, positions)
         positions = positions + 1
 
     for seq in seqs:
         flush_text(seq, on_text)
-    return [seq.result(start, report) for seq in seqs]
+    results = [seq.result(start, report) for seq in seqs]
+    if between is not None:
+        results[0].rescued_rows = between.rescued_rows
+    return results
 
 
 def planned_report(plan, cache, prompts: list[list[int]], start: int = 0) -> PrefillReport | None:

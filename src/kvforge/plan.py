@@ -50,6 +50,9 @@ class PrefillPlan:
     choose: Chooser | None = None
     reason: str | None = None  # why a method's plan for this prompt computes every row exactly
     choose_at: int | None = None  # the layer before which `choose` runs (None: the first layer any row leaves)
+    # decode(engine, prompt, cache) -> a hook with before_step(engine, cache, token), or None: what
+    # the method does between decode steps of this prompt's one sequence (RidgeFill's rescue)
+    decode: Callable | None = None
 
     @classmethod
     def exact(cls, tokens: int, num_layers: int, reason: str | None = None) -> "PrefillPlan":

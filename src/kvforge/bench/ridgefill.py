@@ -1,25 +1,32 @@
 """`kvforge bench ridgefill`: time to first token of exact, RidgeFill (maps resident and
 streamed) and the identity fill, in one process on the same held-out prompt, interleaved, after
-a warm-up; the MAC ceiling of the same plan beside the measured speedup."""
+a warm-up; the MAC ceiling of the same plan beside the measured speedup. With `decode_tokens`,
+also the decode speed of `decode_tokens` greedy tokens after exact prefill and after RidgeFill
+with and without its decode-time rescue (`fill.rescue`), and the rows the rescue recomputed:
+what the rescue costs while decoding (each arm decodes its own greedy continuation)."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 
 from kvforge.bench.flops import exact_macs, prefill_macs
-from kvforge.bench.harness import environment, interleaved_medians
+from kvforge.bench.harness import environment, interleaved_medians, interleaved_samples
 from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine
 from kvforge.fill.maps import RidgeMaps
+from kvforge.fill.rescue import RescueConfig
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.generation import GenerationConfig
 from kvforge.plan import PrefillReport, final_depth
 
 
 def bench_ridgefill(
-    engine: Engine, maps: RidgeMaps, streamed: RidgeMaps, config: RidgeFillConfig, lengths: list[int], runs: int = 3, progress=None
+    engine: Engine, maps: RidgeMaps, streamed: RidgeMaps, config: RidgeFillConfig, lengths: list[int], runs: int = 3, progress=None,
+    decode_tokens: int = 0,
 ) -> dict:
     arms = {"ridgefill": (config, maps), "ridgefill_streamed": (config, streamed), "identity": (replace(config, fill="identity"), None)}
     results = []
@@ -60,6 +67,7 @@ def bench_ridgefill(
                 # sliding-window layers skip filled rows no exact row can read
                 "kv_bytes_exact": exact_kv,
                 "kv_bytes_ridgefill": cache.nbytes,
+                **(_decode(engine, prompt, config, maps, decode_tokens, runs) if decode_tokens else {}),
             }
         )
     return {
@@ -78,6 +86,26 @@ def bench_ridgefill(
         **environment(engine),
         "results": results,
     }
+
+
+def _decode(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps, tokens: int, runs: int) -> dict:
+    """Median decode tokens/s over `tokens` greedy tokens: exact, RidgeFill without and with its
+    rescue (the configured one, or the default), interleaved; and the rows the rescue recomputed."""
+    generation = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
+    plans = {"exact": lambda: None, "ridgefill_no_rescue": lambda: ridgefill_plan(engine, prompt, replace(config, rescue=None), maps),
+             "ridgefill_rescue": lambda: ridgefill_plan(engine, prompt, replace(config, rescue=config.rescue or RescueConfig()), maps)}
+
+    def arm(make_plan):
+        def run() -> dict:
+            out = engine.generate(prompt, generation, plan=make_plan())[0]
+            return {"tokens_per_s": out.decode_tokens_per_s, "rescued_rows": out.rescued_rows or 0}
+        return run
+
+    samples = interleaved_samples({name: arm(make) for name, make in plans.items()}, runs)
+    speed = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in samples.items()}
+    return {"decode_tokens": tokens, **{f"{name}_decode_tokens_per_s": v for name, v in speed.items()},
+            "rescue_decode_cost": speed["ridgefill_no_rescue"] / speed["ridgefill_rescue"] - 1.0,
+            "rescued_rows": statistics.median(x["rescued_rows"] for x in samples["ridgefill_rescue"])}
 
 
 def _planned(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: RidgeMaps | None):

@@ -42,6 +42,7 @@ PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or qu
 SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
 TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 64).")
 AttendedOpt = typer.Option(None, "--attended-rows", help="RidgeFill: rows the tail attends to most kept exact, each with the 16 after it (overrides the preset; 0: none).")
+RescueOpt = typer.Option(True, "--rescue/--no-rescue", help="RidgeFill: while decoding, recompute the filled rows after each prompt occurrence of the text's last two tokens (what a copy reads next); TTFT unchanged.")
 CutOpt = typer.Option(None, "--cut", help="SPEED cut: layers (e.g. 22) or a fraction of the depth (default 0.75, or the adapter's).")
 AnchorsOpt = typer.Option(None, "--anchors", help="SPEED full-depth anchors: bos, first:K and/or positions, comma-separated (default bos, or the adapter's).")
 AdapterOpt = typer.Option(None, "--adapter", help="SPEED LoRA adapter from `kvforge fit speed`: its cut, anchors and tail apply; SPEED runs its weights.")

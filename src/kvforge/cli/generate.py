@@ -15,7 +15,7 @@ from rich.table import Table
 from kvforge.cli.common import (
     AdapterOpt, AnchorsOpt, AttendedOpt, BudgetOpt, CutOpt, DeviceOpt, DraftOpt, DtypeOpt, HistoryEntriesOpt, JsonOpt, KMinOpt, KOpt, MapsOpt,
     ModelOpt, PrefetchOpt,
-    PresetOpt, SplitOpt, TailOpt, ThreadsOpt, app, dtype_of, emit_json, err, load_engine, read_prompt, setup_threads, user_errors,
+    PresetOpt, RescueOpt, SplitOpt, TailOpt, ThreadsOpt, app, dtype_of, emit_json, err, load_engine, read_prompt, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -60,6 +60,7 @@ def generate(
     tail: Optional[int] = TailOpt,
     exact_rows: Optional[str] = typer.Option(None, "--exact-rows", help="RidgeFill: prompt positions kept exact, comma-separated."),
     attended_rows: Optional[int] = AttendedOpt,
+    rescue: bool = RescueOpt,
     cut: Optional[str] = CutOpt,
     anchors: Optional[str] = AnchorsOpt,
     adapter: Optional[Path] = AdapterOpt,
@@ -97,7 +98,7 @@ def generate(
     ids = encode_prompt(engine.model.tokenizer, text, chat=chat)
     plan, setting = None, None
     if method == "ridgefill":
-        rf, resident = ridgefill.resolve(engine, maps, preset, split, tail, attended_rows, _parse_rows(exact_rows))
+        rf, resident = ridgefill.resolve(engine, maps, preset, split, tail, attended_rows, _parse_rows(exact_rows), rescue=rescue)
         plan, setting = ridgefill.ridgefill_plan(engine, ids, rf, resident), asdict(rf)
     elif method == "speed":
         spd = speed.resolve(engine, cut, anchors, tail, adapter)
@@ -125,6 +126,7 @@ def generate(
                 "finish_reason": out.finish_reason,
                 "ttft_s": out.ttft_s,
                 "decode_tokens_per_s": out.decode_tokens_per_s,
+                "rescued_rows": out.rescued_rows,  # RidgeFill: filled rows recomputed while decoding
                 "adapter": str(adapter) if adapter else None,
                 "draft": draft,
                 "speculative": stats.as_dict() if stats else None,

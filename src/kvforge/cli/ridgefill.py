@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, DtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
+    DeviceOpt, DtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, RescueOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
     eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -92,6 +92,7 @@ def bench_ridgefill_cmd(
     tail: Optional[int] = TailOpt,
     tokens: str = typer.Option("1024,2048,4096", "--tokens", help="Comma-separated prompt lengths."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    decode_tokens: int = typer.Option(0, "--decode-tokens", help="Also time this many greedy decode tokens: exact, RidgeFill without and with its rescue (0: TTFT only)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ridgefill-<model>.png)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -108,7 +109,10 @@ def bench_ridgefill_cmd(
     engine = load_engine(model, device, dtype)
     config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     streamed = RidgeMaps.load(resident.path, streamed=True)
-    report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if decode_tokens < 0:
+        raise KvforgeError(f"--decode-tokens must be >= 0, got {decode_tokens}")
+    report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
+                             decode_tokens=decode_tokens)
     report["model"] = model
     report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ridgefill-{safe_name(model)}.png"))
     if json_out:
@@ -121,6 +125,11 @@ def bench_ridgefill_cmd(
             f"{r['speedup_streamed']:.2f}×", f"{r['speedup_identity']:.2f}×", f"{r['ceiling']:.2f}×", f"{100 * r['filled_fraction']:.0f} %",
         )
     Console().print(table)
+    for r in report["results"]:
+        if "decode_tokens" in r:
+            Console().print(f"{r['tokens']} tokens, {r['decode_tokens']} decoded: exact {r['exact_decode_tokens_per_s']:.1f} tok/s, RidgeFill "
+                            f"{r['ridgefill_no_rescue_decode_tokens_per_s']:.1f}, with the rescue {r['ridgefill_rescue_decode_tokens_per_s']:.1f} "
+                            f"({r['rescued_rows']:.0f} rows recomputed, decode {100 * r['rescue_decode_cost']:+.1f} %)")
     err.print(
         f"[dim]split {config.split}, tail {config.tail}; maps resident {report['maps_resident_bytes'] / 2**20:.1f} MiB, "
         f"streamed {report['maps_streamed_bytes'] / 2**20:.2f} MiB at a time; {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]"
@@ -138,6 +147,7 @@ def eval_ridgefill_cmd(
     samples: int = typer.Option(12, "--samples", help="Held-out continuation samples."),
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     prompt_tokens: int = typer.Option(2048, "--prompt-tokens"),
+    rescue: bool = RescueOpt,
     serving: str = typer.Option("kvforge", "--engine", help="kvforge (its own engine) or vllm (RidgeFill in vLLM's model, beside kvforge's figures on the same samples)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -154,7 +164,8 @@ def eval_ridgefill_cmd(
     if serving not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
     engine = load_engine(model, device, dtype)
-    config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
+    # in vLLM decoding never rescues filled rows: kvforge's figures beside it are scored without the rescue too
+    config, resident = ridgefill.resolve(engine, maps, preset, split, tail, rescue=rescue and serving == "kvforge")
     settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
     if serving == "vllm":
         return _eval_in_vllm(model, engine, maps, config, resident, settings, json_out)
@@ -171,6 +182,11 @@ def eval_ridgefill_cmd(
         key_gap = f"{a['ppl_gap_key_pct']:+.2f} %" if name != "exact" else "—"
         table.add_row(name, f"{a['novel_nll']:.4f}", gap, f"{a['key_nll']:.4f}", key_gap)
     Console().print(table)
+    if out["rescue"]:
+        r = out["rescue"]
+        Console().print(f"rescue: {r['rows_per_sample']:.0f} filled rows recomputed per {r['continuation']}-token continuation "
+                        f"({100 * r['share_of_filled']:.0f} % of the filled rows) in {r['events_per_sample']:.1f} events; "
+                        f"all-token gap {out['ppl_gap_all_pct']:+.2f} % (without: {out['no_rescue_ppl_gap_all_pct']:+.2f} %)")
     n = report["needle"]
     if n["samples"]:
         Console().print(f"needles ({n['samples']}): exact {n['exact']:.0f} %; " + ", ".join(

@@ -21,7 +21,7 @@ answered: only they say anything about the fill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -34,7 +34,7 @@ from kvforge.fill.maps import RidgeMaps
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
 from kvforge.generation import GenerationConfig
 from kvforge.plan import final_depth
-from kvforge.scoring import continuation_nll
+from kvforge.scoring import continuation_logits, continuation_nll, token_nll
 
 NEEDLE_CONFIG = GenerationConfig(max_new_tokens=16)
 
@@ -62,8 +62,11 @@ def eval_ridgefill(
     a = engine.adapter
     hybrid = any(a.is_recurrent(layer) for layer in range(a.num_layers))
     splices = ["splice_filled_keys", "splice_filled_values", *(["splice_exact_state"] if hybrid else [])]
-    nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, *splices]}
+    rescuing = config.fill == "ridge" and config.rescue is not None
+    unrescued = ["ridgefill_no_rescue"] if rescuing else []
+    nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, *unrescued, *splices]}
     novel, key = [], []
+    rescued: list[tuple[int, int, int]] = []  # per sample: rows rescued, rescue events, filled rows
     sequences = token_sequences(engine.model.tokenizer, settings.prompt_tokens + settings.continuation, "held_out")
     for i in range(settings.samples):
         seq = next(sequences)
@@ -77,6 +80,9 @@ def eval_ridgefill(
         plans = {name: ridgefill_plan(engine, prompt, c, maps) for name, c in arms.items()}
         caches = {name: _prefill(engine, prompt, plan) for name, plan in plans.items()}
         ridge_cache = caches["ridgefill"]
+        filled = _filled_rows(ridge_cache, len(prompt))
+        if rescuing:  # the same prefill decoded with and without the rescue, which rewrites rows of its own copy
+            caches["ridgefill"], caches["ridgefill_no_rescue"] = KVCache([_copy(layer) for layer in ridge_cache.layers]), ridge_cache
         caches["splice_filled_keys"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=True)
         caches["splice_filled_values"] = _splice(exact_cache, ridge_cache, config.split, keys_from_fill=False)
         if hybrid:
@@ -84,8 +90,10 @@ def eval_ridgefill(
         caches["exact"] = exact_cache
         with torch.inference_mode():  # restore: the memoised exact cache is left as it was
             for name, cache in caches.items():
-                nll[name].append(continuation_nll(engine, seq, settings.prompt_tokens, cache, restore=True).cpu())
-        filled = _filled_rows(ridge_cache, len(prompt))
+                between = plans[name].decode(engine, prompt, cache) if name in plans and plans[name].decode is not None else None
+                nll[name].append(_continuation_nll(engine, seq, settings.prompt_tokens, cache, between).cpu())
+                if between is not None:
+                    rescued.append((between.rescued_rows, between.events, int(filled.sum())))
         n, k = token_classes(seq, settings.prompt_tokens, filled)
         novel.append(n)
         key.append(k)
@@ -107,12 +115,41 @@ def eval_ridgefill(
                 ppl_gap_all_pct=ppl_gap_pct(nll[name], nll["exact"], every),
                 ppl_gap_all_ci=paired_bootstrap_ci(nll[name], nll["exact"], every),
             )
+    if rescued:
+        rows, events, filled_total = (sum(r[i] for r in rescued) for i in range(3))
+        report["rescue"] = {**asdict(config.rescue), "rows_per_sample": rows / len(rescued), "events_per_sample": events / len(rescued),
+                            "share_of_filled": rows / filled_total if filled_total else 0.0, "continuation": settings.continuation}
     report["novel_tokens"] = int(sum(int(m.sum()) for m in novel))
     report["key_tokens"] = int(sum(int(m.sum()) for m in key))
     report["all_tokens"] = int(sum(m.numel() for m in every))
-    needle_arms = {**arms, "ridgefill_no_attended": replace(config, attended_rows=0)}
+    needle_arms = {**arms, "ridgefill_no_attended": replace(config, attended_rows=0),
+                   **({"ridgefill_no_rescue": replace(config, rescue=None)} if rescuing else {})}
     report["needle"] = _needles(engine, maps, needle_arms, settings, progress, memo, model)
     return report
+
+
+def _continuation_nll(engine: Engine, seq: list[int], prompt_tokens: int, cache: KVCache, between=None) -> torch.Tensor:
+    """(T,) nats of seq[prompt_tokens:] over `cache`, teacher forced (`_continuation_logits`)."""
+    if between is None:
+        return continuation_nll(engine, seq, prompt_tokens, cache, restore=True)
+    return token_nll(_continuation_logits(engine, seq, prompt_tokens, cache, between), seq[prompt_tokens:])
+
+
+def _continuation_logits(engine: Engine, seq: list[int], prompt_tokens: int, cache: KVCache, between) -> torch.Tensor:
+    """(T, V) logits predicting seq[prompt_tokens:] given `cache` holding seq[:prompt_tokens - 1],
+    scored as `generate` decodes with a plan's decode hook (RidgeFill's rescue): before the row of
+    each token past the prompt the hook sees that token and may rewrite cache rows, which every
+    later row reads."""
+    between.extend([seq[prompt_tokens - 1]])  # the prompt's last token: generation prefills it with the prompt
+    parts, start = [], prompt_tokens - 1
+    for t in range(prompt_tokens, len(seq) - 1):
+        rows = between.observe(seq[t])
+        if rows:
+            parts.append(continuation_logits(engine, seq[: t + 1], start + 1, cache))
+            between.recompute(engine, cache, rows)
+            start = t
+    parts.append(continuation_logits(engine, seq, start + 1, cache))
+    return torch.cat(parts)
 
 
 def _model_key(engine: Engine) -> tuple:
@@ -228,6 +265,9 @@ def summary(report: dict, model: str, config: RidgeFillConfig, prompt_tokens: in
         "identity_ppl_gap_all_pct": arms["identity"]["ppl_gap_all_pct"],
         "identity_ppl_gap_all_ci": arms["identity"]["ppl_gap_all_ci"],
         "identity_ppl_gap_key_pct": arms["identity"]["ppl_gap_key_pct"],
+        "rescue": report.get("rescue"),  # None: decoding left the filled rows alone
+        **({f"no_rescue_ppl_gap_{c}_pct": arms["ridgefill_no_rescue"][f"ppl_gap_{c}_pct"] for c in ("novel", "all", "key")}
+           if "ridgefill_no_rescue" in arms else {}),
         "needle_exact": needle["exact"],
         "needle_ridgefill": needle["ridgefill"],
         "needle_identity": needle["identity"],

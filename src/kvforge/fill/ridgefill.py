@@ -17,7 +17,7 @@ rows gets an exact plan that says why (`PrefillPlan.reason`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.fill.calibrate import validate_splits
 from kvforge.fill.maps import RidgeMaps, fold_kv
+from kvforge.fill.rescue import DecodeRescue, RescueConfig
 from kvforge.plan import PrefillPlan
 
 FILLS = ("ridge", "identity")
@@ -48,6 +49,9 @@ class RidgeFillConfig:
     attended_span: int = 16  # each with the rows that follow it
     rows: tuple[int, ...] = ()  # explicit prompt positions kept exact
     fill: str = "ridge"  # or "identity"
+    # filled rows recomputed while decoding when the text repeats a prompt n-gram (`fill.rescue`);
+    # None: decoding never touches them
+    rescue: RescueConfig | None = RescueConfig()
 
     def __post_init__(self):
         if self.tail < 1 or self.sinks < 0 or self.attended_rows < 0 or self.attended_span < 0:
@@ -102,6 +106,7 @@ def resolve(
     rows: tuple[int, ...] = (),
     fill: str = "ridge",
     streamed: bool = False,
+    rescue: bool = True,
 ) -> tuple[RidgeFillConfig, RidgeMaps | None]:
     """(config, maps) for RidgeFill on `engine`: the preset with any overrides, and the maps --
     loaded from `maps`, or the model's cached ones (`artifact_path("maps", model)`) -- checked
@@ -109,6 +114,8 @@ def resolve(
     problem is a one-line error."""
     num_layers = engine.num_layers
     config = preset(preset_name, num_layers, split=split, tail=tail, attended_rows=attended_rows, rows=tuple(rows), fill=fill)
+    if not rescue:
+        config = replace(config, rescue=None)
     config.check(num_layers)
     if fill != "ridge":
         return config, None
@@ -180,13 +187,23 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
         return PrefillPlan.exact(tokens, num_layers, reason)
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.adapter, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
-    if not config.attended_rows:
-        return PrefillPlan(depth, fill, "ridgefill")
+    decode = rescue_hook(fill, config.split, config.rescue) if config.rescue is not None and isinstance(fill, MapFill) else None
     a = engine.adapter
     read = attention_read_layer(a.windows, config.split, [a.is_recurrent(layer) for layer in range(a.num_layers)])
-    if read is None:  # a hybrid with no attention layer below the split: nothing to read the tail's attention from
-        return PrefillPlan(depth, fill, "ridgefill")
-    return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span), choose_at=read + 1)
+    if not config.attended_rows or read is None:  # read None: a hybrid with no attention layer below the split
+        return PrefillPlan(depth, fill, "ridgefill", decode=decode)
+    return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span),
+                       choose_at=read + 1, decode=decode)
+
+
+def rescue_hook(fill: "MapFill", split: int, config: RescueConfig):
+    """The plan's `decode`: a `DecodeRescue` over the split-layer states the fill kept, or None
+    where the rescue cannot run (`DecodeRescue.of`)."""
+
+    def start(engine: Engine, prompt: list[int], cache) -> DecodeRescue | None:
+        return DecodeRescue.of(engine, prompt, cache, fill.states, split, config)[0]
+
+    return start
 
 
 def attention_read_layer(windows: list[int | None], split: int, recurrent: list[bool] | None = None) -> int | None:
@@ -218,8 +235,10 @@ class MapFill:
     def __init__(self, maps: RidgeMaps, split: int, adapter, dtype: torch.dtype, device: torch.device):
         self.maps, self.split, self.adapter, self.dtype, self.device = maps, split, adapter, dtype, device
         self._key, self._x = None, None  # the last map input, reused while a prefill writes the same rows
+        self.states = None  # every prompt row's h_split from the last prefill: what a decode-time rescue recomputes from
 
     def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.states = h
         if layer == self.split:  # the split layer's input is h_split itself
             return h[:, rows]
         w, b = self.maps.weights(self.split, layer, self.dtype)
@@ -227,6 +246,7 @@ class MapFill:
 
     def key_value(self, layer: int, h: torch.Tensor, rows: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache rows (k, v) `layer` holds for the filled `rows`."""
+        self.states = h
         folded = None if layer == self.split or not self.maps.predicts_normed else self._folded(layer)
         if folded is None:
             return self.adapter.key_value(layer, self(layer, h, rows), rope)

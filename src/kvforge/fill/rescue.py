@@ -1,0 +1,119 @@
+"""RidgeFill's decode-time rescue: filled prompt rows recomputed when decoding starts to copy them.
+
+A filled row's late-layer keys come from a predicted input, and what that loses most is copying
+from the prompt: a copy matches the token before and reads the row after (docs/ridgefill.md:
+exact keys under filled values remove most of the gap). So when the text being decoded ends in an
+n-gram that also occurs in the prompt, the filled rows after its most recent occurrences are what
+a copy reads next, and before the next decode step they are recomputed: their exact split-layer
+states (kept from the prefill) run layers [split, L), each row attending to the cache as it
+stands up to itself, as the prefill's tail-attended rows do. Their row kind stays FILLED: kinds
+record what the prefill ran (`PrefillReport`), and `DecodeRescue` counts what decoding rescued.
+TTFT does not change; the cost is a late-layer prefill of the rescued rows, paid while decoding
+and only when the text copies.
+
+The rescue needs every late layer to hold every prompt row at its own position: a sliding-window
+layer that skipped filled rows no exact row could see, or a recurrent layer (its state cannot
+take a row back), turns it off (`DecodeRescue.of` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.attention import attend
+from kvforge.cache import KVCache
+from kvforge.plan import final_depth
+
+
+@dataclass(frozen=True)
+class RescueConfig:
+    ngram: int = 2  # tokens of the decoded text's end that must occur in the prompt
+    window: int = 16  # filled rows rescued after each occurrence
+    recent: int = 4  # the most recent occurrences looked at (a common pair occurs all over)
+
+    def __post_init__(self):
+        if min(self.ngram, self.window, self.recent) < 1:
+            raise ValueError(f"rescue n-gram, window and occurrences must be >= 1, got {self.ngram}, {self.window}, {self.recent}")
+
+
+class DecodeRescue:
+    """One sequence's rescue: the prompt's n-gram occurrences, the rows still filled and their
+    split-layer states. `observe(token)` before each decode step returns the rows to rescue (and
+    counts them as rescued); `recompute` rewrites them in the cache."""
+
+    def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
+        self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
+        self.pending = filled.clone().cpu()  # (P,) filled rows not rescued yet
+        self.occurrences: dict[tuple[int, ...], list[int]] = {}
+        n = config.ngram
+        for end in range(n - 1, len(prompt) - 1):  # an occurrence ending at `end` is followed by row end + 1
+            self.occurrences.setdefault(tuple(prompt[end - n + 1 : end + 1]), []).append(end)
+        self.rescued_rows, self.events = 0, 0
+
+    @classmethod
+    def of(cls, engine, prompt: list[int], cache: KVCache, states: torch.Tensor | None, split: int,
+           config: RescueConfig) -> tuple["DecodeRescue | None", str | None]:
+        """The rescue for a prompt just prefilled into `cache` (alone, from position 0), or None and why not."""
+        a, tokens = engine.adapter, len(prompt)
+        if states is None:
+            return None, "the fill kept no split-layer states (the identity fill reads none)"
+        if cache.batch_size != 1:
+            return None, "the rescue runs one sequence"
+        if cache.lengths()[0] != tokens:
+            return None, "the prompt continues a cached sequence: its rows are not at positions 0.."
+        expected = torch.arange(tokens, device=cache[split].positions.device)
+        for layer in range(split, a.num_layers):
+            if a.is_recurrent(layer):
+                return None, f"layer {layer} is recurrent: its state cannot take a row back"
+            held = cache[layer].row_positions()[0]
+            if held.numel() < tokens or not torch.equal(held[:tokens], expected):
+                return None, f"layer {layer} does not hold every prompt row at its position (a sliding window skipped some)"
+        filled = final_depth(cache, tokens) < a.num_layers
+        return cls(prompt, states, filled, split, config), None
+
+    def extend(self, tokens: list[int]) -> None:
+        """Text that was run without a rescue check (an evaluation's last prompt token)."""
+        self.tokens.extend(tokens)
+
+    def observe(self, token: int) -> list[int]:
+        """`token` is about to be decoded: the filled rows after the latest occurrences of the
+        n-gram it ends (sorted), now counted as rescued."""
+        self.tokens.append(token)
+        n, rows = self.config.ngram, set()
+        for end in self.occurrences.get(tuple(self.tokens[-n:]), [])[-self.config.recent :]:
+            stop = min(end + 1 + self.config.window, self.pending.numel())
+            rows.update(r for r in range(end + 1, stop) if self.pending[r])
+        if rows:
+            rows = sorted(rows)
+            self.pending[rows] = False
+            self.rescued_rows += len(rows)
+            self.events += 1
+        return list(rows)
+
+    @torch.inference_mode()
+    def recompute(self, engine, cache: KVCache, rows: list[int]) -> None:
+        """Rewrite `rows` (sorted prompt positions) at layers [split, L) from their split-layer
+        states: layer by layer, their keys and values replace the filled ones in place, then their
+        queries attend to every row up to their own position (the rows before them as they stand,
+        rescued ones included), and their attention output and MLP give the next layer's input."""
+        a = engine.adapter
+        index = torch.tensor(rows, device=engine.device)
+        positions = index.view(1, -1)
+        h = self.states[:, index]
+        rope = a.rope(h, positions)
+        for layer in range(self.split, a.num_layers):
+            q, k, v, gate = a.attention_inputs(layer, h, rope)
+            held = cache[layer]
+            held.k[:, :, index] = k
+            held.v[:, :, index] = v
+            o = attend(q, a.attention_view(layer, held), positions, a.scaling[layer], a.windows[layer])
+            h = a.mlp_block(layer, a.attention_output(layer, h, o, gate))
+
+    def before_step(self, engine, cache: KVCache, token: int) -> int:
+        """Called with the token the next decode step runs; returns the rows it rescued."""
+        rows = self.observe(token)
+        if rows:
+            self.recompute(engine, cache, rows)
+        return len(rows)

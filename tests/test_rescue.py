@@ -1,0 +1,101 @@
+"""RidgeFill's decode-time rescue (`fill.rescue`) on tiny random models."""
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from kvforge.engine import Engine
+from kvforge.evaluate.ridgefill import _continuation_logits
+from kvforge.fill.rescue import DecodeRescue, RescueConfig
+from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.generation import GenerationConfig
+from test_ridgefill import _fit, _ids
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    engine = Engine(tiny_loaded("llama", seed=1))
+    return engine, _fit(engine, [2])
+
+
+def test_observe_rescues_the_rows_after_the_latest_occurrences_once():
+    prompt = [1, 5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6, 12, 13]
+    filled = torch.ones(len(prompt), dtype=torch.bool)
+    filled[:1] = False
+    filled[13] = False  # an exact row is never rescued
+    rescue = DecodeRescue(prompt, torch.zeros(1, len(prompt), 4), filled, 2, RescueConfig(ngram=2, window=2, recent=2))
+    assert rescue.observe(3) == []  # the text ends (13, 3), no prompt bigram
+    rescue.extend([5])
+    assert rescue.observe(6) == [7, 8, 12]  # (5, 6) ends at 2, 6 and 11; after the latest two: rows 7, 8 and 12 (13 is exact)
+    rescue.extend([5])
+    assert rescue.observe(6) == []  # those rows are rescued already
+    assert (rescue.rescued_rows, rescue.events) == (3, 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        RescueConfig(window=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_rescued_row_equals_the_row_a_prefill_keeping_it_exact_computes(family):
+    engine = Engine(tiny_loaded(family, seed=1))
+    maps = _fit(engine, [2])
+    ids = _ids(5)
+    rows = [9, 10, 11, 20]
+    config = RidgeFillConfig(split=2, tail=6, sinks=2)
+    plan = ridgefill_plan(engine, ids, config, maps)
+    _, cache = engine.prefill([ids], plan=plan)
+    rescue = plan.decode(engine, ids, cache)
+    assert rescue is not None
+    rescue.recompute(engine, cache, rows)
+    _, kept = engine.prefill([ids], plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, sinks=2, rows=tuple(rows)), maps))
+    for layer in range(2, engine.num_layers):
+        for get in ("keys", "values"):
+            torch.testing.assert_close(getattr(cache[layer], get)()[:, :, rows], getattr(kept[layer], get)()[:, :, rows], rtol=1e-4, atol=1e-5)
+    others = [r for r in range(len(ids)) if r not in rows and r < 20]
+    _, plain = engine.prefill([ids], plan=ridgefill_plan(engine, ids, config, maps))
+    assert torch.equal(cache[3].keys()[:, :, others], plain[3].keys()[:, :, others])  # nothing else rewritten
+
+
+def test_generation_with_the_rescue_is_what_its_teacher_forced_scoring_decodes(fitted):
+    engine, maps = fitted
+    prompt = _ids(7, 48)
+    # exact rows the same in the generation's plan (P tokens) and the evaluation's (P - 1): the sinks and the last two
+    config = RidgeFillConfig(split=2, tail=1, sinks=2, rows=(len(prompt) - 2,), rescue=RescueConfig(ngram=1, window=4, recent=2))
+    calls = []
+    original = DecodeRescue.recompute
+    DecodeRescue.recompute = lambda self, engine, cache, rows: calls.append(list(rows)) or original(self, engine, cache, rows)
+    try:
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True), plan=ridgefill_plan(engine, prompt, config, maps))[0]
+        generated = out.token_ids
+        assert calls, "a one-token trigger over a random prompt rescues something"
+        seq = prompt + generated
+        plan = ridgefill_plan(engine, prompt[:-1], config, maps)  # the evaluation's: prefill all but the last prompt token
+        _, cache = engine.prefill([prompt[:-1]], plan=plan)
+        with torch.inference_mode():
+            logits = _continuation_logits(engine, seq, len(prompt), cache, plan.decode(engine, prompt[:-1], cache))
+    finally:
+        DecodeRescue.recompute = original
+    assert logits.argmax(-1).tolist() == generated
+
+
+def test_no_rescue_without_maps_states_or_when_a_prompt_continues_a_cache(fitted):
+    engine, maps = fitted
+    ids = _ids(8)
+    identity = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, fill="identity"))
+    assert identity.decode is None
+    assert ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, rescue=None), maps).decode is None
+    plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6), maps)
+    _, cache = engine.prefill([ids[:10]])
+    engine.prefill([ids], cache=cache, plan=plan)
+    hook, why = DecodeRescue.of(engine, ids, cache, plan.fill.states, 2, RescueConfig())
+    assert hook is None and "continues a cached sequence" in why
+
+
+def test_the_bench_times_decoding_with_and_without_the_rescue(fitted):
+    from kvforge.bench.ridgefill import bench_ridgefill
+
+    engine, maps = fitted
+    report = bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [60], runs=1, decode_tokens=8)
+    r = report["results"][0]
+    assert r["decode_tokens"] == 8 and r["rescued_rows"] >= 0
+    assert all(r[f"{arm}_decode_tokens_per_s"] > 0 for arm in ("exact", "ridgefill_no_rescue", "ridgefill_rescue"))
+    assert "decode_tokens" not in bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [60], runs=1)["results"][0]
