@@ -99,3 +99,15 @@ def test_the_bench_times_decoding_with_and_without_the_rescue(fitted):
     assert r["decode_tokens"] == 8 and r["rescued_rows"] >= 0
     assert all(r[f"{arm}_decode_tokens_per_s"] > 0 for arm in ("exact", "ridgefill_no_rescue", "ridgefill_rescue"))
     assert "decode_tokens" not in bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [60], runs=1)["results"][0]
+
+
+def test_a_hybrid_with_a_recurrent_late_layer_turns_the_rescue_off():
+    engine = Engine(tiny_loaded("qwen3_5", seed=1))
+    maps = _fit(engine, [1])
+    ids = _ids(9)
+    plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=6, sinks=2), maps)
+    _, cache = engine.prefill([ids], plan=plan)
+    hook, why = DecodeRescue.of(engine, ids, cache, plan.fill.states, 1, RescueConfig())
+    assert hook is None and "recurrent" in why and plan.decode(engine, ids, cache) is None
+    out = engine.generate(ids, GenerationConfig(max_new_tokens=4, ignore_eos=True), plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=6, sinks=2), maps))[0]
+    assert out.rescued_rows is None and len(out.token_ids) == 4
