@@ -243,3 +243,15 @@ def test_a_sample_whose_tail_covers_every_row_trains_nothing_and_breaks_nothing(
     before = [w.clone() for w in tr.weights["k"]]
     tr, state = distill(tr, target, covered, [], DistillConfig(steps=1, lr=1e-3, accumulate=2))
     assert state.step == 1 and all(torch.equal(a, b) for a, b in zip(before, tr.weights["k"]))
+
+
+def test_a_checkpoint_without_the_native_tail_setting_resumes_at_tail_0_only(setup, tmp_path):
+    _, target, translator, samples = setup
+    checkpoint = tmp_path / "ckpt.pt"
+    config = DistillConfig(steps=2, lr=1e-3, accumulate=1)
+    distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)
+    assert "native_tail" not in torch.load(checkpoint, weights_only=True)["config"]  # as checkpoints from before the field
+    _, state = distill(copy.deepcopy(translator), target, samples, [], config, checkpoint)  # resumed (finished): no step runs
+    assert state.step == 2 and len(state.losses) == 2
+    with pytest.raises(ValueError, match="other settings"):
+        distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=2, lr=1e-3, accumulate=1, native_tail=8), checkpoint)

@@ -12,6 +12,7 @@ from conftest import char_tokenizer, tiny_config
 from kvforge.engine import Engine
 from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill, summary
 from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill
+from kvforge.fill.rescue import RescueConfig
 from kvforge.fill.ridgefill import RidgeFillConfig
 from kvforge.models.adapters import adapter_for
 from kvforge.models.loading import LoadedModel
@@ -69,7 +70,7 @@ def test_the_decode_time_rescue_is_scored_beside_the_same_prefill_without_it(set
     engine, maps, _, report = setup
     arms, rescue = report["arms"], report["rescue"]
     assert {"ridgefill", "ridgefill_no_rescue"} <= arms.keys()
-    assert rescue["ngram"] == CONFIG.rescue.ngram and rescue["rows_per_sample"] >= 0 and 0 <= rescue["share_of_filled"] <= 1
+    assert rescue["ngram"] == CONFIG.rescue.ngram and 0 <= rescue["share_of_filled"] <= 1
     out = summary(report, "tiny", CONFIG, SETTINGS.prompt_tokens)
     assert out["rescue"] == rescue and out["no_rescue_ppl_gap_all_pct"] == arms["ridgefill_no_rescue"]["ppl_gap_all_pct"]
     off = eval_ridgefill(engine, maps, replace(CONFIG, rescue=None), replace(SETTINGS, needles=0))
@@ -78,6 +79,11 @@ def test_the_decode_time_rescue_is_scored_beside_the_same_prefill_without_it(set
     assert _same(off["arms"]["ridgefill"], arms["ridgefill_no_rescue"])
     if rescue["rows_per_sample"] == 0:
         assert _same(arms["ridgefill"], arms["ridgefill_no_rescue"])
+    # a one-token trigger rescues rows in random text, and the rescued arm then scores differently
+    eager = eval_ridgefill(engine, maps, replace(CONFIG, rescue=RescueConfig(ngram=1, window=4)), replace(SETTINGS, needles=0))
+    assert eager["rescue"]["rows_per_sample"] > 0 and eager["rescue"]["events_per_sample"] > 0
+    assert eager["arms"]["ridgefill"]["all_nll"] != eager["arms"]["ridgefill_no_rescue"]["all_nll"]
+    assert _same(eager["arms"]["ridgefill_no_rescue"], arms["ridgefill_no_rescue"])  # the same prefill without it
 
 
 def test_needles_are_reported_per_arm_among_those_really_filled(setup):

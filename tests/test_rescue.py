@@ -1,5 +1,7 @@
 """RidgeFill's decode-time rescue (`fill.rescue`) on tiny random models."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ def test_observe_rescues_the_rows_after_the_latest_occurrences_once():
     assert rescue.observe(6) == [7, 8, 12]  # (5, 6) ends at 2, 6 and 11; after the latest two: rows 7, 8 and 12 (13 is exact)
     rescue.extend([5])
     assert rescue.observe(6) == []  # those rows are rescued already
+    assert rescue.occurrences[(13, 3)] == [14] and (3, 5) not in rescue.occurrences  # extend registers the n-gram each token completes the one before
     assert (rescue.rescued_rows, rescue.events) == (3, 1)
     with pytest.raises(ValueError, match=">= 1"):
         RescueConfig(window=0)
@@ -60,21 +63,28 @@ def test_generation_with_the_rescue_is_what_its_teacher_forced_scoring_decodes(f
     prompt = _ids(7, 48)
     # exact rows the same in the generation's plan (P tokens) and the evaluation's (P - 1): the sinks and the last two
     config = RidgeFillConfig(split=2, tail=1, sinks=2, rows=(len(prompt) - 2,), rescue=RescueConfig(ngram=1, window=4, recent=2))
-    calls = []
+    generation = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=True)
+    calls: dict[str, list] = {"generate": [], "score": []}
     original = DecodeRescue.recompute
-    DecodeRescue.recompute = lambda self, engine, cache, rows: calls.append(list(rows)) or original(self, engine, cache, rows)
     try:
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True), plan=ridgefill_plan(engine, prompt, config, maps))[0]
-        generated = out.token_ids
-        assert calls, "a one-token trigger over a random prompt rescues something"
-        seq = prompt + generated
+        DecodeRescue.recompute = lambda self, engine, cache, rows: calls["generate"].append(list(rows)) or original(self, engine, cache, rows)
+        out = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, config, maps))[0]
+        plain = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, replace(config, rescue=None), maps))[0]
+        DecodeRescue.recompute = lambda self, engine, cache, rows: calls["score"].append(list(rows)) or original(self, engine, cache, rows)
+        seq = prompt + out.token_ids
         plan = ridgefill_plan(engine, prompt[:-1], config, maps)  # the evaluation's: prefill all but the last prompt token
         _, cache = engine.prefill([prompt[:-1]], plan=plan)
         with torch.inference_mode():
             logits = _continuation_logits(engine, seq, len(prompt), cache, plan.decode(engine, prompt[:-1], cache))
     finally:
         DecodeRescue.recompute = original
-    assert logits.argmax(-1).tolist() == generated
+    assert calls["generate"] and calls["score"] == calls["generate"] and out.rescued_rows == sum(map(len, calls["generate"]))
+    scored = torch.log_softmax(logits, -1)[torch.arange(len(out.token_ids)), out.token_ids]
+    generated = torch.tensor([lp.model for lp in out.logprobs])
+    torch.testing.assert_close(scored, generated, rtol=0, atol=1e-4)  # every token's probability, rescue for rescue
+    unrescued = torch.tensor([lp.model for lp in plain.logprobs])
+    n = min(len(plain.token_ids), len(out.token_ids))
+    assert plain.rescued_rows is None and (generated[:n] - unrescued[:n]).abs().max() > 1e-3  # the rescue changed what was decoded
 
 
 def test_no_rescue_without_maps_states_or_when_a_prompt_continues_a_cache(fitted):
@@ -90,15 +100,19 @@ def test_no_rescue_without_maps_states_or_when_a_prompt_continues_a_cache(fitted
     assert hook is None and "continues a cached sequence" in why
 
 
-def test_the_bench_times_decoding_with_and_without_the_rescue(fitted):
+def test_the_bench_times_decoding_with_and_without_the_rescue(fitted, monkeypatch):
+    import kvforge.bench.ridgefill as module
     from kvforge.bench.ridgefill import bench_ridgefill
 
     engine, maps = fitted
-    report = bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [60], runs=1, decode_tokens=8)
+    # a prompt holding nearly every token id: whatever the random model decodes occurs in it
+    monkeypatch.setattr(module, "held_out_text_tokens", lambda _tokenizer, n: [3 + i % 94 for i in range(n)])
+    config = RidgeFillConfig(split=2, tail=6, rescue=RescueConfig(ngram=1, window=4))
+    report = bench_ridgefill(engine, maps, maps, config, [100], runs=1, decode_tokens=8)
     r = report["results"][0]
-    assert r["decode_tokens"] == 8 and r["rescued_rows"] >= 0
+    assert r["decode_tokens"] == 8 and r["rescued_rows"] > 0 and r["rescue_decode_cost"] is not None
     assert all(r[f"{arm}_decode_tokens_per_s"] > 0 for arm in ("exact", "ridgefill_no_rescue", "ridgefill_rescue"))
-    assert "decode_tokens" not in bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [60], runs=1)["results"][0]
+    assert "decode_tokens" not in bench_ridgefill(engine, maps, maps, RidgeFillConfig(split=2, tail=6), [100], runs=1)["results"][0]
 
 
 def test_a_hybrid_with_a_recurrent_late_layer_turns_the_rescue_off():

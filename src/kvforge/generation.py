@@ -128,8 +128,10 @@ def generate(
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
     report = planned_report(plan, cache, prompts, cached[0])
-    # what the plan does between decode steps (RidgeFill's rescue of filled rows a copy reads)
-    between = plan.decode(engine, prompts[0], cache) if plan is not None and plan.decode is not None and len(prompts) == 1 else None
+    # what the plan does between decode steps (RidgeFill's rescue of filled rows a copy reads),
+    # set up at the first step so that its cost stays out of the time to first token
+    start_between = plan.decode if plan is not None and plan.decode is not None and len(prompts) == 1 else None
+    between = None
     positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
@@ -148,6 +150,8 @@ def generate(
             cache = cache.select_batch(rows)
             tokens, positions = tokens[rows], positions[rows]
             active = [active[row] for row in keep]
+        if start_between is not None:
+            between, start_between = start_between(engine, prompts[0], cache), None
         if between is not None:
             between.before_step(engine, cache, int(tokens[0]))
         logits = engine.decode_step(tokens, cache, positions)

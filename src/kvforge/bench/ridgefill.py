@@ -104,7 +104,7 @@ def _decode(engine: Engine, prompt: list[int], config: RidgeFillConfig, maps: Ri
     samples = interleaved_samples({name: arm(make) for name, make in plans.items()}, runs)
     speed = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in samples.items()}
     return {"decode_tokens": tokens, **{f"{name}_decode_tokens_per_s": v for name, v in speed.items()},
-            "rescue_decode_cost": speed["ridgefill_no_rescue"] / speed["ridgefill_rescue"] - 1.0,
+            "rescue_decode_cost": speed["ridgefill_no_rescue"] / speed["ridgefill_rescue"] - 1.0 if speed["ridgefill_rescue"] else None,
             "rescued_rows": statistics.median(x["rescued_rows"] for x in samples["ridgefill_rescue"])}
 
 

@@ -62,7 +62,8 @@ def eval_ridgefill(
     a = engine.adapter
     hybrid = any(a.is_recurrent(layer) for layer in range(a.num_layers))
     splices = ["splice_filled_keys", "splice_filled_values", *(["splice_exact_state"] if hybrid else [])]
-    rescuing = config.fill == "ridge" and config.rescue is not None
+    # a recurrent late layer turns the rescue off (`DecodeRescue.of`): no arm to score it beside
+    rescuing = config.fill == "ridge" and config.rescue is not None and not any(a.is_recurrent(layer) for layer in range(config.split, a.num_layers))
     unrescued = ["ridgefill_no_rescue"] if rescuing else []
     nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, *unrescued, *splices]}
     novel, key = [], []

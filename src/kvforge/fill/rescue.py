@@ -59,6 +59,8 @@ class DecodeRescue:
         a, tokens = engine.adapter, len(prompt)
         if states is None:
             return None, "the fill kept no split-layer states (the identity fill reads none)"
+        if states.shape[1] != tokens:
+            raise ValueError(f"split-layer states of {states.shape[1]} rows for a {tokens}-token prompt: a plan serves the prompt it was made for")
         if cache.batch_size != 1:
             return None, "the rescue runs one sequence"
         if cache.lengths()[0] != tokens:
@@ -74,8 +76,15 @@ class DecodeRescue:
         return cls(prompt, states, filled, split, config), None
 
     def extend(self, tokens: list[int]) -> None:
-        """Text that was run without a rescue check (an evaluation's last prompt token)."""
-        self.tokens.extend(tokens)
+        """Prompt text that was run without a rescue check (an evaluation's last prompt token,
+        which generation prefills with the prompt): its n-grams count as prompt occurrences, as
+        they would have in the prompt."""
+        n = self.config.ngram
+        for token in tokens:
+            end = len(self.tokens) - 1
+            if end >= n - 1:
+                self.occurrences.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
+            self.tokens.append(token)
 
     def observe(self, token: int) -> list[int]:
         """`token` is about to be decoded: the filled rows after the latest occurrences of the

@@ -152,7 +152,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     state = DistillState()
     if checkpoint is not None and checkpoint.is_file():
-        state = load_checkpoint(checkpoint, CHECKPOINT, asdict(config), params, trainer, _parse_state)
+        state = load_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer, _parse_state)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
@@ -165,7 +165,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
-            save_checkpoint(checkpoint, CHECKPOINT, asdict(config), params, trainer,
+            save_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer,
                             {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation]})
         if progress:
             progress(state, time.perf_counter() - start)
@@ -175,6 +175,15 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "losses_first_last": [state.losses[0], state.losses[-1]],
                                                                "validation_kl": state.validation}}
     return translator, state
+
+
+def checkpoint_settings(config: DistillConfig) -> dict:
+    """The settings a checkpoint is written with and resumed under: a native tail of 0 is left
+    out, so checkpoints written before the field existed still resume."""
+    settings = asdict(config)
+    if settings["native_tail"] == 0:
+        del settings["native_tail"]
+    return settings
 
 
 def sweep_learning_rates(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample],
