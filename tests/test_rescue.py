@@ -65,19 +65,19 @@ def test_generation_with_the_rescue_is_what_its_teacher_forced_scoring_decodes(f
     config = RidgeFillConfig(split=2, tail=1, sinks=2, rows=(len(prompt) - 2,), rescue=RescueConfig(ngram=1, window=4, recent=2))
     generation = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=True)
     calls: dict[str, list] = {"generate": [], "score": []}
-    original = DecodeRescue.recompute
+    original = DecodeRescue.late_layers
     try:
-        DecodeRescue.recompute = lambda self, engine, cache, rows: calls["generate"].append(list(rows)) or original(self, engine, cache, rows)
+        DecodeRescue.late_layers = lambda self, engine, cache, rows, *step: calls["generate"].append(list(rows)) or original(self, engine, cache, rows, *step)
         out = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, config, maps))[0]
         plain = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, replace(config, rescue=None), maps))[0]
-        DecodeRescue.recompute = lambda self, engine, cache, rows: calls["score"].append(list(rows)) or original(self, engine, cache, rows)
+        DecodeRescue.late_layers = lambda self, engine, cache, rows, *step: calls["score"].append(list(rows)) or original(self, engine, cache, rows, *step)
         seq = prompt + out.token_ids
         plan = ridgefill_plan(engine, prompt[:-1], config, maps)  # the evaluation's: prefill all but the last prompt token
         _, cache = engine.prefill([prompt[:-1]], plan=plan)
         with torch.inference_mode():
             logits = _continuation_logits(engine, seq, len(prompt), cache, plan.decode(engine, prompt[:-1], cache))
     finally:
-        DecodeRescue.recompute = original
+        DecodeRescue.late_layers = original
     assert calls["generate"] and calls["score"] == calls["generate"] and out.rescued_rows == sum(map(len, calls["generate"]))
     scored = torch.log_softmax(logits, -1)[torch.arange(len(out.token_ids)), out.token_ids]
     generated = torch.tensor([lp.model for lp in out.logprobs])
@@ -125,3 +125,25 @@ def test_a_hybrid_with_a_recurrent_late_layer_turns_the_rescue_off():
     assert hook is None and "recurrent" in why and plan.decode(engine, ids, cache) is None
     out = engine.generate(ids, GenerationConfig(max_new_tokens=4, ignore_eos=True), plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=6, sinks=2), maps))[0]
     assert out.rescued_rows is None and len(out.token_ids) == 4
+
+
+def test_a_step_with_rescued_rows_equals_the_rescue_then_the_plain_step(fitted):
+    engine, maps = fitted
+    ids = _ids(11)
+    config = RidgeFillConfig(split=2, tail=6, sinks=2)
+    caches, logits = [], []
+    for merged in (False, True):
+        plan = ridgefill_plan(engine, ids, config, maps)
+        _, cache = engine.prefill([ids], plan=plan)
+        rescue = plan.decode(engine, ids, cache)
+        if merged:
+            logits.append(rescue.late_layers(engine, cache, [8, 9, 15], 42, len(ids)))
+        else:
+            rescue.recompute(engine, cache, [8, 9, 15])
+            logits.append(engine.decode_step(torch.tensor([42]), cache, torch.tensor([len(ids)])))
+        caches.append(cache)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(*[c.layers for c in caches]):
+        assert a.length == b.length == len(ids) + 1
+        torch.testing.assert_close(a.keys(), b.keys(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.values(), b.values(), rtol=1e-4, atol=1e-5)

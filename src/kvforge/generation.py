@@ -110,8 +110,8 @@ def generate(
     """Generate for one prompt (a list of ids) or a batch (a list of lists).
 
     `on_text(i, delta)` receives sequence i's new text as it is produced. `plan`: a
-    `PrefillPlan` for the prompt (one prompt); decode always runs every layer, and the plan's
-    `decode` hook, if any, runs before each step. `cache`: the
+    `PrefillPlan` for the prompt (one prompt); decode always runs every layer, through the plan's
+    `decode` hook when it has one (RidgeFill's rescue). `cache`: the
     prompts continue the sequences it holds (a translated cache, for a hand-off).
     """
     config = config or GenerationConfig()
@@ -152,9 +152,10 @@ def generate(
             active = [active[row] for row in keep]
         if start_between is not None:
             between, start_between = start_between(engine, prompts[0], cache), None
-        if between is not None:
-            between.before_step(engine, cache, int(tokens[0]))
-        logits = engine.decode_step(tokens, cache, positions)
+        if between is not None:  # the plan runs the step (RidgeFill: with the rows it rescues)
+            logits = between.decode_step(engine, cache, int(tokens[0]), int(positions[0]))
+        else:
+            logits = engine.decode_step(tokens, cache, positions)
         positions = positions + 1
 
     for seq in seqs:

@@ -50,8 +50,9 @@ class PrefillPlan:
     choose: Chooser | None = None
     reason: str | None = None  # why a method's plan for this prompt computes every row exactly
     choose_at: int | None = None  # the layer before which `choose` runs (None: the first layer any row leaves)
-    # decode(engine, prompt, cache) -> a hook with before_step(engine, cache, token), or None: what
-    # the method does between decode steps of this prompt's one sequence (RidgeFill's rescue)
+    # decode(engine, prompt, cache) -> a hook with decode_step(engine, cache, token, position) ->
+    # logits (1, V), or None: how the method runs the decode steps of this prompt's one sequence
+    # (RidgeFill's rescue recomputes filled rows within them)
     decode: Callable | None = None
 
     @classmethod

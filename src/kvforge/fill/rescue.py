@@ -101,28 +101,45 @@ class DecodeRescue:
             self.events += 1
         return list(rows)
 
-    @torch.inference_mode()
     def recompute(self, engine, cache: KVCache, rows: list[int]) -> None:
         """Rewrite `rows` (sorted prompt positions) at layers [split, L) from their split-layer
-        states: layer by layer, their keys and values replace the filled ones in place, then their
-        queries attend to every row up to their own position (the rows before them as they stand,
-        rescued ones included), and their attention output and MLP give the next layer's input."""
+        states (`late_layers` without a token)."""
+        self.late_layers(engine, cache, rows)
+
+    def decode_step(self, engine, cache: KVCache, token: int, position: int) -> torch.Tensor:
+        """The decode step of `token` at `position` (its logits, (1, V)), rescuing first the rows
+        its n-gram calls for (`observe`). Rescued rows join the step from the split on, so the late
+        layers' weights are read once for both: a rescue costs its rows, not a second pass."""
+        rows = self.observe(token)
+        ids = torch.tensor([token], device=engine.device)
+        if not rows:
+            return engine.decode_step(ids, cache, torch.tensor([position], device=engine.device))
+        return self.late_layers(engine, cache, rows, token, position)
+
+    @torch.inference_mode()
+    def late_layers(self, engine, cache: KVCache, rows: list[int], token: int | None = None, position: int | None = None):
+        """Layers [split, L) for `rows` from their split-layer states, with the decode step of
+        `token` (run below the split first) as the chunk's last row when given; returns its logits
+        (1, V), or None. Layer by layer the rows' keys and values replace the filled ones in place
+        and the token's are appended, then every query attends to the rows up to its own position as
+        they stand (rescued ones included), and attention output and MLP give the next layer's input."""
         a = engine.adapter
         index = torch.tensor(rows, device=engine.device)
-        positions = index.view(1, -1)
         h = self.states[:, index]
+        positions = index.view(1, -1)
+        if token is not None:
+            at = torch.tensor([[position]], device=engine.device)
+            below = engine.run_layers(a.embed(torch.tensor([[token]], device=engine.device)), at, cache, 0, self.split)
+            h, positions = torch.cat([h, below.to(h.dtype)], dim=1), torch.cat([positions, at], dim=1)
         rope = a.rope(h, positions)
+        n = len(rows)
         for layer in range(self.split, a.num_layers):
             q, k, v, gate = a.attention_inputs(layer, h, rope)
             held = cache[layer]
-            held.k[:, :, index] = k
-            held.v[:, :, index] = v
+            held.k[:, :, index] = k[:, :, :n]
+            held.v[:, :, index] = v[:, :, :n]
+            if token is not None:
+                held.append(k[:, :, n:], v[:, :, n:], positions[:, n:])
             o = attend(q, a.attention_view(layer, held), positions, a.scaling[layer], a.windows[layer])
             h = a.mlp_block(layer, a.attention_output(layer, h, o, gate))
-
-    def before_step(self, engine, cache: KVCache, token: int) -> int:
-        """Called with the token the next decode step runs; returns the rows it rescued."""
-        rows = self.observe(token)
-        if rows:
-            self.recompute(engine, cache, rows)
-        return len(rows)
+        return a.head(h[:, -1:]).squeeze(1).float() if token is not None else None
