@@ -4,12 +4,13 @@ A filled row's late-layer keys come from a predicted input, and what that loses 
 from the prompt: a copy matches the token before and reads the row after (docs/ridgefill.md:
 exact keys under filled values remove most of the gap). So when the text being decoded ends in an
 n-gram that also occurs in the prompt, the filled rows after its most recent occurrences are what
-a copy reads next, and before the next decode step they are recomputed: their exact split-layer
-states (kept from the prefill) run layers [split, L), each row attending to the cache as it
-stands up to itself, as the prefill's tail-attended rows do. Their row kind stays FILLED: kinds
+a copy reads next, and the next decode step recomputes them: their exact split-layer states
+(kept from the prefill) join the step's token from the split on, through layers [split, L), each
+row attending to the cache as it stands up to itself, as the prefill's tail-attended rows do (one
+forward: the late layers' weights are read once for the step and its rescue). Their row kind stays FILLED: kinds
 record what the prefill ran (`PrefillReport`), and `DecodeRescue` counts what decoding rescued.
-TTFT does not change; the cost is a late-layer prefill of the rescued rows, paid while decoding
-and only when the text copies.
+TTFT does not change; the cost is the rescued rows' share of a late-layer forward, paid while
+decoding and only when the text copies.
 
 The rescue needs every late layer to hold every prompt row at its own position: a sliding-window
 layer that skipped filled rows no exact row could see, or a recurrent layer (its state cannot
@@ -40,8 +41,8 @@ class RescueConfig:
 
 class DecodeRescue:
     """One sequence's rescue: the prompt's n-gram occurrences, the rows still filled and their
-    split-layer states. `observe(token)` before each decode step returns the rows to rescue (and
-    counts them as rescued); `recompute` rewrites them in the cache."""
+    split-layer states. `decode_step` runs a decode step with the rows its token calls for
+    (`observe`); `recompute` rewrites rows without a step."""
 
     def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
         self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
