@@ -11,9 +11,9 @@ from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.scoring import continuation_logits
 from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, student_logits, trainable
+from kvforge.translate.fit import LingoFitConfig, fit_lingo
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.split import split_text
-from kvforge.translate.fit import LingoFitConfig, fit_lingo
 
 TEXTS = [
     ("User: name three colours.\n\nAssistant: red, green and blue are three colours.", len("User: name three colours.\n\nAssistant:")),
