@@ -486,3 +486,10 @@ def test_bench_vllm_handoff_refuses_bad_settings_before_loading_anything():
         (("bench", "vllm-handoff", "--source-engine", "tgi"), "unknown --source-engine"),
         (("bench", "vllm-handoff", "--native-tail", -1), "--native-tail must be >= 0"),
     ])
+
+
+def test_bench_ridgefill_refuses_a_decode_length_with_no_speed_before_loading_anything():
+    _assert_one_line_errors([
+        (("bench", "ridgefill", "--decode-tokens", 1), "--decode-tokens must be 0 or >= 2"),
+        (("bench", "ridgefill", "--decode-tokens", -3), "--decode-tokens must be 0 or >= 2"),
+    ])

@@ -48,7 +48,7 @@ def test_a_rescued_row_equals_the_row_a_prefill_keeping_it_exact_computes(family
     _, cache = engine.prefill([ids], plan=plan)
     rescue = plan.decode(engine, ids, cache)
     assert rescue is not None
-    rescue.recompute(engine, cache, rows)
+    rescue.late_layers(engine, cache, rows)
     _, kept = engine.prefill([ids], plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, sinks=2, rows=tuple(rows)), maps))
     for layer in range(2, engine.num_layers):
         for get in ("keys", "values"):
@@ -139,7 +139,7 @@ def test_a_step_with_rescued_rows_equals_the_rescue_then_the_plain_step(fitted):
         if merged:
             logits.append(rescue.late_layers(engine, cache, [8, 9, 15], 42, len(ids)))
         else:
-            rescue.recompute(engine, cache, [8, 9, 15])
+            rescue.late_layers(engine, cache, [8, 9, 15])
             logits.append(engine.decode_step(torch.tensor([42]), cache, torch.tensor([len(ids)])))
         caches.append(cache)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)

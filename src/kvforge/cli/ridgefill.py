@@ -106,11 +106,11 @@ def bench_ridgefill_cmd(
 
     setup_threads(threads)
     lengths = parse_lengths(tokens)
+    if decode_tokens < 0 or decode_tokens == 1:
+        raise KvforgeError(f"--decode-tokens must be 0 or >= 2 (a decode speed needs two tokens), got {decode_tokens}")
     engine = load_engine(model, device, dtype)
     config, resident = ridgefill.resolve(engine, maps, preset, split, tail)
     streamed = RidgeMaps.load(resident.path, streamed=True)
-    if decode_tokens < 0 or decode_tokens == 1:
-        raise KvforgeError(f"--decode-tokens must be 0 or >= 2 (a decode speed needs two tokens), got {decode_tokens}")
     report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                              decode_tokens=decode_tokens)
     report["model"] = model

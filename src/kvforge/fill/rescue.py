@@ -42,7 +42,7 @@ class RescueConfig:
 class DecodeRescue:
     """One sequence's rescue: the prompt's n-gram occurrences, the rows still filled and their
     split-layer states. `decode_step` runs a decode step with the rows its token calls for
-    (`observe`); `recompute` rewrites rows without a step."""
+    (`observe`); `late_layers` rewrites rows, with or without a step."""
 
     def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
         self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
@@ -95,27 +95,21 @@ class DecodeRescue:
         for end in self.occurrences.get(tuple(self.tokens[-n:]), [])[-self.config.recent :]:
             stop = min(end + 1 + self.config.window, self.pending.numel())
             rows.update(r for r in range(end + 1, stop) if self.pending[r])
+        rows = sorted(rows)
         if rows:
-            rows = sorted(rows)
             self.pending[rows] = False
             self.rescued_rows += len(rows)
             self.events += 1
-        return list(rows)
-
-    def recompute(self, engine, cache: KVCache, rows: list[int]) -> None:
-        """Rewrite `rows` (sorted prompt positions) at layers [split, L) from their split-layer
-        states (`late_layers` without a token)."""
-        self.late_layers(engine, cache, rows)
+        return rows
 
     def decode_step(self, engine, cache: KVCache, token: int, position: int) -> torch.Tensor:
         """The decode step of `token` at `position` (its logits, (1, V)), rescuing first the rows
         its n-gram calls for (`observe`). Rescued rows join the step from the split on, so the late
         layers' weights are read once for both: a rescue costs its rows, not a second pass."""
         rows = self.observe(token)
-        ids = torch.tensor([token], device=engine.device)
-        if not rows:
-            return engine.decode_step(ids, cache, torch.tensor([position], device=engine.device))
-        return self.late_layers(engine, cache, rows, token, position)
+        if rows:
+            return self.late_layers(engine, cache, rows, token, position)
+        return engine.decode_step(torch.tensor([token], device=engine.device), cache, torch.tensor([position], device=engine.device))
 
     @torch.inference_mode()
     def late_layers(self, engine, cache: KVCache, rows: list[int], token: int | None = None, position: int | None = None):

@@ -8,7 +8,7 @@ attends to most at the last exact layer with the rows after each) run every laye
 exactly and, at each late layer l >= split, the layer writes its K/V from the predicted input
 h_split @ W_l + b_l (at l = split the input is h_split itself). The `identity` fill (the seed's POP
 baseline) uses h_split as every late layer's input, through the same plan. Every decode step runs
-the full model; between steps the plan's rescue (`fill.rescue`, on by default) recomputes the
+the full model; within it the plan's rescue (`fill.rescue`, on by default) recomputes the
 filled rows a copy from the prompt reads next.
 
 `resolve` turns a user's choice (preset, overrides, a maps file or the cached one) into a checked
