@@ -319,7 +319,7 @@ def test_hand_off_refuses_a_cache_of_another_shape_and_survives_unmappable_text(
     assert h.cache.lengths()[0] == len(h.target_ids) - 1
 
 
-# bf16 hand-offs: the translator's fp32 output is rounded into the bf16 cache. Measured: the first
+# bf16 hand-offs: the maps run in bf16 (`Translator.in_dtype`) and write the bf16 cache. Measured: the first
 # decode step from a translated cache is at most 0.016 from the bf16 exact cache's (identity maps)
 # and from the fp32 hand-off's, and 0.008 for a cross-model translator; 0.1 leaves >5x margin.
 BF16_TOL = 0.1
@@ -357,6 +357,22 @@ def test_a_translator_fitted_in_fp32_hands_off_between_bf16_models(pair):
     last = torch.tensor([h16.pending])
     assert (target16.decode_step(last, h16.cache) - target.decode_step(last, h32.cache)).abs().max() < BF16_TOL
     assert len(target16.generate([h16.pending], cache=h16.cache)[0].token_ids) > 0
+
+
+def test_maps_cast_for_a_bf16_cache_once_until_a_weight_changes_in_place(pair):
+    source, target = pair
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=2, conversations=2, max_chars=300))
+    assert tr.in_dtype(torch.float32) is tr
+    bf16 = tr.in_dtype(torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and {b.dtype for side in "kv" for b in bf16.biases[side]} == {torch.bfloat16}
+    assert tr.in_dtype(torch.bfloat16) is bf16 and tr.dtype == torch.float32
+    features = [torch.randn(5, tr.source.side_width("k")) for _ in range(tr.source.num_layers)]
+    own = own_tokens(target, [3, 4, 5, 6, 7], 0, 5, tr.own_tokens)
+    torch.testing.assert_close(bf16.apply("k", 0, features, own).float(), tr.apply("k", 0, features, own), atol=0.05, rtol=0.02)
+    with torch.no_grad():
+        tr.weights["k"][0].add_(1.0)  # as an optimizer step does
+    fresh = tr.in_dtype(torch.bfloat16)
+    assert fresh is not bf16 and torch.equal(fresh.weights["k"][0], tr.weights["k"][0].to(torch.bfloat16))
 
 
 def test_pre_norm_features_from_a_bf16_cache_stay_close_where_a_k_norm_weight_is_zero():

@@ -82,6 +82,9 @@ def append_translated(translator: Translator, target, aligned: dict[str, dict[in
     translator with own-token inputs reads them). Differentiable in the translator's weights when
     called with gradients on (stage 2 trains through it)."""
     t = translator.target
+    if not torch.is_grad_enabled():  # inference: the maps in the cache's dtype (bf16: the fast units)
+        translator = translator.in_dtype(target.dtype)
+        aligned = {side: {s: f.to(translator.dtype) for s, f in features.items()} for side, features in aligned.items()}
     n = next(iter(aligned["k"].values())).shape[0]
     own = own_tokens(target, target_ids, start, n, translator.own_tokens)
     positions = torch.arange(start, start + n, device=target.device).view(1, -1)

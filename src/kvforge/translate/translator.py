@@ -16,6 +16,7 @@ alignment rule, the layer assignment and ν, the own-token count, and what it wa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +84,27 @@ class Translator:
     biases: dict[str, list[torch.Tensor]]  # side -> (G·out,) per target layer
     info: dict = field(default_factory=dict)
     own_tokens: int = 0  # the target's own token embeddings each map reads (row t, t-1, ...)
+    _casts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> (stamp, Translator)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights["k"][0].dtype
+
+    def in_dtype(self, dtype: torch.dtype) -> "Translator":
+        """These maps with weights and biases in `dtype`, for inference into a `dtype` cache: in
+        bfloat16 the maps run on the CPU's bf16 matrix units (AMX: ~10x float32's speed), while
+        `apply` still accumulates in float32. Cast once and kept until a weight changes in place
+        (stage 2's optimizer steps bump the tensors' versions)."""
+        if self.dtype == dtype:
+            return self
+        stamp = tuple((id(t), t._version) for side in SIDES for t in (*self.weights[side], *self.biases[side]))
+        kept = self._casts.get(dtype)
+        if kept is None or kept[0] != stamp:
+            cast = lambda ts: [t.detach().to(dtype) for t in ts]  # noqa: E731
+            kept = stamp, dataclasses.replace(self, weights={s: cast(self.weights[s]) for s in SIDES},
+                                              biases={s: cast(self.biases[s]) for s in SIDES})
+            self._casts[dtype] = kept
+        return kept[1]
 
     @property
     def groups(self) -> int:
@@ -109,7 +131,7 @@ class Translator:
             # Weight rows past the source's: one (E, out) block per look-back j; its term depends on
             # the token alone, so it is computed per distinct token and gathered.
             blocks = w[0, x.shape[2] :].view(self.own_tokens, own.embeddings.shape[1], -1)  # (count, E, out)
-            per_token = torch.einsum("ue,jeo->ujo", own.embeddings, blocks)
+            per_token = torch.einsum("ue,jeo->ujo", own.embeddings.to(w.dtype), blocks)
             y = y + sum(per_token[own.index[:, j], j] for j in range(self.own_tokens))
         return y + self.biases[side][layer]
 
