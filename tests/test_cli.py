@@ -410,6 +410,11 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     assert obj["kl"] >= 0 and len(obj["cka_keys"]) == 4 and len(obj["cka_keys"][0]) == 4
     assert all(0 <= c <= 1 + 1e-9 for row in obj["cka_values"] for c in row)
     assert (tmp_path / "cka.png").is_file()
+    # bf16: the maps run in bf16, the zero baseline's too (made under inference mode)
+    ev16 = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 1, "--prefix-chars", 200, "--continuation-chars", 60,
+                "--dtype", "bf16", "--plot", tmp_path / "cka16.png", "--json")
+    assert ev16.exit_code == 0, ev16.output
+    assert 0 < _last_json(ev16)["bpb_target_translated"] < float("inf")
     bench = _run("bench", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--translator", tiny_translator,
                  "--tokens", 40, "--runs", 1, "--json")
     assert bench.exit_code == 0, bench.output

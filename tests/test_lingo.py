@@ -373,6 +373,9 @@ def test_maps_cast_for_a_bf16_cache_once_until_a_weight_changes_in_place(pair):
         tr.weights["k"][0].add_(1.0)  # as an optimizer step does
     fresh = tr.in_dtype(torch.bfloat16)
     assert fresh is not bf16 and torch.equal(fresh.weights["k"][0], tr.weights["k"][0].to(torch.bfloat16))
+    with torch.inference_mode():  # as `eval lingo` makes its zero baseline: tensors without a version
+        zero = tr.zeroed()
+    assert zero.in_dtype(torch.bfloat16) is zero.in_dtype(torch.bfloat16)
 
 
 def test_pre_norm_features_from_a_bf16_cache_stay_close_where_a_k_norm_weight_is_zero():

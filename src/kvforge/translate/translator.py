@@ -97,7 +97,9 @@ class Translator:
         (stage 2's optimizer steps bump the tensors' versions)."""
         if self.dtype == dtype:
             return self
-        stamp = tuple((id(t), t._version) for side in SIDES for t in (*self.weights[side], *self.biases[side]))
+        # Inference tensors (made under inference mode: a zeroed translator) keep no version and
+        # no optimizer can step them.
+        stamp = tuple((id(t), -1 if t.is_inference() else t._version) for side in SIDES for t in (*self.weights[side], *self.biases[side]))
         kept = self._casts.get(dtype)
         if kept is None or kept[0] != stamp:
             cast = lambda ts: [t.detach().to(dtype) for t in ts]  # noqa: E731
