@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError, UnknownModelError
@@ -133,8 +134,10 @@ class Translator:
             # Weight rows past the source's: one (E, out) block per look-back j; its term depends on
             # the token alone, so it is computed per distinct token and gathered.
             blocks = w[0, x.shape[2] :].view(self.own_tokens, own.embeddings.shape[1], -1)  # (count, E, out)
-            per_token = torch.einsum("ue,jeo->ujo", own.embeddings.to(w.dtype), blocks)
-            y = y + sum(per_token[own.index[:, j], j] for j in range(self.own_tokens))
+            per_token = torch.einsum("ue,jeo->ujo", own.embeddings.to(w.dtype), blocks).reshape(-1, blocks.shape[2])
+            # Row (u, j) of the table is token u's term at look-back j: one bag of `count` rows per row.
+            rows = own.index * self.own_tokens + torch.arange(self.own_tokens, device=own.index.device)
+            y = y + F.embedding_bag(rows, per_token, mode="sum")
         return y + self.biases[side][layer]
 
     def macs_per_token(self) -> int:
