@@ -70,8 +70,7 @@ class Alignment:
 
     def gather(self, features: torch.Tensor) -> torch.Tensor:
         """Source features (T_src, F_in) -> aligned features (n - head, F_in)."""
-        # One weighted bag of source rows per target row: embedding_bag reads each row in place
-        # (3x faster than indexing a copy out, then weighting and summing it, at 4K rows).
+        # One weighted bag of source rows per target row (a one-row rule's bags hold one row).
         return F.embedding_bag(self.index, features, mode="sum", per_sample_weights=self.weight.to(features.dtype))
 
     def truncate(self, rows: int) -> "Alignment":
