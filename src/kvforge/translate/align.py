@@ -100,23 +100,32 @@ def align(source: Tokenized, target: Tokenized, rule: str = "cover", head: int |
     starts, ends = source.spans[src_rows, 0], source.spans[src_rows, 1]
     # Byte-level tokenizers may give a multi-token character overlapping spans; ends stay sorted.
     ends = np.maximum.accumulate(ends)
+    spans = target.spans[head:]
+    if rule == "mean":
+        return _mean_alignment(head, spans, src_rows, starts, ends)
+    # cover and last pick one source row per target row, found for all rows at once.
+    s, e = spans[:, 0], spans[:, 1]
+    if rule == "cover":
+        j = np.searchsorted(ends, e, side="left")
+        placed = (e > s) & (j < len(ends))
+        j = np.searchsorted(ends, ends[np.minimum(j, len(ends) - 1)], side="right") - 1
+    else:
+        j = np.searchsorted(ends, e, side="right") - 1
+        placed = (e > s) & (j >= 0)
+    rows = np.where(placed, src_rows[np.clip(j, 0, len(src_rows) - 1)], -1)
+    # A row no rule can place reads what the row before read (before any: the first source row).
+    rows = rows[np.maximum.accumulate(np.where(placed, np.arange(len(rows)), 0))]
+    rows = np.where(rows < 0, src_rows[0], rows)
+    index = torch.from_numpy(rows.astype(np.int64)).view(-1, 1)
+    return Alignment(head, index, torch.ones(index.shape, dtype=torch.float32), rule)
+
+
+def _mean_alignment(head: int, spans: np.ndarray, src_rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Alignment:
+    """The mean rule: every source row overlapping the target row's span, equally weighted."""
     picks: list[list[int]] = []
     previous = [int(src_rows[0])]
-    for s, e in target.spans[head:]:
-        chosen: list[int] = []
-        if e > s:
-            if rule == "cover":
-                j = int(np.searchsorted(ends, e, side="left"))
-                if j < len(ends):
-                    j = int(np.searchsorted(ends, ends[j], side="right")) - 1
-                    chosen = [int(src_rows[j])]
-            elif rule == "last":
-                j = int(np.searchsorted(ends, e, side="right")) - 1
-                if j >= 0:
-                    chosen = [int(src_rows[j])]
-            else:
-                overlap = np.flatnonzero((starts < e) & (ends > s))
-                chosen = [int(src_rows[j]) for j in overlap]
+    for s, e in spans:
+        chosen = [int(src_rows[j]) for j in np.flatnonzero((starts < e) & (ends > s))] if e > s else []
         chosen = chosen or previous
         picks.append(chosen)
         previous = chosen
@@ -127,4 +136,4 @@ def align(source: Tokenized, target: Tokenized, rule: str = "cover", head: int |
         index[i, : len(p)] = torch.tensor(p)
         index[i, len(p) :] = p[0]
         weight[i, : len(p)] = 1.0 / len(p)
-    return Alignment(head, index, weight, rule)
+    return Alignment(head, index, weight, "mean")
