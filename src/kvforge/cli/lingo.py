@@ -48,7 +48,7 @@ def fit_lingo_cmd(
     stage: int = typer.Option(1, "--stage", help="1: closed form; 2: self-distillation from --init."),
     init: Optional[Path] = typer.Option(None, "--init", help="Stage 2: the stage-1 translator to start from."),
     steps: int = typer.Option(100, "--steps", help="Stage 2 optimizer steps."),
-    lr: float = typer.Option(1e-4, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
+    lr: float = typer.Option(3e-5, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(128, "--samples", help="Stage 2 training conversations."),
     recall_fraction: float = typer.Option(0.5, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's; 0: the natural/packed mix alone)."),
