@@ -349,6 +349,9 @@ def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gem
     assert rows[2]["translated_rows"] == rows[2]["caught_up_rows"]  # mid-conversation: every caught-up row translated
     naive = _last_json(_run(*args, "--mode", "naive", "--json"))["turns"]
     assert naive[2]["translated_rows"] > rows[2]["translated_rows"]  # the whole prefix again
+    # bf16: the maps of both directions run in bf16 on each turn's new rows, the same rows as in fp32
+    rows16 = _last_json(_run(*args, "--dtype", "bf16", "--json"))["turns"]
+    assert [r["translated_rows"] for r in rows16] == [r["translated_rows"] for r in rows]
     bad = _run(*args, "--mode", "relay")
     assert bad.exit_code == 2 and "--mode must be one of" in bad.stderr
 
