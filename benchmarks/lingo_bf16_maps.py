@@ -1,6 +1,6 @@
 """What running a translator's maps in bf16 costs in quality. Since the maps run in the target
-cache's dtype (`Translator.in_dtype`), a bf16 hand-off rounds each weight to bf16 (products still
-accumulate in fp32). This scores, in bf16 engines, on `kvforge eval lingo`'s held-out samples, the
+cache's dtype (`Translator.in_dtype`), a bf16 hand-off rounds each weight to bf16 (each matmul
+still accumulates in fp32; its output and the bias sum are bf16). This scores, in bf16 engines, on `kvforge eval lingo`'s held-out samples, the
 same translator twice: its maps in bf16 (what a bf16 hand-off runs) and kept in float32 (what it
 ran before), each against the target's own bf16 cache; and times both translating the source's
 cache of a held-out text of `--tokens` target tokens (`translate_cache`: reading the source rows

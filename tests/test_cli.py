@@ -334,7 +334,7 @@ def test_handoff_generates_from_the_translated_cache(tiny_gemma_dir, tiny_model_
     assert tailed["native_tail"] == 6 and len(tailed["token_ids"]) == 5
 
 
-def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path):
+def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path, monkeypatch):
     back = tmp_path / "back.safetensors"
     assert _run("fit", "lingo", "--source", tiny_model_dir, "--target", tiny_gemma_dir, "--nu", 1, "--conversations", 2,
                 "--max-chars", 300, "--out", back).exit_code == 0
@@ -350,8 +350,15 @@ def test_handoff_turns_alternates_models_and_translates_only_new_tokens(tiny_gem
     naive = _last_json(_run(*args, "--mode", "naive", "--json"))["turns"]
     assert naive[2]["translated_rows"] > rows[2]["translated_rows"]  # the whole prefix again
     # bf16: the maps of both directions run in bf16 on each turn's new rows, the same rows as in fp32
+    import torch
+
+    from kvforge.translate.translator import Translator
+
+    ran_in, in_dtype = [], Translator.in_dtype
+    monkeypatch.setattr(Translator, "in_dtype", lambda self, dtype: ran_in.append((self.target.name, dtype)) or in_dtype(self, dtype))
     rows16 = _last_json(_run(*args, "--dtype", "bf16", "--json"))["turns"]
     assert [r["translated_rows"] for r in rows16] == [r["translated_rows"] for r in rows]
+    assert {dtype for _, dtype in ran_in} == {torch.bfloat16} and len({name for name, _ in ran_in}) == 2  # both directions
     bad = _run(*args, "--mode", "relay")
     assert bad.exit_code == 2 and "--mode must be one of" in bad.stderr
 

@@ -71,7 +71,8 @@ class Alignment:
     def gather(self, features: torch.Tensor) -> torch.Tensor:
         """Source features (T_src, F_in) -> aligned features (n - head, F_in)."""
         # One weighted bag of source rows per target row (a one-row rule's bags hold one row).
-        return F.embedding_bag(self.index, features, mode="sum", per_sample_weights=self.weight.to(features.dtype))
+        return F.embedding_bag(self.index.to(features.device), features, mode="sum",
+                               per_sample_weights=self.weight.to(features.device, features.dtype))
 
     def truncate(self, rows: int) -> "Alignment":
         """The alignment of the first `rows` target rows (all of them native when rows <= head)."""

@@ -82,7 +82,9 @@ def append_translated(translator: Translator, target, aligned: dict[str, dict[in
     translator with own-token inputs reads them). Differentiable in the translator's weights when
     called with gradients on (stage 2 trains through it)."""
     t = translator.target
-    if not torch.is_grad_enabled():  # inference: the maps in the cache's dtype (bf16: the fast units)
+    # A hand-off (run under inference mode): the maps in the cache's dtype (bf16: the fast units).
+    # Stage 2's training and its no-grad validation keep the float32 maps they train.
+    if torch.is_inference_mode_enabled():
         translator = translator.in_dtype(target.dtype)
         aligned = {side: {s: f.to(translator.dtype) for s, f in features.items()} for side, features in aligned.items()}
     n = next(iter(aligned["k"].values())).shape[0]

@@ -85,7 +85,7 @@ class Translator:
     biases: dict[str, list[torch.Tensor]]  # side -> (G·out,) per target layer
     info: dict = field(default_factory=dict)
     own_tokens: int = 0  # the target's own token embeddings each map reads (row t, t-1, ...)
-    _casts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> (stamp, Translator)
+    _casts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> (tensors, versions, Translator)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -93,21 +93,23 @@ class Translator:
 
     def in_dtype(self, dtype: torch.dtype) -> "Translator":
         """These maps with weights and biases in `dtype`, for inference into a `dtype` cache: in
-        bfloat16 the maps run on the CPU's bf16 matrix units (AMX: one 4K-row map 11x float32's speed), while
-        `apply` still accumulates in float32. Cast once and kept until a weight changes in place
-        (stage 2's optimizer steps bump the tensors' versions)."""
+        bfloat16 the maps run on the CPU's bf16 matrix units (AMX: one 4K-row map 11x float32's
+        speed; each matmul accumulates in float32, its output and the bias sum are bf16). Cast once
+        and kept until a weight is replaced or changed in place (an optimizer step bumps a tensor's
+        version)."""
         if self.dtype == dtype:
             return self
+        tensors = tuple(t for side in SIDES for t in (*self.weights[side], *self.biases[side]))
         # Inference tensors (made under inference mode: a zeroed translator) keep no version and
         # no optimizer can step them.
-        stamp = tuple((id(t), -1 if t.is_inference() else t._version) for side in SIDES for t in (*self.weights[side], *self.biases[side]))
+        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
         kept = self._casts.get(dtype)
-        if kept is None or kept[0] != stamp:
+        if kept is None or kept[1] != versions or any(a is not b for a, b in zip(kept[0], tensors)):
             cast = lambda ts: [t.detach().to(dtype) for t in ts]  # noqa: E731
-            kept = stamp, dataclasses.replace(self, weights={s: cast(self.weights[s]) for s in SIDES},
-                                              biases={s: cast(self.biases[s]) for s in SIDES})
+            kept = tensors, versions, dataclasses.replace(self, weights={s: cast(self.weights[s]) for s in SIDES},
+                                                          biases={s: cast(self.biases[s]) for s in SIDES})
             self._casts[dtype] = kept
-        return kept[1]
+        return kept[2]
 
     @property
     def groups(self) -> int:
