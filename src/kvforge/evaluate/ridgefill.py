@@ -32,6 +32,7 @@ from kvforge.engine import Engine
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct, token_classes
 from kvforge.fill.maps import RidgeMaps
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig
 from kvforge.plan import final_depth
 from kvforge.scoring import continuation_logits, continuation_nll, token_nll
@@ -62,8 +63,8 @@ def eval_ridgefill(
     a = engine.adapter
     hybrid = any(a.is_recurrent(layer) for layer in range(a.num_layers))
     splices = ["splice_filled_keys", "splice_filled_values", *(["splice_exact_state"] if hybrid else [])]
-    # a recurrent late layer turns the rescue off (`DecodeRescue.of`): no arm to score it beside
-    rescuing = config.fill == "ridge" and config.rescue is not None and not any(a.is_recurrent(layer) for layer in range(config.split, a.num_layers))
+    # a recurrent late layer turns the rescue off: no arm to score it beside
+    rescuing = config.fill == "ridge" and config.rescue is not None and DecodeRescue.recurrent_late_layer(a, config.split) is None
     unrescued = ["ridgefill_no_rescue"] if rescuing else []
     nll: dict[str, list[torch.Tensor]] = {name: [] for name in ["exact", *arms, *unrescued, *splices]}
     novel, key = [], []

@@ -53,6 +53,12 @@ class DecodeRescue:
             self.occurrences.setdefault(tuple(prompt[end - n + 1 : end + 1]), []).append(end)
         self.rescued_rows, self.events = 0, 0
 
+    @staticmethod
+    def recurrent_late_layer(adapter, split: int) -> int | None:
+        """The first recurrent layer at or above `split`, whose state cannot take a row back (the
+        rescue is off for such a model), or None."""
+        return next((layer for layer in range(split, adapter.num_layers) if adapter.is_recurrent(layer)), None)
+
     @classmethod
     def of(cls, engine, prompt: list[int], cache: KVCache, states: torch.Tensor | None, split: int,
            config: RescueConfig) -> tuple["DecodeRescue | None", str | None]:
@@ -66,10 +72,11 @@ class DecodeRescue:
             return None, "the rescue runs one sequence"
         if cache.lengths()[0] != tokens:
             return None, "the prompt continues a cached sequence: its rows are not at positions 0.."
+        recurrent = cls.recurrent_late_layer(a, split)
+        if recurrent is not None:
+            return None, f"layer {recurrent} is recurrent: its state cannot take a row back"
         expected = torch.arange(tokens, device=cache[split].positions.device)
         for layer in range(split, a.num_layers):
-            if a.is_recurrent(layer):
-                return None, f"layer {layer} is recurrent: its state cannot take a row back"
             held = cache[layer].row_positions()[0]
             if held.numel() < tokens or not torch.equal(held[:tokens], expected):
                 return None, f"layer {layer} does not hold every prompt row at its position (a sliding window skipped some)"
