@@ -24,6 +24,7 @@ from kvforge.generation import GenerationConfig
 from kvforge.models import load_model
 from kvforge.speculative.ngram import NgramCache, NgramDrafter, PromptLookupDrafter
 from kvforge.speculative.step import DraftConfig, DraftGate
+from kvforge import provenance
 
 # (label, gate): None drafts every step
 SETTINGS = [
@@ -76,7 +77,7 @@ def main() -> None:
             rows.append({"gate": label, "drafter": name, **(gate or {}), **result})
     report = {"model": args.model, "dtype": str(engine.dtype), "k": args.k, "prompts": len(prompts), "results": rows}
     path = Path("benchmarks/results") / f"gate-replay-{args.model}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(provenance.report(report), indent=1))
     print("| gate | drafter | tokens per step | steps | steps that verified a draft |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['gate']} | {r['drafter']} | {r['tokens_per_step']:.2f} | {r['steps']} | {r['drafted_steps']} |")

@@ -26,6 +26,7 @@ from kvforge.models import load_model
 from kvforge.translate.align import align, tokenize
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.translator import Translator
+from kvforge import provenance
 
 
 class Float32Maps(Translator):
@@ -76,7 +77,7 @@ def main() -> None:
         result[arm]["translate_s"] = seconds[arm]
         r = result[arm]
         print(f"{arm:13s} bits per byte {r['bpb']:.4f} ({r['gap_pct']:+.1f} % over the target's own {native:.4f}), KL {r['kl']:.4f}")
-    print(json.dumps(result))
+    print(json.dumps(provenance.report(result)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """RidgeFill with a decode-time rescue: when the text being decoded repeats an n-gram of the
 prompt, the filled rows after each earlier occurrence (what a copy reads next) are recomputed
-through the late layers before the next token. A lever for issue 20's key-token gap, measured
-here before the engine had it (`fill.rescue` since), to choose its setting among three: quality as
+through the late layers before the next token. A lever for RidgeFill's key-token gap, measured
+here to choose its setting among three (the engine's `fill.rescue` runs the chosen one): quality as
 `kvforge eval ridgefill` measures it (same held-out prompts, teacher forced), one JSON object on the
 last line. An implementation of its own, kept as a cross-check: `eval ridgefill` with the chosen
 setting (the default `RescueConfig`) gives the same figures (2K: all-token +0.8 %, key +3.1 %).
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from kvforge.artifacts import artifact_path
+from kvforge.artifacts import find_artifact
 from kvforge.cache import KVCache, LayerCache
 from kvforge.data.prompts import token_sequences
+from kvforge import provenance
 from kvforge.engine import Engine
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct, token_classes
 from kvforge.fill.maps import RidgeMaps
@@ -111,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(load_model(args.model))
-    maps = RidgeMaps.load(args.maps or artifact_path("maps", args.model))
+    maps = RidgeMaps.load(args.maps or find_artifact("maps", args.model))
     maps.check_model(args.model, engine.model.fingerprint, engine.num_layers)
     config = preset("fast", engine.num_layers)
     arms = ["ridgefill", *[f"rescue n{n} w{w} r{r}" for n, w, r in SETTINGS]]
@@ -155,11 +156,11 @@ def main() -> None:
             row["rescued_share_of_filled"] = sum(c[0] for c in counts[name]) / sum(filled_rows)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(json.dumps({"command": "ridgefill_decode_rescue", "model": args.model, "method": "ridgefill", "tokens": args.tokens,
+    print(json.dumps(provenance.report({"command": "ridgefill_decode_rescue", "model": args.model, "method": "ridgefill", "tokens": args.tokens,
                       "continuation": args.continuation, "samples": args.samples, "split": config.split, "tail": config.tail,
                       "attended_rows": config.attended_rows, "maps": str(args.maps), "exact_all_nll": mean_nll(nll["exact"], every),
                       "novel_tokens": int(sum(int(m.sum()) for m in novel)), "key_tokens": int(sum(int(m.sum()) for m in key)),
-                      "results": rows}))
+                      "results": rows})))
 
 
 if __name__ == "__main__":

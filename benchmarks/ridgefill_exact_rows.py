@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kvforge.artifacts import artifact_path
+from kvforge.artifacts import find_artifact
 from kvforge.bench.flops import exact_macs, prefill_macs
 from kvforge.data.prompts import held_out_text_tokens
+from kvforge import provenance
 from kvforge.engine import Engine
 from kvforge.evaluate.ridgefill import EvalSettings, eval_ridgefill, summary
 from kvforge.fill.maps import RidgeMaps
@@ -39,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(load_model(args.model))
-    maps = RidgeMaps.load(args.maps or artifact_path("maps", args.model))
+    maps = RidgeMaps.load(args.maps or find_artifact("maps", args.model))
     maps.check_model(args.model, engine.model.fingerprint, engine.num_layers)
     settings = EvalSettings(samples=args.samples, needles=0, prompt_tokens=args.tokens)
     prompt = held_out_text_tokens(engine.model.tokenizer, args.tokens)  # the bench prompt: its MAC ceiling
@@ -59,8 +60,8 @@ def main() -> None:
         }
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    print(json.dumps({"command": "ridgefill_exact_rows", "model": args.model, "method": "ridgefill", "tokens": args.tokens, "split": args.split,
-                      "samples": args.samples, "results": rows}))
+    print(json.dumps(provenance.report({"command": "ridgefill_exact_rows", "model": args.model, "method": "ridgefill", "tokens": args.tokens, "split": args.split,
+                      "samples": args.samples, "results": rows})))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Which map inputs RidgeFill's ridge maps should read (issue 20; smollm2-135m, split 15, fast rows).
+"""Which map inputs RidgeFill's ridge maps should read (smollm2-135m, split 15, fast rows).
 
     python benchmarks/ridgefill_map_inputs.py fit --tokens 100000       # moments of every candidate input
     python benchmarks/ridgefill_map_inputs.py eval --variants prev,next   # each variant's continuation gaps
@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from kvforge import ridge
 from kvforge.data.prompts import token_sequences
+from kvforge import provenance
 from kvforge.engine import Engine
 from kvforge.models import load_model
 from kvforge.fill.calibrate import layer_inputs
@@ -22,7 +23,7 @@ from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct, token_classes
 from kvforge.evaluate.ridgefill import _filled_rows
 from kvforge.scoring import continuation_nll
-from kvforge.artifacts import artifact_path
+from kvforge.artifacts import find_artifact
 
 S, EARLY, SINKS = 15, 10, 4
 ap = argparse.ArgumentParser()
@@ -88,7 +89,7 @@ for name in args.variants.split(","):
         solved[name] = (ch.w.float(), ch.b.float())
     print(name, "r2", [round(r, 4) for r in ch.r2], "lam", ch.lam, file=sys.stderr, flush=True)
 
-maps = RidgeMaps.load(artifact_path("maps", "smollm2-135m"))
+maps = RidgeMaps.load(find_artifact("maps", "smollm2-135m"))
 config = RidgeFillConfig(split=S, tail=256, attended_rows=16)
 
 class Fill:
@@ -122,4 +123,4 @@ res = {}
 for n in names:
     res[n] = {c: (round(ppl_gap_pct(nll[n], nll["exact"], msk), 2), [round(v, 2) for v in paired_bootstrap_ci(nll[n], nll["exact"], msk)])
               for c, msk in (("novel", novel), ("all", every), ("key", key))}
-print(json.dumps({"prompt_tokens": args.prompt_tokens, "samples": args.samples, "novel": int(sum(x.sum() for x in novel)), "key": int(sum(x.sum() for x in key)), "results": res}))
+print(json.dumps(provenance.report({"prompt_tokens": args.prompt_tokens, "samples": args.samples, "novel": int(sum(x.sum() for x in novel)), "key": int(sum(x.sum() for x in key)), "results": res})))

@@ -31,6 +31,7 @@ from kvforge.fill.maps import RidgeMaps
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
 from kvforge.models import load_model
 from kvforge.plan import final_depth
+from kvforge import provenance
 
 # (split, tail, attended rows: anchors kept exact with the 16 rows after each)
 SETTINGS = [(10, 256, 16), (15, 256, 0), (15, 256, 16), (15, 512, 32), (20, 256, 16), (20, 512, 32)]
@@ -109,7 +110,7 @@ def main() -> None:
 
 def write(path: Path, out: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str))
+    path.write_text(json.dumps(provenance.report(out), indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge import kernels
+from kvforge import provenance
 
 # smollm2-135m: fused q/k/v (576 + 2 x 192 outputs), o, fused gate/up, down
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -60,7 +61,7 @@ def main() -> None:
         results.append({"rows": rows, **{f"{arm}_ms": statistics.median(t[1:]) for arm, t in times.items()}})
     report = {"kernels": kernels.kind(), "threads": 1, "torch": torch.__version__, "runs": args.runs, "results": results}
     out = Path(__file__).parent / "results" / f"small-linear-{report['kernels']}.json"
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(json.dumps(provenance.report(report), indent=1) + "\n")
     one = results[0]
     print(f"kernels: {report['kernels']} (ms for one step's 121 linears; x = over the first row count's small_linear)")
     print("| rows | small_linear | oneDNN packed | F.linear |")

@@ -1,6 +1,6 @@
 """Write a randomly initialised hybrid (Qwen3.5 text: three Gated DeltaNet layers to one
 full-attention layer) of SmolLM2-135M's width (32 layers: 8 of them full attention), with SmolLM2's tokenizer, as a Hugging
-Face directory. No hybrid with real weights installs on these machines, so this model measures
+Face directory. No hybrid with real weights is among the packaged models, so this model measures
 speed only: its outputs are noise and no quality figure means anything on it.
 
     python benchmarks/tiny_hybrid.py ~/.cache/kvforge/models/hybrid-qwen3_5-random

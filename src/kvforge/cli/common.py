@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from kvforge.errors import KvforgeError
+from kvforge.provenance import report
 from kvforge.paths import safe_name  # noqa: F401  (re-exported to the command modules)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Forge KV caches instead of computing them in full.")
@@ -106,8 +107,9 @@ def cell(row: dict, key: str, spec: str) -> str:
 
 
 def emit_json(obj: dict) -> None:
-    """Print the one JSON object of a `--json` run on its own line of stdout."""
-    sys.stdout.write(json.dumps(obj) + "\n")
+    """Print the one JSON object of a `--json` run on its own line of stdout, with where it ran
+    (`provenance.report`: CPU, flags, threads, versions, commit; no absolute paths)."""
+    sys.stdout.write(json.dumps(report(obj)) + "\n")
     sys.stdout.flush()
 
 
