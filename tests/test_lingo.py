@@ -439,7 +439,7 @@ def test_pre_norm_features_from_a_bf16_cache_stay_close_where_a_k_norm_weight_is
         assert ((live16 - live32).norm() / live32.norm()) < 0.05  # bf16 rounding: 0.004-0.014 measured
 
 
-# --- dense -> mixture of experts (issue 22) ------------------------------------------------------
+# --- dense -> mixture of experts -----------------------------------------------------------------
 def _moe_twin_with_doubled_values(dense_hf):
     """A Qwen3-MoE model computing exactly what the dense Qwen3 `dense_hf` computes, whose cached
     values are twice the dense model's: every expert is the dense MLP (top-k weights normalised to
@@ -491,7 +491,7 @@ def test_a_dense_to_moe_translator_recovers_the_known_relation_and_hands_off():
     torch.testing.assert_close(target.decode_step(last, h.cache), target.decode_step(last, exact), atol=2e-3, rtol=2e-3)
 
 
-# --- into a latent (MLA) cache (issue 22) ----------------------------------------------------------
+# --- into a latent (MLA) cache ---------------------------------------------------------------------
 def _mla_twin_with_doubled_latents(seed: int):
     """Two tiny DeepSeek-V3 (MLA) models computing the same thing, the second caching latents twice
     the first's: its latent norm weight doubled and the up projection kv_b halved. The translator

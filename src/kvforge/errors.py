@@ -23,7 +23,7 @@ class PromptError(KvforgeError):
 
 
 class DeviceError(KvforgeError):
-    """A device that is not present on this machine."""
+    """A device that torch cannot see (no CUDA GPU, no such GPU index, no MPS)."""
 
 
 class ArtifactError(KvforgeError):

@@ -16,7 +16,7 @@ from kvforge.cli.common import (
 
 
 RidgeTailOpt = typer.Option(None, "--tail", help="RidgeFill full-depth tail tokens (overrides the preset).")
-SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 1, or the adapter's).")
+SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 64, or the adapter's).")
 
 
 @app.command()

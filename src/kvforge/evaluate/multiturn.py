@@ -1,7 +1,7 @@
 """Multi-turn evaluation: per-turn loss when the two models take turns.
 
 Held-out conversations with at least `turns` user→assistant exchanges are replayed turn by turn
-(user messages and replies capped in characters to fit this machine); party 0 (the translator's
+(user messages and replies capped in characters to bound a run's time on a CPU); party 0 (the translator's
 source) speaks turn 1, party 1 turn 2, and so on. At each turn the speaker teacher-forces the
 real reply, and its loss in bits per byte of the reply is recorded for three modes (see
 `translate.session`): native re-prefill (reference), alternated translation, naive

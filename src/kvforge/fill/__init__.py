@@ -1,1 +1,1 @@
-"""Methods that fill or skip part of a prompt's cache: RidgeFill (late-layer fill), later SPEED."""
+"""Methods that fill or skip part of a prompt's cache: RidgeFill (late-layer fill) and SPEED (shallow prefill)."""

@@ -12,7 +12,7 @@ other, with the adapted model itself at full depth as the teacher (its distribut
 without gradients from the same weights): the cross entropy keeps learning the data, and the KL
 pulls the policy's predictions toward those of the very model it is judged against (the policy gap
 is SPEED vs full depth on the same adapted weights), where `kl`'s frozen teacher falls behind as
-the adapter learns. Measured (issue 21): `ce+kl` is the default, policy gap +2.1 % against `ce`'s +6.9 %
+the adapter learns. Measured (smollm2-135m, docs/results.md#speed): `ce+kl` is the default, policy gap +2.1 % against `ce`'s +6.9 %
 (40 held-out replies; +3.4 % on 80), with adapted SPEED itself as good as `ce`'s (within 1 %): the gap
 closes mostly because the adapted model at full depth moves less from the base (-2.8 % against -8.0 %).
 A KL weight of 2 closes the gap entirely by making both depths 4 % worse than the base: weight 1. Only the adapter's deltas train
@@ -50,14 +50,14 @@ from kvforge.training import CheckpointKind, OptimConfig, Trainer, load_checkpoi
 
 @dataclass(frozen=True)
 class SpeedFitConfig:
-    steps: int = 600  # with rank 32: as good as 1,200 (policy gap +6.9 % with CE, +2.1 % with ce+kl; issue 21)
+    steps: int = 600  # with rank 32: as good as 1,200 (policy gap +6.9 % with CE, +2.1 % with ce+kl; docs/results.md#speed)
     rank: int = 32  # LoRA's; full fine-tuning has none
     train: str = "lora"  # or "full" (whole deltas on every projection) or "full-above-cut"
     alpha: float = 16.0
     lr: float = 5e-4
     warmup_fraction: float = 0.05
     accumulate: int = 1  # conversations per optimizer step
-    max_tokens: int = 512  # prompt + reply per sample: what one step costs on this machine's CPU
+    max_tokens: int = 512  # prompt + reply per sample: sized for a step's cost on a 2-core CPU
     max_reply: int = 128
     seed: int = 0
     loss: str = "ce+kl"  # policy gap +1.5 % on 80 replies at KL_WEIGHT (CE alone +6.9 % on 40, "kl" from the base model +13.3 % at tail 1)

@@ -29,7 +29,7 @@
 static int amx_on;
 
 /* Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (asked once:
- * the permission is per process); 1 if the AMX path is now on. */
+ * the permission is per process); returns 1 if the AMX path is on, else 0. */
 int kvforge_amx_enable(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))

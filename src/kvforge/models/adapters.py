@@ -357,11 +357,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sequence (decode, verification, at any batch size) run `kernels.small_linear` over the weight
     packed into pairs (a row's bits independent of the row count by construction; a decode
     step's 121 matmuls at one row 24 -> 12.5 ms, at 9 rows 28 -> 25 ms, at 16 rows 35 -> 31 ms,
-    interleaved on this machine) and longer ones (prefill) F.linear; elsewhere, what follows.
+    interleaved, on AMD EPYC with AVX512-BF16) and longer ones (prefill) F.linear; elsewhere, what follows.
 
     Prepacked: oneDNN's linear over a weight reordered into its blocked layout at first use
     (`mkldnn._reorder_linear_weight`, what torch.compile's CPU backend packs bf16 linears with) and
-    kept beside the weight. Measured on this machine, one thread, smollm2's bf16 shapes with the
+    kept beside the weight. Measured on AMD EPYC (AVX512-BF16), one thread, smollm2's bf16 shapes with the
     weights streaming from memory as in decoding: a decode step's 121 matmuls 57 -> 32 ms (1 row),
     65 -> 35 ms (9 rows); equal or faster at every width up to 1024-row prefill chunks, with
     results bit-identical to F.linear's.
@@ -454,7 +454,7 @@ def _packed(weight: torch.Tensor, pack=_onednn_pack) -> torch.Tensor | None:
 @functools.cache
 def _one_row_rounds_apart(out_features: int, in_features: int, dtype: torch.dtype, packed: bool) -> bool:
     """Whether oneDNN computes one row of this shape differently from the same row among others,
-    measured once per shape on 64 random rows (on this machine: only above 1024 inputs, for 14-23 %
+    measured once per shape on 64 random rows (on AMD EPYC with AVX512-BF16: only above 1024 inputs, for 14-23 %
     of rows, packed or not; other CPUs and oneDNN releases may differ, hence measured, not assumed)."""
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)

@@ -65,11 +65,11 @@ def resolve_device(name: str) -> torch.device:
         raise DeviceError(f"unknown device {name!r}: {exc}") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"device {name!r} is not available: torch sees no CUDA GPU on this machine")
+            raise DeviceError(f"device {name!r} is not available: torch sees no CUDA GPU")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceError(f"device {name!r} is not available: {torch.cuda.device_count()} CUDA GPU(s) here")
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(f"device {name!r} is not available on this machine")
+        raise DeviceError(f"device {name!r} is not available: torch sees no MPS backend")
     elif device.type not in ("cpu", "cuda", "mps"):
         raise DeviceError(f"unsupported device {name!r}: use cpu, cuda or cuda:N")
     return device

@@ -70,7 +70,7 @@ def close_llm(llm) -> None:
 def spec_counters(llm) -> dict[str, float]:
     """This engine's speculative-decoding counters so far (drafts, draft tokens, accepted tokens);
     needs `disable_log_stats=False`. Read off the engine's own Prometheus logger, not the global
-    registry: each in-process engine start unregisters the previous engine's metrics there."""
+    registry: each in-process engine start unregisters the metrics of an engine started before."""
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
     manager = getattr(llm.llm_engine, "logger_manager", None)
     for logger in getattr(manager, "stat_loggers", ()):
