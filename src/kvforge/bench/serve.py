@@ -137,14 +137,14 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
     `speed_tail`: SPEED's full-depth tail (default 64)."""
-    from kvforge.artifacts import artifact_path
+    from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     unknown = [m for m in methods if m not in METHOD_OPTIONS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
     if "ridgefill" in methods and maps is None:
-        maps = artifact_path("maps", model)
+        maps = find_artifact("maps", model)
     served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device, dtype=dtype,
                                       preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail))
     tokenizer = served[model].engine.model.tokenizer

@@ -38,7 +38,7 @@ DtypeOpt = typer.Option(
 )
 ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last line of stdout.")
-MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: the cached ones).")
+MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: your own fit in $KVFORGE_HOME, else the shipped ones).")
 PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
 SplitOpt = typer.Option(None, "--split", help="RidgeFill split layer (overrides the preset).")
 TailOpt = typer.Option(None, "--tail", help="Full-depth tail tokens (RidgeFill: overrides the preset; SPEED: default 64).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -283,21 +284,24 @@ def demo(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """A long real prompt answered by each method, with a one-screen summary."""
-    from kvforge.artifacts import artifact_path
-    from kvforge.demo import PARTNERS, run_demo
+    """A long held-out conversation answered by every method, then one closing line per method."""
+    from kvforge.artifacts import default_translator_path, find_artifact
+    from kvforge.demo import EXTRACT_QUESTION, PARTNERS, closing_lines, degeneration, shared_content_words, timed_demo
 
+    started = time.perf_counter()
     setup_threads(threads)
     engine = load_engine(model, device, dtype)
-    maps = artifact_path("maps", engine.model.name)
+    maps = find_artifact("maps", engine.model.name)
     if not maps.is_file():
         err.print(f"[dim]first run: fitting RidgeFill maps for {model} once (a few minutes), cached in {maps}[/dim]")
     partner = PARTNERS.get(engine.model.name)
-    translator = artifact_path("translator", partner, target=engine.model.name) if partner else None
+    translator = default_translator_path(partner, engine.model.name) if partner else None
     if translator is not None and not translator.is_file():
         err.print(f"[dim]first run: fitting a KV-Lingo translator {partner} → {model} once (a few minutes), cached in {translator}[/dim]")
-    with err.status("answering"):
-        rows, prompt = run_demo(engine, max_new_tokens)
+    with err.status("answering") as status:
+        rows, prompt, answer_s = timed_demo(engine, max_new_tokens, progress=lambda name: status.update(f"answering: {name}"))
+    wall_s = time.perf_counter() - started
+    checks = [{"degenerate": degeneration(r.answer), "shared_with_exact": len(shared_content_words(r.answer, rows[0].answer))} for r in rows]
     if json_out:
         emit_json(
             {
@@ -306,16 +310,25 @@ def demo(
                 "method": ",".join(r.method for r in rows),
                 "dtype": dtype_of(engine),
                 "tokens": rows[0].prompt_tokens,
-                "results": [r.__dict__ for r in rows],
+                "wall_s": wall_s,
+                "answer_s": answer_s,
+                "results": [r.__dict__ | c for r, c in zip(rows, checks)],
+                "closing": closing_lines(rows),
             }
         )
         return
     out = Console()
-    out.print(f"[bold]kvforge demo[/bold] on {model}: a held-out ShareGPT conversation, then: {prompt.splitlines()[-1]!r}")
+    out.print(f"[bold]kvforge demo[/bold] on {model}: a held-out ShareGPT conversation, then {prompt.splitlines()[-1]!r} "
+              f"(n-gram drafting: {EXTRACT_QUESTION!r})")
     table = Table("method", "prompt tokens", "TTFT s", "decode tok/s")
     for r in rows:
         table.add_row(r.method, str(r.prompt_tokens), f"{r.ttft_s:.2f}", f"{r.decode_tokens_per_s:.1f}")
     out.print(table)
-    for r in rows:
-        answer = " ".join(r.answer.split())
-        out.print(f"[bold]{r.method}[/bold]: {answer[:400]}{'…' if len(answer) > 400 else ''}", highlight=False)
+    for r, c in zip(rows, checks):
+        answer = r.answer[:400] + ("…" if len(r.answer) > 400 else "")
+        flag = f" [red](repeats {c['degenerate']!r})[/red]" if c["degenerate"] else ""
+        out.print(f"[bold]{r.method}[/bold]{flag}: {answer}", highlight=False)
+    out.print()
+    for line in closing_lines(rows):
+        out.print(line, highlight=False)
+    out.print(f"[dim]{wall_s:.0f} s in all: {wall_s - answer_s:.0f} s loading, {answer_s:.0f} s answering[/dim]")

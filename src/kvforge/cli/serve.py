@@ -53,12 +53,17 @@ def serve(
     threads: Optional[int] = ThreadsOpt,
 ):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
-    Prefill exact and SPEED always, RidgeFill with --maps, hand-off with --translator and --target."""
+    Prefill exact and SPEED always, RidgeFill with maps (--maps, default: the model's own fit or the
+    shipped ones, when there are any), hand-off with --translator and --target."""
     import uvicorn
 
+    from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     setup_threads(threads)
+    if maps is None:
+        found = find_artifact("maps", model)
+        maps = found if found.is_file() else None
     if max_batch < 1 or queue_size < 1 or history_entries < 0 or handoff_native_tail < 0:
         raise ValueError("--max-batch and --queue-size must be >= 1, --history-entries and --handoff-native-tail >= 0")
     if api_key is not None and not api_key.strip():

@@ -157,7 +157,7 @@ def bench_vllm_ridgefill_cmd(
     json_out: bool = JsonOpt,
 ):
     """RidgeFill prefill inside vLLM vs vLLM's exact prefill: time to first token, MAC ceiling, filled share."""
-    from kvforge.artifacts import artifact_path
+    from kvforge.artifacts import find_artifact
     from kvforge.bench.peers import DTYPES, parse_choices
     from kvforge.cli.common import load_engine, parse_lengths
     from kvforge.fill.ridgefill import resolve
@@ -172,7 +172,7 @@ def bench_vllm_ridgefill_cmd(
     from kvforge.bench.vllm_ridgefill import bench_vllm_ridgefill
 
     engine = load_engine(model, "cpu", "fp32")
-    maps_path = maps if maps is not None else artifact_path("maps", engine.model.name)
+    maps_path = maps if maps is not None else find_artifact("maps", engine.model.name)
     config, _ = resolve(engine, maps_path, preset, split, tail, attended_rows)  # the maps fit the model and hold the split
     if max(lengths) + 16 > engine.model.context_length:
         raise KvforgeError(f"{max(lengths)} tokens exceed the context of {engine.model.context_length}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.artifacts import artifact_path
+from kvforge.artifacts import find_artifact
 from kvforge.attention import visibility_mask
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
@@ -110,7 +110,7 @@ def resolve(
     rescue: bool = True,
 ) -> tuple[RidgeFillConfig, RidgeMaps | None]:
     """(config, maps) for RidgeFill on `engine`: the preset with any overrides, and the maps --
-    loaded from `maps`, or the model's cached ones (`artifact_path("maps", model)`) -- checked
+    loaded from `maps`, or the model's cached ones (`find_artifact("maps", model)`: a fit's, else the shipped ones) -- checked
     against the model and holding the split. The identity fill needs no maps (None). Each
     problem is a one-line error."""
     num_layers = engine.num_layers
@@ -121,7 +121,7 @@ def resolve(
     if fill != "ridge":
         return config, None
     if not isinstance(maps, RidgeMaps):
-        path = Path(maps) if maps is not None else artifact_path("maps", engine.model.name)
+        path = Path(maps) if maps is not None else find_artifact("maps", engine.model.name)
         if maps is None and not path.is_file():
             raise KvforgeError(
                 f"no RidgeFill maps for {engine.model.name} at {path}: run `kvforge fit ridgefill --model {engine.model.name}` or pass --maps"

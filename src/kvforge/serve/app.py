@@ -342,7 +342,7 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     are the ids served (a hand-off keeps them, with their character spans, for the alignment)."""
     engine, options = s.engine, body.kvforge
     if options.prefill not in s.routes:
-        hint = {"ridgefill": "start the server with --maps", "handoff": "start the server with --translator and --target, and ask the target model"}
+        hint = {"ridgefill": "start the server with --maps (no fitted or shipped maps were found for this model)", "handoff": "start the server with --translator and --target, and ask the target model"}
         raise ApiError(400, f"prefill {options.prefill!r} is not available for {s.name}: {hint.get(options.prefill, 'not loaded')}", "kvforge.prefill")
     if options.prefetch and options.draft != "ngram":
         raise ApiError(400, "prefetch needs draft 'ngram': it reads the n-gram cache", "kvforge.prefetch")

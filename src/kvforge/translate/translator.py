@@ -178,12 +178,16 @@ class Translator:
             raise ArtifactError(f"translator reads keys at {self.capture}, not {capture}")
 
     # --- artifact ----------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, storage: torch.dtype = torch.float32) -> Path:
+        """Write the artifact; `storage` torch.bfloat16 halves the file (the shipped translators:
+        their held-out scores in bf16 are in artifacts/MANIFEST.json). Loading reads float32 either way."""
+        if storage not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"a translator is stored in float32 or bfloat16, not {storage}")
         tensors: dict[str, torch.Tensor] = {}
         for side in SIDES:
             for layer, (w, b) in enumerate(zip(self.weights[side], self.biases[side])):
-                tensors[f"{side}.{layer}.weight"] = w.detach().float().contiguous()
-                tensors[f"{side}.{layer}.bias"] = b.detach().float().contiguous()
+                tensors[f"{side}.{layer}.weight"] = w.detach().to(storage).contiguous()
+                tensors[f"{side}.{layer}.bias"] = b.detach().to(storage).contiguous()
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -215,8 +219,9 @@ class Translator:
             if not own_tokens.isdigit() or (int(own_tokens) and json.loads(meta["head_wise"])):
                 raise ArtifactError(f"{path}: own_tokens {own_tokens!r} is not a count of own-token inputs a translator of this kind reads")
             own_tokens = int(own_tokens)
-            weights = {s: [f.get_tensor(f"{s}.{l}.weight") for l in range(target.num_layers)] for s in SIDES}
-            biases = {s: [f.get_tensor(f"{s}.{l}.bias") for l in range(target.num_layers)] for s in SIDES}
+            # float32 whatever the file stores: stage 2 trains in float32, and a bf16 hand-off casts once (`in_dtype`)
+            weights = {s: [f.get_tensor(f"{s}.{l}.weight").float() for l in range(target.num_layers)] for s in SIDES}
+            biases = {s: [f.get_tensor(f"{s}.{l}.bias").float() for l in range(target.num_layers)] for s in SIDES}
             return cls(
                 source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
                 json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]), own_tokens,
