@@ -278,6 +278,19 @@ def test_head_wise_needs_equal_head_counts(pair):
         solve_translator({}, ModelSide.of(source), narrow, LingoFitConfig(head_wise=True, own_tokens=0))
 
 
+def test_a_translator_stored_in_bf16_is_half_the_file_and_loads_as_float32(pair, tmp_path):
+    source, target = pair
+    tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))
+    full, half = tr.save(tmp_path / "fp32.safetensors"), tr.save(tmp_path / "bf16.safetensors", storage=torch.bfloat16)
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    back = Translator.load(half)
+    for side in ("k", "v"):
+        for a, b in zip(back.weights[side], tr.weights[side]):
+            assert a.dtype == torch.float32 and torch.equal(a, b.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        tr.save(tmp_path / "x.safetensors", storage=torch.float16)
+
+
 def test_artifact_round_trip_and_refusals(pair, tmp_path):
     source, target = pair
     tr = fit_lingo(source, target, LingoFitConfig(assign="depth", nu=1, conversations=2, max_chars=300))

@@ -456,3 +456,14 @@ def test_shallow_rows_never_enter_a_recurrent_state_above_the_cut(family):
     assert cache[1].row_positions()[0].tolist() == full.tolist()
     assert (cache[1].state - reference[1].state).abs().max() < 1e-5
     assert (cache[1].conv - reference[1].conv).abs().max() < 1e-5
+
+
+def test_an_adapter_stored_in_bf16_is_half_the_file_and_loads_as_float32(tmp_path):
+    engine = Engine(tiny_loaded("llama"))
+    lora = _lora(engine)
+    lora.save(tmp_path / "fp32.safetensors")
+    lora.save(tmp_path / "bf16.safetensors", storage=torch.bfloat16)
+    assert (tmp_path / "bf16.safetensors").stat().st_size < 0.6 * (tmp_path / "fp32.safetensors").stat().st_size
+    loaded = LoraAdapter.load(tmp_path / "bf16.safetensors")
+    for key, value in lora.tensors.items():
+        assert loaded.tensors[key].dtype == torch.float32 and torch.equal(loaded.tensors[key], value.to(torch.bfloat16).float())
