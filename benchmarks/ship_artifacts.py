@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--command", required=True, help="The command that fitted it.")
     parser.add_argument("--eval-command", required=True, help="The command that scored it.")
     parser.add_argument("--name", help="File name in artifacts/<kind>/ (default: the file's own).")
+    parser.add_argument("--splits", help="Maps: ship only these splits, comma-separated (the same tensors, a smaller file).")
     args = parser.parse_args()
     for path in (args.file, args.fit_json, args.eval_json):
         if not path.is_file():
@@ -80,7 +81,11 @@ def main() -> None:
     fit = json.loads(args.fit_json.read_text().strip().splitlines()[-1])
     dest = SHIPPED / FOLDERS[args.kind] / (args.name or args.file.name)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if args.file.resolve() != dest.resolve():
+    if args.splits:
+        from kvforge.fill.maps import RidgeMaps
+
+        RidgeMaps.load(args.file).only([int(x) for x in args.splits.split(",")]).save(dest)
+    elif args.file.resolve() != dest.resolve():
         shutil.copyfile(args.file, dest)
     models = models_of(dest)
     entry = {
@@ -89,7 +94,7 @@ def main() -> None:
         **models,
         "bytes": dest.stat().st_size,
         "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
-        "command": args.command,
+        "command": args.command + (f" (shipped: split {args.splits} of its file)" if args.splits else ""),
         "fit_json": str(args.fit_json.resolve().relative_to(ROOT)),
         "fitted_on": fit.get("machine", {}).get("cpu"),
         "eval_command": args.eval_command,

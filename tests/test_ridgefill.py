@@ -378,3 +378,20 @@ def test_cache_rows_are_linear_in_the_normed_input_as_the_fold_assumes(family):
         assert torch.allclose(k_fold, k, atol=1e-5) and torch.allclose(v_fold, v, atol=1e-5)
         checked += 1
     assert checked > 0
+
+
+def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_path):
+    """`RidgeMaps.only`: the shipped maps hold the split the demo uses; the same tensors, a smaller file."""
+    e, layers = 4, 5
+    tensors = {map_key(s, l, p): torch.randn(e, e) if p == "weight" else torch.randn(e)
+               for s in (2, 3) for l in range(s + 1, layers) for p in ("weight", "bias")}
+    maps = RidgeMaps(layers, e, "fp", "m", [2, 3], False, {"splits": {"2": {"r2": 1}, "3": {"r2": 2}}}, tensors=tensors)
+    one = maps.only([3])
+    assert one.splits == [3] and one.info["splits"] == {"3": {"r2": 2}}
+    assert set(one.tensors) == {k for k in tensors if k.startswith("split.3.")}
+    one.save(tmp_path / "one.safetensors")
+    back = RidgeMaps.load(tmp_path / "one.safetensors")
+    assert back.splits == [3] and all(torch.equal(back.tensors[k], tensors[k]) for k in back.tensors)
+    assert len(back.tensors) == 2 * (layers - 3 - 1) and maps.splits == [2, 3]
+    with pytest.raises(ValueError, match="only splits they hold"):
+        maps.only([1])

@@ -25,7 +25,7 @@ memory-mapped file when it runs, and dropped after).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -110,6 +110,16 @@ class RidgeMaps:
         return len(self.inputs) * e * e * (1 if self.int8 else 4) + e * 4 * (2 if self.int8 else 1)
 
     # --- file ----------------------------------------------------------------------------------
+    def only(self, splits: list[int]) -> "RidgeMaps":
+        """These maps restricted to `splits` (the same tensors, fewer of them): a smaller file for
+        a deployment that uses one preset."""
+        if self.tensors is None or not set(splits) <= set(self.splits):
+            raise ValueError(f"only resident maps, and only splits they hold ({self.splits}), not {splits}")
+        keep = {map_key(s, l, p) for s in splits for l in range(s + 1, self.num_layers) for p in self._parts()}
+        info = {**self.info, "splits": {k: v for k, v in self.info.get("splits", {}).items() if int(k) in splits}}
+        return replace(self, splits=sorted(splits), info=info, tensors={k: v for k, v in self.tensors.items() if k in keep},
+                       path=None, folded={})
+
     def save(self, path: str | Path) -> None:
         if self.tensors is None:
             raise ValueError("only resident maps can be saved")
