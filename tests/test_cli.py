@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvforge.cli import app
+from kvforge.provenance import portable_path
 
 runner = CliRunner()
 SUBCOMMANDS = ["models", "generate", "demo", "bench", "eval", "fit", "rollout", "handoff", "serve"]
@@ -148,7 +149,7 @@ def tiny_adapter(tiny_model_dir, tmp_path_factory):
                   "--lora-rank", 2, "--out", out, "--json")
     assert result.exit_code == 0, result.output
     obj = _last_json(result)
-    assert obj["cut"] == 2 and obj["anchors_first"] == 2 and obj["tail"] == 3 and obj["training"]["rank"] == 2 and obj["out"] == str(out)
+    assert obj["cut"] == 2 and obj["anchors_first"] == 2 and obj["tail"] == 3 and obj["training"]["rank"] == 2 and obj["out"] == portable_path(str(out))
     return out
 
 
@@ -162,7 +163,7 @@ def test_generate_with_speed_applies_the_adapters_whole_policy(tiny_model_dir, t
     adapted = _last_json(_run(*args, "--adapter", tiny_adapter))  # cut, anchors and tail: the adapter's
     assert plain["method"] == adapted["method"] == adapted["prefill"] == "speed"
     assert adapted["setting"] == {"cut": 2, "first": 2, "rows": [], "tail": 3} and adapted["shallow_rows"] == 43 - 5
-    assert len(plain["token_ids"]) == len(adapted["token_ids"]) == 5 and adapted["adapter"] == str(tiny_adapter)
+    assert len(plain["token_ids"]) == len(adapted["token_ids"]) == 5 and adapted["adapter"] == portable_path(str(tiny_adapter))
     same = _last_json(_run(*args, "--adapter", tiny_adapter, "--cut", 2, "--anchors", "first:2", "--tail", 3))  # restating it is fine
     assert same["token_ids"] == adapted["token_ids"]
     short = _last_json(_run("generate", "--model", tiny_model_dir, "--prompt", "hi", "-n", 2, "--method", "speed", "--tail", 4, "--json"))
@@ -307,9 +308,10 @@ def test_fit_lingo_writes_snapshots_and_moments_and_solves_from_them(tiny_gemma_
     pair = ("--source", tiny_gemma_dir, "--target", tiny_model_dir)
     obj = _last_json(_run("fit", "lingo", *pair, "--nu", 1, "--conversations", 3, "--max-chars", 300, "--snapshots", "1,2",
                           "--save-moments", moments, "--out", out, "--json"))
-    assert [s["conversations"] for s in obj["snapshots"]] == [1, 2] and obj["moments"] == str(moments)
+    assert [s["conversations"] for s in obj["snapshots"]] == [1, 2] and obj["moments"] == portable_path(str(moments))
     assert obj["snapshots"][0]["tokens"] < obj["snapshots"][1]["tokens"] < obj["tokens"]
-    assert all(Path(s["out"]).is_file() for s in obj["snapshots"]) and Path(obj["snapshots"][0]["out"]).name == "t-1conv.safetensors"
+    assert [s["out"] for s in obj["snapshots"]] == ["t-1conv.safetensors", "t-2conv.safetensors"]  # reports name no machine path
+    assert all((tmp_path / s["out"]).is_file() for s in obj["snapshots"])
     again = _last_json(_run("fit", "lingo", *pair, "--moments", moments, "--nu", 1, "--out", tmp_path / "again.safetensors", "--json"))
     assert again["tokens"] == obj["tokens"] and again["from_moments"] and again["sources"] == obj["sources"]
     r2 = _last_json(_run("fit", "lingo", *pair, "--moments", moments, "--assign", "r2", "--nu", 2, "--out", tmp_path / "r2.safetensors", "--json"))
@@ -429,7 +431,7 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
                  "--tokens", 40, "--runs", 1, "--json")
     assert bench.exit_code == 0, bench.output
     report = _last_json(bench)
-    assert report["translator"] == str(tiny_translator) and report["stage"] == 1  # the report names the maps it timed
+    assert report["translator"] == portable_path(str(tiny_translator)) and report["stage"] == 1  # the report names the maps it timed
     row = report["results"][0]
     # keys and values x 4 layers x (2 source layers of 32 + 2 own tokens of 64 (the hidden size)) x 32
     assert row["tokens"] == 40 and row["speedup"] > 0 and row["translator_macs_per_token"] == 2 * 4 * (64 + 2 * 64) * 32
@@ -470,8 +472,10 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     default = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
                    "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--plot", tmp_path / "kl.png", "--json")
     assert default.exit_code == 0, default.output
-    written = Path(_last_json(default)["out"])
-    assert written.parent == tmp_path / "home" / "translators" and written.name.endswith("-stage2.safetensors") and written.is_file()
+    reported = _last_json(default)["out"]  # reports name $KVFORGE_HOME, not the machine's path
+    assert reported.startswith("$KVFORGE_HOME/translators/") and reported.endswith("-stage2.safetensors")
+    written = tmp_path / "home" / reported.removeprefix("$KVFORGE_HOME/")
+    assert written.is_file()
     bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
     assert bad.exit_code == 2 and "needs --init" in bad.stderr
     tailed = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_loaded
 from kvforge.cli import app
+from kvforge.provenance import portable_path
 from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
 from kvforge.speculative.decode import speculative_generate
@@ -191,7 +192,7 @@ def test_rollout_history_persists_across_cli_calls(tiny_model_dir, tmp_path):
     first = CliRunner().invoke(app, args)
     assert first.exit_code == 0, first.output
     files = sorted((tmp_path / "h").iterdir())
-    assert len(files) == 2 and json.loads(first.stdout.strip().splitlines()[-1])["history"] == str(tmp_path / "h")
+    assert len(files) == 2 and json.loads(first.stdout.strip().splitlines()[-1])["history"] == portable_path(str(tmp_path / "h"))
     files[0].write_bytes(b"damaged")
     second = CliRunner().invoke(app, args)
     assert second.exit_code == 0, second.output
