@@ -29,6 +29,10 @@ EXTRACT_QUESTION = "Repeat the user's first message above word for word."
 DEMO_FIT_TOKENS = 60_000  # a first-run fit for a model with no shipped maps; `kvforge fit ridgefill` defaults to 200K
 PARTNERS = {"smollm2-135m": "gemma3-270m", "gemma3-270m": "smollm2-135m"}  # the packaged KV-Lingo pair
 DEMO_LINGO_CONVERSATIONS = 16  # likewise for a pair with no shipped translator; `kvforge fit lingo` defaults to 320
+# The target prefills the text's last 128 tokens itself over the translated rows (`--native-tail`):
+# the newest message and the question are its own. Without it the shipped translator's answer to
+# the demo's question repeats one word ("Shuttle" x50); with it, it answers (docs/results.md#kv-lingo).
+HANDOFF_NATIVE_TAIL = 128
 
 
 @dataclass
@@ -139,7 +143,8 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
     """The other packaged model prefills the same text; its cache is translated into this model's
     and this model answers without re-prefilling. The translator is the pair's default
     (`artifacts.default_translator_path`: a fit's before a shipped one, stage 2 before stage 1),
-    fitted once at a reduced size when there is none. TTFT is the hand-off's: translation plus the
+    fitted once at a reduced size when there is none. The target prefills the last
+    `HANDOFF_NATIVE_TAIL` tokens itself. TTFT is the hand-off's: translation, that tail and the
     first step (the source already held the conversation)."""
     from kvforge.models.loading import load_model
     from kvforge.translate.align import tokenize
@@ -158,9 +163,10 @@ def run_handoff(engine: Engine, prompt_ids: list[int], max_new_tokens: int) -> D
     translator = Translator.load(path)
     # The rendered chat template holds its special tokens: tokenized once, without adding them again.
     text = engine.model.tokenizer.decode(prompt_ids)
-    h = hand_off(translator, source, engine, text, target_tokens=tokenize(engine.model.tokenizer, text, add_special_tokens=False))
+    h = hand_off(translator, source, engine, text, target_tokens=tokenize(engine.model.tokenizer, text, add_special_tokens=False),
+                 native_tail=HANDOFF_NATIVE_TAIL)
     out = engine.generate([h.pending], GenerationConfig(max_new_tokens=max_new_tokens), cache=h.cache)[0]
-    name = f"handoff from {partner} (stage {translator.info.get('stage', 1)})"
+    name = f"handoff from {partner} (stage {translator.info.get('stage', 1)}, native tail {HANDOFF_NATIVE_TAIL})"
     return DemoRow(name, len(h.target_ids), h.translate_s + out.ttft_s, out.decode_tokens_per_s, _answer(out.text),
                    facts={"artifact": path.name})
 
