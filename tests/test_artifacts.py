@@ -132,8 +132,10 @@ def _r2(pred: torch.Tensor, y: torch.Tensor) -> float:
 @pytest.mark.slow
 def test_the_shipped_ridgefill_maps_predict_held_out_text_as_well_as_a_fresh_refit(real_model):
     """Refit the fast split's maps on 10 short sequences and compare both with the exact late-layer
-    inputs of held-out text: the shipped maps (200K calibration tokens) must do at least as well as
-    the refit, within 0.01 mean R², and the two must predict alike (relative difference <= 0.25)."""
+    inputs of held-out text: the shipped maps (200K calibration tokens) must predict every late layer
+    at least as well as the refit (R² within 0.01; the small refit falls below zero at the deepest
+    layers, the shipped maps do not), and at the first late layer, where even the small refit is
+    accurate, the two must predict alike (relative difference <= 0.25; 0.17 measured)."""
     from kvforge.data.prompts import held_out_text_tokens
     from kvforge.engine import Engine
     from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill, layer_inputs
@@ -147,14 +149,13 @@ def test_the_shipped_ridgefill_maps_predict_held_out_text_as_well_as_a_fresh_ref
     inputs = layer_inputs(engine, held_out_text_tokens(engine.model.tokenizer, 1024), engine.num_layers)
     first = 4  # the sink rows stay exact and out of any fit
     x = torch.cat([inputs[split][first:], inputs[split][first - 1:-1]], dim=-1).float()
-    scores = {"shipped": [], "refit": []}
     for layer in range(split + 1, engine.num_layers):
         y = inputs[layer][first:].float()
         preds = {}
         for name, maps in (("shipped", shipped), ("refit", refit)):
             w, b = maps.weights(split, layer)
             preds[name] = x @ w + b
-            scores[name].append(_r2(preds[name], y))
-        assert (preds["shipped"] - preds["refit"]).norm() / y.norm() <= 0.25, layer
-    shipped_r2, refit_r2 = (sum(v) / len(v) for v in (scores["shipped"], scores["refit"]))
-    assert shipped_r2 >= refit_r2 - 0.01, (shipped_r2, refit_r2)
+        shipped_r2, refit_r2 = _r2(preds["shipped"], y), _r2(preds["refit"], y)
+        assert shipped_r2 >= refit_r2 - 0.01 and shipped_r2 > 0, (layer, shipped_r2, refit_r2)
+        if layer == split + 1:
+            assert (preds["shipped"] - preds["refit"]).norm() / y.norm() <= 0.25
