@@ -52,11 +52,6 @@ def transcript(min_chars: int = 5000, max_chars: int = 9000) -> str:
     return "\n\n".join(f"{role.capitalize()}: {text}" for role, text in conv.turns)
 
 
-def demo_prompt(tokenizer=None, question: str = QUESTION) -> str:
-    """The demo conversation followed by `question`."""
-    return f"{transcript()}\n\n{question}"
-
-
 def _answer(text: str) -> str:
     return " ".join(text.split())
 
