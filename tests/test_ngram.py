@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import ATTENTION_FAMILIES, tiny_loaded
 from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
-from kvforge.sampling import SamplingParams, probabilities
+from kvforge.sampling import SampleKey, SamplingParams, probabilities
 from kvforge.speculative.decode import speculative_generate
 from kvforge.speculative.ngram import NgramCache, NgramDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import CoverageProfile, Prefetcher, allocate, allocation_order
@@ -95,14 +95,15 @@ def test_sampling_verification_commits_tokens_distributed_as_the_model():
     params = SamplingParams(temperature=1.0, top_k=8)
     p = probabilities(logits[0], params)
     drafts = torch.tensor([[3, 5]]).expand(n, 2)
-    accepted, bonus = verify(logits.expand(n, 3, v), drafts, torch.full((n,), 2), params, g)
+    keys = [SampleKey(0, 1, i) for i in range(n)]
+    accepted, bonus = verify(logits.expand(n, 3, v), drafts, torch.full((n,), 2), params, keys, [7] * n)
     first = torch.where(accepted >= 1, drafts[:, 0], bonus)
     ok, stat, crit = _chi_square_ok(torch.bincount(first, minlength=v).double(), p[0].double() * n)
     assert ok, (stat, crit)
     second = torch.where(accepted >= 2, drafts[:, 1], bonus)[accepted >= 1]
     ok, stat, crit = _chi_square_ok(torch.bincount(second, minlength=v).double(), p[1].double() * second.numel())
     assert ok, (stat, crit)
-    assert (first[(accepted == 0)] != 3).all()  # a rejected draft token is never the resample
+    assert (first[(accepted == 0)] != 3).all()  # a rejected draft token is never the bonus
 
 
 def test_speculative_sampling_on_a_tiny_model_matches_its_distribution():
@@ -151,12 +152,14 @@ def _engine(family="qwen3"):
     k=st.integers(1, 6),
     n_max=st.integers(1, 4),
     drafter=st.sampled_from(["ngram", "prompt-lookup"]),
+    temperature=st.sampled_from([0.0, 1.0]),
 )
-def test_greedy_speculative_commits_exactly_the_plain_tokens(seed, length, k, n_max, drafter):
+def test_speculative_decoding_commits_exactly_the_plain_tokens(seed, length, k, n_max, drafter, temperature):
+    """Greedy, and seeded sampling at temperature 1: token for token what plain decoding commits."""
     engine = _engine()
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, 12, (length,), generator=g).tolist()  # a small alphabet: drafts hit often
-    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=30, temperature=temperature, seed=seed, ignore_eos=True)
     plain = engine.generate(prompt, config)[0].token_ids
     cache = NgramCache(prompt, 1, n_max)
     d = NgramDrafter(cache, prompt) if drafter == "ngram" else PromptLookupDrafter(1, n_max)
@@ -167,12 +170,18 @@ def test_greedy_speculative_commits_exactly_the_plain_tokens(seed, length, k, n_
 
 # Hybrids: their tiny models' outputs rarely repeat the prompt, so n-gram drafts seldom hit; the
 # same property is held there with drafts wrong at chosen offsets (test_hybrid.py).
+# At temperature 1 a random tiny model's tokens are nearly uniform: top-k 2 keeps sampling real
+# while its outputs repeat enough for drafts to land.
+SAMPLED = dict(temperature=1.0, top_k=2)
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "T=1"])
 @pytest.mark.parametrize("family", ATTENTION_FAMILIES)
-def test_batched_requests_with_different_accept_lengths_stay_exact(family):
+def test_batched_requests_with_different_accept_lengths_stay_exact(family, sampling):
     engine = Engine(tiny_loaded(family))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 10, (n,), generator=g).tolist() for n in (30, 17, 44, 9)]
-    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=24, seed=4, ignore_eos=True, **sampling)
     plain = [o.token_ids for o in engine.generate(prompts, config)]
     caches = [NgramCache(p) for p in prompts]
     out, stats = speculative_generate(engine, prompts, [NgramDrafter(c, p) for c, p in zip(caches, prompts)], config, k=5)
@@ -205,13 +214,14 @@ def test_greedy_speculative_decoding_runs_in_bf16(family):
         assert (rows.max(-1).values - chosen).max() < BF16_NEAR_TIE
 
 
-def test_greedy_speculative_decoding_in_bf16_commits_exactly_the_plain_bf16_tokens(family):
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "T=1"])
+def test_speculative_decoding_in_bf16_commits_exactly_the_plain_bf16_tokens(family, sampling):
     # Verification rows round exactly as one-row decode steps do (models.adapters.linear), so
-    # bf16 drafting is lossless in practice, not only up to near-ties.
+    # bf16 drafting is token-identical, greedy and seeded sampling alike, not only up to near-ties.
     engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 10, (n,), generator=g).tolist() for n in (30, 17, 44, 9)]
-    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=24, seed=6, ignore_eos=True, **sampling)
     accepted = 0
     for prompt in prompts:
         plain = engine.generate(prompt, config)[0].token_ids
@@ -227,7 +237,7 @@ def test_greedy_speculative_decoding_in_bf16_commits_exactly_the_plain_bf16_toke
 def test_prefetch_hits_and_misses_commit_the_same_tokens():
     engine = _engine("llama")
     prompt = torch.randint(3, 9, (50,), generator=torch.Generator().manual_seed(4)).tolist()
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=40, seed=2, ignore_eos=True, **SAMPLED)
     plain = engine.generate(prompt, config)[0].token_ids
     for budget in (1, 16):
         cache = NgramCache(prompt)
@@ -282,75 +292,126 @@ def test_bench_ngram_reports_every_arm_and_checks_losslessness(workload, monkeyp
     assert bench.plot(report, tmp_path / "n.png").is_file()
 
 
-def test_the_gate_stops_drafting_while_drafts_are_rejected_and_retries():
-    from kvforge.speculative.step import DraftGate
+@pytest.mark.parametrize(
+    "proposals, committed, hits, misses",
+    [
+        ([[5, 6, 7]], [[5, 6, 9]], 2, 1),  # two accepted, then a token that differs
+        ([[5, 6]], [[5, 6, 8]], 2, 0),  # a full accept: the bonus lies past the draft
+        ([[5]], [[4]], 0, 1),  # a plain step's token against the draft it did not verify
+        ([[]], [[4]], 0, 0),  # no proposal, no trial
+    ],
+)
+def test_acceptance_counts_the_trials_of_each_proposal(proposals, committed, hits, misses):
+    from kvforge.speculative.gate import Acceptance
 
-    gate = DraftGate(min_accepted=1.0, decay=0.5, retry=3)
-    assert gate.allows(0)
-    gate.record(0, drafted=8, accepted=0)
-    gate.record(0, drafted=8, accepted=0)
-    assert [gate.allows(0) for _ in range(3)] == [False, False, True]  # a retry after 3 idle steps
-    gate.record(0, drafted=8, accepted=8)
-    gate.record(0, drafted=8, accepted=8)
-    assert gate.allows(0) and gate.allows(1)  # accepted again; other requests are independent
-
-
-def test_the_gate_backs_off_after_failed_retries_when_asked():
-    from kvforge.speculative.step import DraftGate
-
-    gate = DraftGate(min_accepted=1.0, decay=0.5, retry=2, max_retry=8)
-    gate.record(0, drafted=8, accepted=0)
-    waits = []
-    for _ in range(5):  # every retry fails: waits 2, 4, 8, 8, 8
-        idle = 1
-        while not gate.allows(0):
-            idle += 1
-        waits.append(idle)
-        gate.record(0, drafted=8, accepted=0)
-    assert waits == [2, 4, 8, 8, 8]
-    gate.record(0, drafted=8, accepted=8)
-    gate.record(0, drafted=8, accepted=8)
-    assert gate.allows(0) and 0 not in gate.wait  # accepted again: the wait starts over
-    fixed = DraftGate(min_accepted=1.0, decay=0.5, retry=2)  # the default: no backoff
-    fixed.record(0, drafted=8, accepted=0)
-    for _ in range(3):
-        assert [fixed.allows(0) for _ in range(2)] == [False, True]
-        fixed.record(0, drafted=8, accepted=0)
+    a = Acceptance(decay=1.0)
+    for p, c in zip(proposals, committed):
+        a.observe(p, c)
+    assert (a.hits, a.misses) == (hits, misses)
+    assert a.rate == pytest.approx((hits + 0.5) / (hits + misses + 1))
+    assert a.expected(3) == pytest.approx(sum(a.rate**i for i in (1, 2, 3)))
 
 
-def test_the_drafting_default_retries_soon_and_backs_off():
-    """kvforge's drafting gate retries after 2 idle steps and doubles the wait after each failed
-    retry up to 64 (a copy task's drafts come back within a step or two of a mismatch; a request
-    that never accepts drafts ever more rarely); the bad settings are one-line errors."""
-    from kvforge.speculative.step import DraftConfig
+def _cost(ratio: float, k: int = 8):
+    """A cost model whose width w forward costs 1 + (ratio - 1)(w - 1) / k ms (ratio at k + 1)."""
+    from kvforge.speculative.gate import StepCost
 
-    gate = DraftConfig().new_gate()
-    assert (gate.retry, gate.max_retry) == (2, 64)
-    assert DraftConfig(gate=False).new_gate() is None
-    with pytest.raises(ValueError, match="gate_retry"):
-        DraftConfig(gate_retry=8, gate_max_retry=4)
+    cost = StepCost(engine=None)
+    cost.prior = {b: {w: 1e-3 * b * (1 + (ratio - 1) * (w - 1) / k) for w in range(1, k + 2)} for b in (1, 2, 4, 8, 16)}
+    return cost
+
+
+def test_the_step_cost_prefers_what_the_steps_measured():
+    cost = _cost(2.0)
+    assert cost.seconds(8, 9, 100) == pytest.approx(16e-3)  # the prior
+    assert cost.seconds(6, 9, 100) == pytest.approx(12e-3)  # batch 6: bucket 4 scaled by 6 / 4
+    cost.record(8, 1, 100, 5e-3, 0.0)
+    assert cost.seconds(8, 1, 100) == pytest.approx(5e-3)
+    assert cost.seconds(8, 9, 100) == pytest.approx(10e-3)  # the observed base times the prior's ratio
+    cost.record(8, 9, 100, 6e-3, 0.0)
+    assert cost.seconds(8, 9, 100) == pytest.approx(6e-3)
+    assert cost.seconds(8, 9, 5000) == pytest.approx(16e-3)  # another context band: the prior again
+
+
+@pytest.mark.parametrize(
+    "ratio, rate, rows, expect",
+    [
+        (2.0, 0.1, 8, 0),  # fp32-like: a wide step costs 2x and drafts are rarely accepted
+        (2.0, 0.95, 1, 8),  # copying: every token lands
+        (1.0, 0.1, 8, 8),  # width is free (AMX tiles): any acceptance pays
+        (1.6, 0.5, 1, 3),  # halves: past 3 tokens a draft costs more than it is likely to land
+    ],
+)
+def test_the_gate_verifies_the_draft_length_that_pays(ratio, rate, rows, expect):
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    acceptance = Acceptance(decay=1.0)
+    acceptance.hits, acceptance.misses = 1000 * rate, 1000 * (1 - rate)
+    gate = DraftGate(_cost(ratio), k=8)
+    assert gate.choose([[1] * 8] * rows, [acceptance] * rows, 100) == expect
+    assert gate.choose([[]] * rows, [acceptance] * rows, 100) == 0  # nothing proposed
+
+
+def test_one_good_row_does_not_widen_a_batch_of_bad_ones():
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    good, bad = Acceptance(decay=1.0), Acceptance(decay=1.0)
+    good.hits, good.misses, bad.hits, bad.misses = 800, 200, 0, 1000
+    gate = DraftGate(_cost(2.0), k=8)  # the good row's 0.8 x 9 / 8 rows does not pay a wider step
+    assert gate.choose([[1] * 8] * 8, [good] + [bad] * 7, 100) == 0
+    assert gate.choose([[1] * 8], [good], 100) > 0  # alone it does
 
 
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
-    """A drafter that is always wrong: the gate pauses it, no gate verifies a draft every step
-    that has room for one; the committed tokens are plain decoding's either way."""
-    from kvforge.speculative.step import DraftGate
+    """A drafter that is wrong for its first 10 proposals, then proposes plain decoding's own
+    tokens: the gate stops verifying its drafts, keeps learning from the proposals it does not
+    verify, and drafts again once they would land; without the gate every proposal is verified.
+    The committed tokens are plain decoding's either way."""
+    from kvforge.speculative.gate import DraftGate, StepCost
 
     engine = _engine("llama")
     prompt = list(range(10, 30))
-    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = engine.generate(prompt, config)[0].token_ids
     wrong = next(t for t in range(3, 100) if t not in plain)
 
-    class WrongDraft:
+    class LateOracle:
+        def __init__(self):
+            self.calls = 0
+
         def propose(self, context, k):
-            return [wrong] * k
+            self.calls += 1
+            done = len(context) - len(prompt)
+            return [wrong] * k if self.calls <= 10 else plain[done : done + k]
 
         def observe(self, tokens):
             pass
 
-    gated, gated_stats = speculative_generate(engine, [prompt], [WrongDraft()], config, 4, gate=DraftGate())
-    ungated, ungated_stats = speculative_generate(engine, [prompt], [WrongDraft()], config, 4, gate=None)
+    cost = StepCost(engine)
+    cost.prior = {1: {w: 1e-3 * (1 + (w - 1) / 8) for w in range(1, 6)}}  # width 5 costs 1.5x
+    gated, gated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=DraftGate(cost, 4))
+    ungated, ungated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=None)
     assert gated[0].token_ids == ungated[0].token_ids == plain
-    assert ungated_stats.accepted == 0 and ungated_stats.drafted > gated_stats.drafted
-    assert ungated_stats.drafted == sum(min(4, config.max_new_tokens - 1 - n) for n in range(1, ungated_stats.steps + 1))
+    assert gated_stats.drafted - gated_stats.accepted < ungated_stats.drafted - ungated_stats.accepted  # fewer wasted
+    assert gated_stats.accepted > 0 and gated_stats.steps < ungated_stats.steps + 5  # it drafted again
+
+
+def test_the_ngram_drafter_turns_to_prompt_lookup_where_a_copy_continues_the_latest_match():
+    """The prompt says 1 2 -> 3 three times, then holds a document with 1 2 -> 4 5 6 once; the
+    request copies the document. The chain of most frequent successors proposes 3, the latest
+    match 4 5 6: after a step or two of scoring, the drafter returns the lookup's proposals."""
+    document = [1, 2, 4, 5, 6, 7, 8, 9]
+    prompt = [1, 2, 3, 0] * 3 + document + [0]
+    drafter = NgramDrafter(NgramCache(prompt, 2, 4), prompt)
+    context = list(prompt)
+    proposals = []
+    for _ in range(3):
+        for token in document[:2]:  # the copy starts: 1 2 ...
+            context.append(token)
+            drafter.observe([token])
+        proposals.append(drafter.propose(context, 4))
+        context.extend(document[2:])
+        drafter.observe(document[2:])
+    assert proposals[0] == [3, 0, 1, 2]  # the chain first (ties go to it)
+    assert proposals[-1] == [4, 5, 6, 7]  # then the latest match
+    assert drafter.chosen["lookup"] >= 1

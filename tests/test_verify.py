@@ -1,8 +1,9 @@
-"""Sampling verification in distribution, under top-k and top-p, with a statistic strong enough
-to reject the known ways of getting it wrong.
+"""Verification by the counter-keyed sample: in distribution under top-k and top-p, independent
+across positions, and token for token what plain sampling draws, each with a statistic or a
+table strong enough to reject the known ways of getting it wrong.
 
-One draft token x per request, N requests: the first committed token (x when accepted, else the
-recovered token) must follow p, the model's distribution after temperature, top-k and top-p.
+N requests, each with its own `SampleKey`: the first committed token (the draft when accepted,
+else the bonus) must follow p, the model's distribution after temperature, top-k and top-p.
 """
 
 import math
@@ -10,10 +11,10 @@ import math
 import pytest
 import torch
 
-from kvforge.sampling import SamplingParams, probabilities
+from kvforge.sampling import SampleKey, SamplingParams, probabilities, sample
 from kvforge.speculative.verify import verify
 
-V, N = 24, 40_000
+V, N = 24, 20_000
 # Four strong tokens, then a slow tail: top-k keeps 12 tokens, top-p keeps 5 of those, and the
 # raw softmax puts 10 % of its mass on the tokens the filters drop.
 LOGITS = torch.tensor([4.0, 3.4, 2.8, 2.2] + [0.6 - 0.12 * i for i in range(V - 4)])
@@ -21,6 +22,8 @@ PARAMS = SamplingParams(temperature=1.0, top_k=12, top_p=0.92)
 P = probabilities(LOGITS.view(1, V), PARAMS)[0]
 LOW = 4  # the last token top-p keeps: p ~ 0.016
 OUTSIDE = 5  # the first token top-p drops: p = 0, raw softmax ~ 0.013
+KEYS = [SampleKey(3, 17, i) for i in range(N)]
+START = 100  # the position row 0 of every request samples
 
 
 def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
@@ -38,31 +41,32 @@ def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, flo
     return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), critical
 
 
-def _resample_keeping_x(logits, drafts, lengths, params, generator):
-    """Bug: on rejection, draw from p itself, so the rejected x can come straight back."""
-    p = probabilities(logits[:, 0], params)
-    x = drafts[:, 0]
-    accepted = torch.rand(x.shape, generator=generator) < p.gather(-1, x.view(-1, 1)).view(-1)
-    return accepted.long(), torch.multinomial(p, 1, generator=generator).view(-1)
+def _noise_before_filters(logits, drafts, lengths, params, keys, positions):
+    """Bug: the race over the raw softmax, before top-k / top-p."""
+    return verify(logits, drafts, lengths, SamplingParams(temperature=params.temperature), keys, positions)
 
 
-def _accept_before_filters(logits, drafts, lengths, params, generator):
-    """Bug: accept x with its probability before top-k / top-p."""
-    raw = probabilities(logits[:, 0], SamplingParams(temperature=params.temperature))
-    x = drafts[:, 0]
-    accepted = torch.rand(x.shape, generator=generator) < raw.gather(-1, x.view(-1, 1)).view(-1)
-    p = probabilities(logits[:, 0], params).scatter(-1, x.view(-1, 1), 0.0)
-    return accepted.long(), torch.multinomial(p / p.sum(-1, keepdim=True), 1, generator=generator).view(-1)
+def _noise_without_position(logits, drafts, lengths, params, keys, positions):
+    """Bug: every position of a request draws the same noise."""
+    probs = probabilities(logits.reshape(-1, V), params).view(logits.shape)
+    accepted, bonus = [], []
+    for row, key in enumerate(keys):
+        noise = key.noise(positions[row], V)
+        tokens = [int((probs[row, i].double() / noise).argmax()) for i in range(int(lengths[row]) + 1)]
+        j = next((i for i, t in enumerate(tokens[:-1]) if t != int(drafts[row, i])), len(tokens) - 1)
+        accepted.append(j)
+        bonus.append(tokens[j])
+    return torch.tensor(accepted), torch.tensor(bonus)
 
 
-def _first_token_counts(verifier, x: int) -> torch.Tensor:
-    """(V,) how often each token is committed first over N requests drafting x (fixed seed)."""
-    generator = torch.Generator().manual_seed(0)
-    logits = LOGITS.expand(N, 2, V)  # the draft position, then the bonus position
-    drafts = torch.full((N, 1), x)
-    accepted, bonus = verifier(logits, drafts, torch.ones(N, dtype=torch.long), PARAMS, generator)
-    first = torch.where(accepted >= 1, drafts[:, 0], bonus)
-    return torch.bincount(first, minlength=V).double()
+def _committed(verifier, drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens committed at the first two positions by N requests drafting `drafts`."""
+    logits = LOGITS.expand(N, len(drafts) + 1, V)
+    draft = torch.tensor(drafts).expand(N, len(drafts))
+    accepted, bonus = verifier(logits, draft, torch.full((N,), len(drafts)), PARAMS, KEYS, [START] * N)
+    tokens = torch.where(torch.arange(len(drafts) + 1).view(1, -1) < accepted.view(-1, 1), torch.cat([draft, draft[:, :1]], 1), -1)
+    tokens[torch.arange(N), accepted] = bonus
+    return tokens[:, 0], tokens[:, 1]
 
 
 def test_the_filters_leave_a_low_probability_token_and_drop_real_mass():
@@ -72,13 +76,42 @@ def test_the_filters_leave_a_low_probability_token_and_drop_real_mass():
     assert 0.09 < raw[P == 0].sum() < 0.11
 
 
-@pytest.mark.parametrize(
-    "draft, bug",
-    [(LOW, _resample_keeping_x), (OUTSIDE, _accept_before_filters)],
-    ids=["low-probability draft vs resampling with x", "draft outside the filters vs accepting before them"],
-)
-def test_committed_tokens_follow_p_and_the_statistic_rejects_the_bug(draft, bug):
-    stat, critical = chi_square(_first_token_counts(verify, draft), N * P.double())
+@pytest.mark.parametrize("draft", [LOW, OUTSIDE], ids=["low-probability draft", "draft outside the filters"])
+def test_committed_tokens_follow_p_and_the_statistic_rejects_the_bug(draft):
+    first, _ = _committed(verify, [draft])
+    stat, critical = chi_square(torch.bincount(first, minlength=V).double(), N * P.double())
     assert stat < critical, (stat, critical)
-    stat, critical = chi_square(_first_token_counts(bug, draft), N * P.double())
+    first, _ = _committed(_noise_before_filters, [draft])
+    stat, critical = chi_square(torch.bincount(first, minlength=V).double(), N * P.double())
     assert stat > critical, (stat, critical)
+
+
+def test_two_positions_are_independent_and_the_statistic_rejects_shared_noise():
+    """A draft of the likeliest token twice: where the first is accepted, the second position's
+    token must still follow p (with noise shared across positions it would repeat the first)."""
+    for verifier, independent in ((verify, True), (_noise_without_position, False)):
+        first, second = _committed(verifier, [0, 0])
+        second = second[first == 0]
+        stat, critical = chi_square(torch.bincount(second, minlength=V).double(), len(second) * P.double())
+        assert (stat < critical) == independent, (verifier.__name__, stat, critical)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=5, top_p=0.9)], ids=["greedy", "T=1", "filters"])
+def test_verification_commits_the_tokens_plain_sampling_draws(params):
+    """Drafts that copy plain sampling's tokens up to a chosen position and then differ: the
+    accepted length is that position and the bonus is plain sampling's token there."""
+    g = torch.Generator().manual_seed(1)
+    b, k = 64, 5
+    logits = torch.randn(b, k + 1, V, generator=g) * 2
+    keys = [SampleKey(9, 4, i) for i in range(b)]
+    plain = torch.stack([sample(logits[:, i], params, keys, [START + i] * b) for i in range(k + 1)], 1)  # (B, K+1)
+    cut = torch.randint(0, k + 1, (b,), generator=g)  # where each draft first differs (k: never)
+    lengths = torch.randint(1, k + 1, (b,), generator=g)
+    drafts = plain[:, :k].clone()
+    for row in range(b):
+        if cut[row] < k:
+            drafts[row, cut[row]] = (plain[row, cut[row]] + 1) % V
+    accepted, bonus = verify(logits, drafts, lengths, params, keys, [START] * b)
+    expect = torch.minimum(cut, lengths)
+    assert torch.equal(accepted, expect)
+    assert torch.equal(bonus, plain[torch.arange(b), expect])

@@ -17,7 +17,7 @@ import torch
 
 from kvforge.errors import PromptError
 from kvforge.plan import PrefillReport
-from kvforge.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
+from kvforge.sampling import SamplingParams, TokenLogprob, sample, sample_keys, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def generate(
     tokenizer = engine.model.tokenizer
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
-    generator = params.generator(engine.device)
+    keys = sample_keys(prompts, config.seed)
     seqs = [SequenceState(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def generate(
     positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
     active = list(range(len(seqs)))
     while True:
-        tokens = sample(logits, params, generator)
+        tokens = sample(logits, params, [keys[i] for i in active], positions.tolist())
         logprobs = config.token_logprobs(logits, tokens.tolist())
         now = time.perf_counter()
         for row, index in enumerate(active):

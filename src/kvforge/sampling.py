@@ -1,16 +1,31 @@
-"""Token selection: greedy, temperature, top-k, top-p, with a seeded generator.
+"""Token selection: greedy, temperature, top-k, top-p, with noise from a counter.
 
-Shapes: B batch (or N rows), V vocabulary. `probabilities` is what speculative verification
-needs: the distribution a sampled token is actually drawn from, after every filter.
-`token_logprobs` reports a chosen token's log-probability under that distribution and under
-the model's own (the raw logits' softmax), which is what RL trainers build importance ratios from.
+Shapes: B batch (or N rows), V vocabulary. `probabilities` is the distribution a sampled token is
+drawn from, after every filter. `token_logprobs` reports a chosen token's log-probability under
+that distribution and under the model's own (the raw logits' softmax), which is what RL trainers
+build importance ratios from.
+
+A sampled token is the Gumbel-max of the filtered distribution p: argmax_i p_i / E_i with E_i
+independent Exp(1) noise (the exponential race; log p_i - log E_i is log p_i plus Gumbel noise),
+which is exact sampling from p. The noise is not drawn from a stateful stream: it is a function of
+the sample's `SampleKey` (seed, request, sample index) and the token's position, read from a
+counter-based generator (Philox, the key as its key, the position and index in its counter). A
+sampled token is therefore a function of its logits and its key alone: decoding one token per
+step or verifying a draft of many commits the same tokens wherever the logits are the same bits,
+and two runs with one seed agree whatever else is batched with them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
+
+_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -34,13 +49,56 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """Names one sample's noise: the seed, its request (`prompt_key` of the prompt's tokens, so
+    that distinct prompts in one batch draw apart) and its index among the samples of that
+    request (the G samples of an RL group). The same key gives the same noise at every position
+    across calls, so an RL sample keyed alike in two epochs samples alike where the policy did not
+    move."""
+
+    seed: int
+    request: int
+    index: int = 0
+
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        """(V,) float64 Exp(1) noise of the token at `position` (its index in the sequence)."""
+        generator = np.random.Philox(
+            key=np.array([self.seed & _U64, self.request & _U64], dtype=np.uint64),
+            # the draws advance the lowest word: the position and index sit above it, so the
+            # streams of two positions never overlap
+            counter=np.array([0, position & _U64, self.index & _U64, 0], dtype=np.uint64),
+        )
+        return torch.from_numpy(np.random.Generator(generator).standard_exponential(vocab))
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """The token the exponential race picks from probs (V,) at `position`."""
+        return int((probs.double() / self.noise(position, probs.shape[-1])).argmax())
+
+
+def prompt_key(tokens: Sequence[int]) -> int:
+    """A stable 64-bit name of a prompt's tokens (the same in every process)."""
+    return int.from_bytes(hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8).digest(), "little")
+
+
+def fresh_seed() -> int:
+    """A random seed, for a request that names none."""
+    return secrets.randbits(63)
+
+
+def sample_keys(prompts: Sequence[Sequence[int]], seed: int | None) -> list[SampleKey]:
+    """One key per prompt of a batch: repeats of one prompt (a group) take indices 0, 1, ...;
+    `seed` None takes a fresh random one for the whole batch."""
+    seed = fresh_seed() if seed is None else seed
+    seen: dict[int, int] = {}
+    keys = []
+    for prompt in prompts:
+        request = prompt_key(prompt)
+        keys.append(SampleKey(seed, request, seen.get(request, 0)))
+        seen[request] = seen.get(request, 0) + 1
+    return keys
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -68,12 +126,12 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,)."""
+def sample(logits: torch.Tensor, params: SamplingParams, keys: Sequence[SampleKey], positions: Sequence[int]) -> torch.Tensor:
+    """logits (B, V), each row's key and the position of the token it samples -> token ids (B,)."""
     if params.greedy:
         return logits.argmax(-1)
     probs = probabilities(logits, params)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.tensor([key.draw(row, int(n)) for row, key, n in zip(probs, keys, positions)], dtype=torch.long, device=logits.device)
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def rollout(
     prefetch: bool = PrefetchOpt,
     k: int = KOpt,
     budget: int = BudgetOpt,
-    no_gate: bool = typer.Option(False, "--no-gate", help="Draft every step (no DraftGate pausing rejected drafters)."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="Verify every draft found (no gate weighing its acceptance against the cost of a wider step)."),
     history: Optional[Path] = typer.Option(
         None, "--history",
         help="Per-prompt rollout history directory (one file per prompt; needs --draft ngram): the next call drafts from these rollouts.",

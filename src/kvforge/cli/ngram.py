@@ -29,7 +29,7 @@ def bench_ngram_cmd(
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Prompts (default: 4 copy, 3 rl)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
-    no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms draft every step (no DraftGate)."),
+    no_gate: bool = typer.Option(False, "--no-gate", help="Drafting arms verify every draft they find (no cost gate)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/ngram-<workload>-<model>[-<dtype>][-ungated].png)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,

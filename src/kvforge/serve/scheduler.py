@@ -6,7 +6,7 @@ or a KV-Lingo hand-off that fills the cache from another model's), commits its f
 joins the batch cache (`KVCache.concat_batch`). Then one `speculative_step` runs for the whole
 batch, the same step as offline decoding: each request's pending token plus its draft (empty
 without a drafter, or the prefetch hit of its last step) in one forward, verified with the
-request's own sampling settings and generator, committed (EOS, stop strings, max tokens,
+request's own sampling settings and sample key, committed (EOS, stop strings, max tokens,
 streaming), the cache rolled back per request. A plain request is a speculative request with no
 draft: one mechanism. Finished or cancelled requests (a client that disconnected) leave the
 batch and free their cache rows.
@@ -17,14 +17,13 @@ one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the de
 that cache is the prompt's history: a later request with the same prompt tokens drafts from every
 earlier request's choices too, and requests with the same prompt running at once share it. The
 history is settled (its bound enforced) as each choice finishes; a request opts out with
-`history=False`. Each choice has its own generator.
+`history=False`.
 
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
-Sampling with a seed is reproducible per request, batched with anything, because each request
-has its own generator and its group's drafts depend only on the group's own tokens; with
-prefetch, which draft is verified depends on what the prefetcher learned from every request, and
-with the history on what earlier requests of the prompt wrote, so seeded sampling is then
-reproducible in distribution only (under sampling the draft decides which random numbers are drawn).
+Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
+sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
+of one request differ by seed, `app.choice_seed`), and drafting commits the tokens plain decoding
+would. A request without a seed takes a random one.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
-from kvforge.sampling import sample
+from kvforge.sampling import SampleKey, fresh_seed, prompt_key, sample
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit, new_drafters, speculative_step
@@ -104,7 +103,7 @@ class Scheduler:
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
-        self.gate = self.draft.new_gate()
+        self.gate = self.draft.new_gate(engine)
         self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
         self.active: list[ServeRequest] = []
         self.cache: KVCache | None = None
@@ -187,13 +186,13 @@ class Scheduler:
         running = []
         for r, drafter in zip(group, drafters):
             r.prompt_ids = prompt
-            generator = r.config.sampling.generator(self.engine.device)
+            key = SampleKey(fresh_seed() if r.config.seed is None else r.config.seed, prompt_key(prompt))
             r.state = SpecRequest(
-                r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, generator,
+                r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, key,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
                 k_for=drafting.k_for,
             )
-            commit(r.state, [int(sample(logits, r.config.sampling, generator)[0])], self.tokenizer, self.context, logits=logits)
+            commit(r.state, [int(sample(logits, r.config.sampling, [key], [len(prompt)])[0])], self.tokenizer, self.context, logits=logits)
             r.ttft_s = time.perf_counter() - r.submitted_at
             if self.metrics is not None:
                 self.metrics.observe_ttft(r, prefilled=r is first)
@@ -235,8 +234,6 @@ class Scheduler:
         if r.state is not None:
             flush_text(r.state.seq, r.state.on_text)
         self.prefetcher.forget(r.id)
-        if self.gate is not None:
-            self.gate.forget(r.id)
         if r.state is not None and self._keeps_history(r):
             self.history.settle(r.prompt_ids)
         if self.metrics is not None:

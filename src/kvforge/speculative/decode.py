@@ -13,10 +13,11 @@ import torch
 from kvforge.generation import (
     Generation, GenerationConfig, SequenceState, check_prompts, eos_token_ids, flush_text, planned_report,
 )
-from kvforge.sampling import sample
+from kvforge.sampling import sample, sample_keys
 from kvforge.speculative.ngram import Drafter
 from kvforge.speculative.prefetch import Prefetcher
-from kvforge.speculative.step import DraftGate, SpecRequest, SpecStats, commit, speculative_step
+from kvforge.speculative.gate import DraftGate
+from kvforge.speculative.step import SpecRequest, SpecStats, commit, speculative_step
 
 
 @torch.inference_mode()
@@ -44,10 +45,10 @@ def speculative_generate(
         raise ValueError("one drafter per prompt")
     context_limit = check_prompts(prompts, engine.model.context_length)
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
-    generator = config.sampling.generator(engine.device)  # one for the batch, as plain decoding
+    keys = sample_keys(prompts, config.seed)  # as plain decoding keys the batch
     stats = SpecStats(k, prefetcher=prefetcher)
     requests = [
-        SpecRequest(i, SequenceState(i, len(p)), list(p), config, drafters[i], generator, eos, on_text,
+        SpecRequest(i, SequenceState(i, len(p)), list(p), config, drafters[i], keys[i], eos, on_text,
                     ngram=caches[i] if prefetcher is not None and caches is not None else None, k_for=k_for)
         for i, p in enumerate(prompts)
     ]
@@ -55,7 +56,7 @@ def speculative_generate(
     start = time.perf_counter()
     logits, cache = engine.prefill(prompts, plan=plan)
     report = planned_report(plan, cache, prompts)
-    first = sample(logits, config.sampling, generator).tolist()
+    first = sample(logits, config.sampling, keys, [len(p) for p in prompts]).tolist()
     now = time.perf_counter()
     for row, (r, token) in enumerate(zip(requests, first)):
         commit(r, [token], engine.model.tokenizer, context_limit, now, logits[row : row + 1])

@@ -9,7 +9,10 @@ prompt and of every rollout of that prompt so far, each mapped to its successors
 the sibling samples of an RL group share one cache, so a rollout drafts from what its siblings
 already wrote. A draft follows the longest n-gram suffix of the context that the cache knows,
 takes its most frequent successor (ties: the most recent), appends it and repeats, for up to k
-tokens.
+tokens. That chain of most frequent successors suits rollouts that repeat each other; copying a
+document wants the tokens after the latest match instead (prompt lookup), so `NgramDrafter`
+proposes both and returns, per request, the one whose recent proposals matched more of what the
+request went on to commit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import numpy as np
+
+from kvforge.speculative.gate import Acceptance
 
 
 class Drafter(Protocol):
@@ -78,16 +83,28 @@ class NgramCache:
 
 
 class NgramDrafter:
-    """One request's view of a (shared) per-prompt `NgramCache`."""
+    """One request's view of a (shared) per-prompt `NgramCache`, and prompt lookup over its own
+    tokens: each `propose` looks up both and returns the one expected to land more tokens, judged
+    by how much of each source's recent proposals the request then committed (`Acceptance`)."""
 
     def __init__(self, cache: NgramCache, prompt: Sequence[int]):
         self.cache = cache
         self.tail = list(prompt[-cache.n_max :])  # what the next committed tokens continue
+        self.lookup = PromptLookupDrafter(cache.n_min, cache.n_max, latest=True)
+        self.scores = {"chain": Acceptance(), "lookup": Acceptance()}
+        self.proposed: dict[str, list[int]] = {}  # the last proposals, until the next commit scores them
+        self.chosen = {"chain": 0, "lookup": 0}  # proposals returned per source
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        return self.cache.draft(context, k)
+        self.proposed = {"chain": self.cache.draft(context, k), "lookup": self.lookup.propose(context, k)}
+        source = max(self.proposed, key=lambda s: (self.scores[s].expected(len(self.proposed[s])), s == "chain"))
+        self.chosen[source] += 1
+        return self.proposed[source]
 
     def observe(self, tokens: Sequence[int]) -> None:
+        for source, proposal in self.proposed.items():
+            self.scores[source].observe(proposal, tokens)
+        self.proposed = {}
         self.cache.add(tokens, self.tail)
         self.tail = (self.tail + list(tokens))[-self.cache.n_max :]
 
@@ -95,10 +112,11 @@ class NgramDrafter:
 class PromptLookupDrafter:
     """vLLM's `ngram` proposer: the longest suffix of the context (n_max down to n_min tokens)
     that occurs earlier in the request's own tokens (prompt and output so far), at its earliest
-    occurrence; the draft is the k tokens that followed it. No state beyond the request."""
+    occurrence (`latest`: at its latest, where a copy in progress continues); the draft is the k
+    tokens that followed it. No state beyond the request."""
 
-    def __init__(self, n_min: int = 1, n_max: int = 4):
-        self.n_min, self.n_max = n_min, n_max
+    def __init__(self, n_min: int = 1, n_max: int = 4, latest: bool = False):
+        self.n_min, self.n_max, self.latest = n_min, n_max, latest
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         tokens = np.asarray(context, dtype=np.int64)
@@ -107,7 +125,7 @@ class PromptLookupDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[0]) + n
+                start = int(hits[-1] if self.latest else hits[0]) + n
                 return tokens[start : start + k].tolist()
         return []
 

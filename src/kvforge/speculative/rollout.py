@@ -32,7 +32,7 @@ def generate_group(
     drafters, shared = new_drafters(draft, prompt, samples, history.get(prompt) if use_history else None)
     prefetcher = Prefetcher(draft.k, draft.budget) if draft.prefetch else None
     try:
-        gate = draft.new_gate()
+        gate = draft.new_gate(engine)
         caches = [shared] * samples if shared is not None else None
         outputs, stats = speculative_generate(engine, prompts, drafters, config, draft.k, prefetcher, caches, on_text, plan, gate, draft.k_for)
     finally:

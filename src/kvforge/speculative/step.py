@@ -4,16 +4,15 @@ Shapes: B requests in the batch, K the longest draft this step, V vocabulary.
 
 Each request's cache rows hold its committed tokens except the last one (pending). A step feeds
 every request's pending token and its draft (padded to K with invisible slots) through the model
-at once, verifies each row (`verify.py`, with the request's own sampling settings and
-generator), commits the accepted draft tokens and the bonus token, and rolls the cache back to
-the committed rows (per request: requests accept different lengths). The bonus becomes the next
-pending token. A request without a drafter verifies an empty draft: plain decoding is the same
-step. Drafters, the gate and the prefetcher only decide what is verified, so the committed
-tokens are plain decoding's: the same tokens greedy, the same distribution when sampling.
+at once, verifies each row (`verify.py`: the token plain decoding would pick at each position,
+greedy or drawn from the request's `SampleKey`), commits the accepted draft tokens and the bonus
+token, and rolls the cache back to the committed rows (per request: requests accept different
+lengths). The bonus becomes the next pending token. A request without a drafter verifies an empty
+draft: plain decoding is the same step. Drafters, the gate and the prefetcher only decide what is
+verified, so the committed tokens are plain decoding's, token for token, greedy or sampled,
+wherever the verification forward's rows are the same bits as a one-token step's.
 A committed token's log-probabilities (when its request records them) are read off the row of
-the verification logits it was chosen at, the row plain decoding would have computed: a bonus
-drawn after a rejection still reports its probability under the model's sampling distribution,
-not under the residual it was resampled from (its marginal is that distribution).
+the verification logits it was chosen at, the row plain decoding would have computed.
 
 With a `Prefetcher`, the next step's drafts are built on a worker thread while the model
 verifies; after verification one probe per request finds the draft for its outcome (accept
@@ -32,6 +31,8 @@ from typing import Callable
 import torch
 
 from kvforge.generation import GenerationConfig, SequenceState, commit_token
+from kvforge.sampling import SampleKey
+from kvforge.speculative.gate import Acceptance, DraftGate, step_cost
 from kvforge.speculative.ngram import Drafter, NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.verify import verify
@@ -49,15 +50,10 @@ class DraftConfig:
     # a match of at least 2 tokens: a unigram match drafts too often and wastes a verification
     n_min: int = 2
     n_max: int = 4
-    # stop drafting for a request while it accepts < 1 token per drafted step, retry after
-    # `gate_retry` steps, doubling the wait after each failed retry up to `gate_max_retry`;
-    # False drafts every step. On the copy prompts (`benchmarks/gate_replay.py`, greedy outputs
-    # replayed) a fixed retry of 8 steps gave up 25 % of the tokens per step that drafting every
-    # step gets (2.74 vs 3.66), retry 2 with doubling 2 % (3.58), while a request that never
-    # accepts (sampling at temperature 1) still drafts ever more rarely.
+    # each step verifies the draft length that maximises expected committed tokens per second
+    # (`gate.DraftGate`: measured forward costs, learned acceptance; 0 is a plain step);
+    # False verifies every proposed draft
     gate: bool = True
-    gate_retry: int = 2
-    gate_max_retry: int = 64
     # DAS-style length-aware budget: a sample that has produced t tokens drafts up to
     # min(k, k_min + t // k_ramp) tokens, so long trajectories get longer drafts; None: always k
     k_min: int | None = None
@@ -68,16 +64,14 @@ class DraftConfig:
             raise ValueError(f"unknown draft {self.draft!r}: use {', '.join(DRAFTS)}")
         if self.k < 1 or self.budget < 1:
             raise ValueError("k and the prefetch budget must be >= 1")
-        if not 1 <= self.gate_retry <= self.gate_max_retry:
-            raise ValueError(f"need 1 <= gate_retry <= gate_max_retry, got {self.gate_retry}, {self.gate_max_retry}")
         if self.k_min is not None and not 1 <= self.k_min <= self.k or self.k_ramp < 1:
             raise ValueError(f"need 1 <= k_min <= k and k_ramp >= 1, got k_min {self.k_min}, k {self.k}, k_ramp {self.k_ramp}")
         if self.prefetch and self.draft != "ngram":
             raise ValueError("--prefetch needs --draft ngram: it reads the n-gram cache")
 
-    def new_gate(self) -> "DraftGate | None":
-        """The gate this configuration asks for (None: draft every step)."""
-        return DraftGate(retry=self.gate_retry, max_retry=self.gate_max_retry) if self.gate else None
+    def new_gate(self, engine) -> DraftGate | None:
+        """The gate this configuration asks for over `engine`'s measured costs (None: draft every step)."""
+        return DraftGate(step_cost(engine), self.k) if self.gate else None
 
     def k_for(self, produced: int) -> int:
         """The draft budget of a sample that has produced `produced` tokens."""
@@ -110,6 +104,9 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     prefetched: int = 0  # request-steps whose verified draft was a prefetch hit
+    drafted_rows: int = 0  # request-steps that verified a draft
+    drafting_steps: int = 0  # steps that verified a draft (the gate's K > 0)
+    k_sum: int = 0  # the gate's K summed over those steps
     accept_hist: list[int] = field(default_factory=list)  # index j: request-steps that accepted j
     device_s: float = 0.0  # the verification forwards
     lookup_s: float = 0.0  # drafting on the critical path (synchronous lookups and prefetch misses)
@@ -135,6 +132,16 @@ class SpecStats:
     def coverage(self) -> float:
         return self.hits / self.probes if self.probes else 0.0
 
+    @property
+    def rows_drafted(self) -> float:
+        """The share of request-steps that verified a draft."""
+        return self.drafted_rows / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        """The mean draft length of the steps that verified one."""
+        return self.k_sum / self.drafting_steps if self.drafting_steps else 0.0
+
     def as_dict(self) -> dict:
         return {
             "k": self.k,
@@ -144,49 +151,13 @@ class SpecStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "prefetched": self.prefetched,
+            "rows_drafted": self.rows_drafted,
+            "mean_k": self.mean_k,
             "device_ms_per_step": 1000 * self.device_s / max(1, self.steps),
             "lookup_ms_per_step": 1000 * self.lookup_s / max(1, self.steps),
             "host_ms_per_step": 1000 * (self.host_s + self.lookup_s) / max(1, self.steps),
             "coverage": self.coverage if self.probes else None,
         }
-
-
-class DraftGate:
-    """Drafting widens the verification forward (on this CPU 2..9 tokens cost 1.6-1.9x one), so it
-    pays only while drafts are accepted. A request whose recent accepted tokens per drafted step
-    (exponential average) fall below `min_accepted` stops drafting and retries every `retry`
-    steps; with `max_retry` > `retry`, each retry that fails doubles the wait (up to `max_retry`),
-    so a request that never accepts (sampling at temperature 1) drafts ever more rarely. Only
-    timing depends on it: committed tokens are the model's either way."""
-
-    def __init__(self, min_accepted: float = 1.0, decay: float = 0.7, retry: int = 8, max_retry: int | None = None):
-        self.min_accepted, self.decay, self.retry = min_accepted, decay, retry
-        self.max_retry = max(retry, max_retry or retry)
-        self.average: dict[int, float] = {}
-        self.idle: dict[int, int] = {}
-        self.wait: dict[int, int] = {}  # the request's current retry interval
-
-    def allows(self, request: int) -> bool:
-        if self.average.get(request, self.min_accepted) >= self.min_accepted:
-            return True
-        self.idle[request] = self.idle.get(request, 0) + 1
-        return self.idle[request] >= self.wait.get(request, self.retry)
-
-    def forget(self, request: int) -> None:
-        """Drop a finished request's history (a server sees unboundedly many)."""
-        self.average.pop(request, None)
-        self.idle.pop(request, None)
-        self.wait.pop(request, None)
-
-    def record(self, request: int, drafted: int, accepted: int) -> None:
-        if drafted:
-            previous = self.average.get(request, float(accepted))
-            self.average[request] = self.decay * previous + (1 - self.decay) * accepted
-            if self.idle.get(request, 0) > 0 and self.average[request] < self.min_accepted:  # a retry that failed
-                self.wait[request] = min(2 * self.wait.get(request, self.retry), self.max_retry)
-            elif self.average[request] >= self.min_accepted:
-                self.wait.pop(request, None)
-            self.idle[request] = 0
 
 
 @dataclass
@@ -199,12 +170,13 @@ class SpecRequest:
     context: list[int]  # prompt and committed tokens
     config: GenerationConfig
     drafter: Drafter
-    generator: torch.Generator | None = None  # requests may share one (a batch) or own one (a server)
+    sample_key: SampleKey | None = None  # the noise its sampled tokens are drawn with (None: greedy only)
     eos: set[int] = field(default_factory=set)
     on_text: Callable[[int, str], None] | None = None
     ngram: NgramCache | None = None  # the cache the prefetcher reads; None: not prefetched
     k_for: Callable[[int], int] | None = None  # draft budget by tokens produced (`DraftConfig.k_for`); None: the step's k
     ready: list[int] | None = None  # the prefetch hit for the next step's draft
+    acceptance: Acceptance = field(default_factory=Acceptance)  # what its proposals are worth, for the gate
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -280,8 +252,8 @@ def speculative_step(
 ) -> list[StepOutcome]:
     """One step for the batch in `cache` (row b is requests[b]); the cache is rolled back in
     place. Drafts of up to `k` tokens come from the prefetch hit of the previous step, else the
-    request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: draft
-    every step) may skip a request's draft. With a `prefetcher`, requests with an `ngram` cache
+    request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: verify
+    every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache
     get their next drafts built during the forward."""
     limit = engine.rollback_rows
     if limit is not None and k + 1 > limit:
@@ -289,22 +261,26 @@ def speculative_step(
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
     step_start, lookup_s = time.perf_counter(), 0.0
-    drafts, prefetched = [], []  # per row: the draft, and 1 when it is the previous step's prefetch hit
+    proposals, prefetched = [], []  # per row: the draft proposed, and 1 when it is the previous step's prefetch hit
     for r in requests:
         ready, r.ready = r.ready, None
         budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
         room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - len(r.context) - 1)
-        if room <= 0 or (gate is not None and not gate.allows(r.key)):
-            drafts.append([])
+        if room <= 0:
+            proposals.append([])
             prefetched.append(0)
         elif ready is not None:
-            drafts.append(ready[:room])
+            proposals.append(ready[:room])
             prefetched.append(1)
         else:
             t = time.perf_counter()
-            drafts.append(r.drafter.propose(r.context, room)[:room])
+            proposals.append(r.drafter.propose(r.context, room)[:room])
             lookup_s += time.perf_counter() - t
             prefetched.append(0)
+    context = max(len(r.context) for r in requests)
+    step_k = gate.choose(proposals, [r.acceptance for r in requests], context) if gate is not None else k
+    drafts = [p[:step_k] for p in proposals]
+    prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
     ids, positions, lengths = verification_batch([r.pending for r in requests], drafts, [len(r.context) - 1 for r in requests])
     width = ids.shape[1] - 1
     future = None
@@ -320,45 +296,51 @@ def speculative_step(
     now = time.perf_counter()
     outcomes = []
     stats.steps += 1
+    if width:
+        stats.drafting_steps += 1
+        stats.k_sum += width
     for row, r in enumerate(requests):
         j, d = accepted[row], drafts[row]
         stats.request_steps += 1
         stats.accept_hist[j] += 1
+        stats.drafted_rows += bool(d)
         r.steps += 1
         for counts in (stats, r):
             counts.drafted += len(d)
             counts.accepted += j
             counts.prefetched += prefetched[row]
-        if gate is not None:
-            gate.record(r.key, len(d), j)
         committed = commit(r, d[:j] + [bonus[row]], tokenizer, context_limit, now, logits[row, : j + 1])
+        r.acceptance.observe(proposals[row], committed)
         hit = None
         if r.key in branches:
             r.ready = prefetcher.probe(r.key, branches[r.key], j, bonus[row])
             hit = r.ready is not None
         outcomes.append(StepOutcome(len(d), j, len(committed), hit))
+    host_s = time.perf_counter() - step_start - device_s
+    if gate is not None:
+        gate.record(len(requests), width + 1, context, device_s, host_s)
     stats.device_s += device_s
     stats.lookup_s += lookup_s
-    stats.host_s += time.perf_counter() - step_start - device_s - lookup_s
+    stats.host_s += host_s - lookup_s
     return outcomes
 
 
 def _verify_rows(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, requests: list[SpecRequest]) -> tuple[list[int], list[int]]:
-    """Accept lengths and bonus tokens per row. Rows that share sampling settings and a generator
-    are verified in one call (every greedy row together), cut to their own longest draft; a
-    request with its own generator then draws from it as it would alone, so a seeded request is
-    reproducible whatever it is batched with."""
+    """Accept lengths and bonus tokens per row; rows that share sampling settings are verified in
+    one call (every greedy row together). Each row's tokens depend on its own logits and key
+    alone, whatever it is batched with."""
     groups: dict[object, tuple] = {}
     for row, r in enumerate(requests):
         params = r.config.sampling
-        key = "greedy" if params.greedy else (params, id(r.generator))
-        groups.setdefault(key, (params, r.generator, []))[2].append(row)
+        groups.setdefault("greedy" if params.greedy else params, (params, []))[1].append(row)
     drafts, lengths = ids[:, 1:].to(logits.device), lengths.to(logits.device)
     accepted, bonus = [0] * len(requests), [0] * len(requests)
-    for params, generator, rows in groups.values():
+    for params, rows in groups.values():
         index = torch.tensor(rows, device=logits.device)
-        width = int(lengths[index].max())  # the group's own longest draft: its draws do not depend on other rows
-        a, b = verify(logits[index, : width + 1], drafts[index, :width], lengths[index], params, generator)
+        width = int(lengths[index].max())
+        keys = [requests[row].sample_key for row in rows]
+        positions = [len(requests[row].context) for row in rows]  # the pending token sits at len - 1
+        a, b = verify(logits[index, : width + 1], drafts[index, :width], lengths[index], params, keys, positions)
         for row, j, token in zip(rows, a.tolist(), b.tolist()):
             accepted[row], bonus[row] = j, token
     return accepted, bonus

@@ -15,8 +15,14 @@ resumed after preemption is found the same way, its state intact unless evicted 
 starts over as a new request whose "prompt" includes what it had written: slower, still lossless).
 
 Drafts only choose what vLLM verifies; vLLM's own rejection sampler commits the tokens, so the
-output is vLLM's plain decoding's (greedy) or its distribution (sampling). The gate and the
-length ramp are kvforge's own (`DraftGate`, `DraftConfig.k_for`). With `prefetch`, the next
+output is vLLM's plain decoding's (greedy) or its distribution (sampling: vLLM's sampler, not
+kvforge's counter-keyed one, so a seeded vLLM request is not token-identical with and without
+drafting). The gate is kvforge's (`gate.DraftGate`) over vLLM's own step cost: the time from one
+`propose` call to the next, by batch, width and context, learned as the steps run (an unmeasured
+width is assumed to cost what a measured one does, so it is tried once). Each row's acceptance
+is learned from every proposal, verified or not: a proposal that was not verified is compared
+with the tokens the row committed (under sampling, plain decoding picks a drafted token with the
+probability verification accepts it). The length ramp is `DraftConfig.k_for`. With `prefetch`, the next
 step's (accept length, bonus) tables are built on a worker thread while vLLM verifies the drafts
 just returned, and probed at the next call; a miss falls back to the lookup.
 
@@ -33,14 +39,15 @@ import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.ngram import NgramCache
 from kvforge.speculative.prefetch import Branch, Prefetcher
-from kvforge.speculative.step import DraftConfig, DraftGate
+from kvforge.speculative.gate import Acceptance, DraftGate, StepCost
+from kvforge.speculative.step import DraftConfig
 from kvforge.vllm import DRAFT_ENV
 
 LIVE: "weakref.WeakSet[NgramRLProposer]" = weakref.WeakSet()  # proposers in this process, for in-process benches
@@ -52,10 +59,6 @@ class ProposerConfig:
     n_min: int = 2
     n_max: int = 4
     gate: bool = True
-    # > 8: a gated request's retry interval doubles after each failed retry, up to this many steps;
-    # 8 (kvforge's own loop's fixed retry) is the default: the backoff did not pay in vLLM (RL 0.77x
-    # either way, docs/vllm.md)
-    gate_max_retry: int = 8
     prefetch: bool = False
     budget: int = 16
     k_min: int | None = None
@@ -92,7 +95,9 @@ class RowState:
     key: int  # names the row to the gate and the prefetcher
     cache: NgramCache
     produced: int = 0  # tokens committed since the prompt
-    draft: list[int] | None = None  # the draft proposed for this row at the last step
+    draft: list[int] | None = None  # the draft returned for this row at the last step (verified)
+    proposal: list[int] | None = None  # the draft looked up at the last step, returned or not
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 @dataclass
@@ -108,7 +113,8 @@ class ProposerStats:
     propose_s: float = 0.0  # the whole propose call
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "rows_drafted": self.drafted_steps / max(1, self.request_steps),
+                "mean_k": self.drafted / max(1, self.drafted_steps)}
 
 
 class NgramRLProposer:
@@ -145,19 +151,30 @@ class NgramRLProposer:
         self.stats.calls += 1
         branches = self.pending.result() if self.pending is not None else {}
         self.pending = None
-        drafts: list[list[int]] = []
-        prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
+        rows: list[tuple[int, RowState, list[int], int]] = []  # (row, state, proposal, its tokens)
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # still prefilling (or discarded this step): nothing to continue yet
-                drafts.append([])
                 continue
             n = int(num_tokens_no_spec[i])
             tokens = token_ids_cpu[i, :n]
             state = self._row(tokens, len(sampled))
-            draft = self._draft(state, tokens, sampled, branches.get(state.key), n)
-            drafts.append(draft)
+            rows.append((i, state, self._proposal(state, tokens, sampled, branches.get(state.key), n), n))
+        k = self.config.k if self.config.drafting else 0
+        if self.gate is not None and rows:
+            context = max(n for *_, n in rows)
+            if self._last_step is not None:  # vLLM's step since the last call, at the width returned then
+                self.gate.record(*self._last_step, start - self._last_call, 0.0)
+            k = self.gate.choose([p for _, _, p, _ in rows], [state.acceptance for _, state, _, _ in rows], context)
+            self._last_step = (len(rows), 1 + max(min(k, len(p)) for _, _, p, _ in rows), context)
+        self._last_call = start
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
+        for i, state, proposal, n in rows:
+            draft = proposal[:k]
+            state.draft = draft or None
+            drafts[i] = draft
             if self.prefetcher is not None and draft:
-                prefetch[state.key] = (state.cache, tokens[-self.config.n_max - 1:].tolist(), draft)
+                prefetch[state.key] = (state.cache, token_ids_cpu[i, :n][-self.config.n_max - 1:].tolist(), draft)
         if prefetch:
             self.pending = self.prefetcher.start(prefetch)
         self._evict()
@@ -184,42 +201,41 @@ class NgramRLProposer:
         self.rows.move_to_end(after)
         return state
 
-    def _draft(self, state: RowState, tokens: np.ndarray, sampled: list[int], branch: Branch | None, n: int) -> list[int]:
+    def _proposal(self, state: RowState, tokens: np.ndarray, sampled: list[int], branch: Branch | None, n: int) -> list[int]:
+        """Score the row's last step (its verified draft, and its proposal against what it committed),
+        then look up this step's proposal: the prefetch hit, else the n-gram cache."""
         config, stats = self.config, self.stats
         if state.produced:
             stats.request_steps += 1
-        if state.draft:  # score last step's draft: j accepted, then the bonus
-            accepted = len(sampled) - 1
+        if state.draft:  # last step's verified draft: j accepted, then the bonus
             stats.drafted_steps += 1
             stats.drafted += len(state.draft)
-            stats.accepted += accepted
-            if self.gate is not None:
-                self.gate.record(state.key, len(state.draft), accepted)
+            stats.accepted += len(sampled) - 1
+        if state.proposal:
+            state.acceptance.observe(state.proposal, sampled)
         state.produced += len(sampled)
         room = min(self.draft_config.k_for(state.produced), self.max_model_len - n)
         hit = None
         if branch is not None and state.draft:
             hit = self.prefetcher.probe(state.key, branch, len(sampled) - 1, sampled[-1])
-        if room <= 0 or not config.drafting or (self.gate is not None and not self.gate.allows(state.key)):
-            state.draft = None
+        if room <= 0 or not config.drafting:
+            state.proposal = None
             return []
         if hit is not None:
             stats.prefetch_hits += 1
-            draft = hit[:room]
+            proposal = hit[:room]
         else:
             lookup = time.perf_counter()
-            draft = state.cache.draft(tokens[-config.n_max:].tolist(), room)
+            proposal = state.cache.draft(tokens[-config.n_max:].tolist(), room)
             stats.lookup_s += time.perf_counter() - lookup
-        state.draft = draft or None
-        return draft
+        state.proposal = proposal or None
+        return proposal
 
     def _evict(self) -> None:
         """Forget the least recently seen rows beyond the bound (finished or aborted requests)."""
         while len(self.rows) > self.max_rows:
             _, states = self.rows.popitem(last=False)
             for state in states:
-                if self.gate is not None:
-                    self.gate.forget(state.key)
                 if self.prefetcher is not None:
                     self.prefetcher.forget(state.key)
 
@@ -231,7 +247,9 @@ class NgramRLProposer:
         self.gate = self._new_gate()
 
     def _new_gate(self) -> DraftGate | None:
-        return DraftGate(max_retry=self.config.gate_max_retry) if self.config.gate else None
+        self._last_step: tuple[int, int, int] | None = None  # (rows, width, context) of the last call's drafts
+        self._last_call = 0.0
+        return DraftGate(StepCost(engine=None), self.config.k) if self.config.gate else None
 
     def close(self) -> None:
         if self.prefetcher is not None:

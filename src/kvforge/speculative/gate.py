@@ -1,0 +1,178 @@
+"""The draft gate: how many draft tokens a step verifies, from what a wider forward costs and what
+each row's drafts are worth.
+
+Shapes: B rows in the step, W = K + 1 the verification width, C the longest row's context.
+
+A step's forward pads every row to the longest draft, so its cost is set by B, W and C, not by
+how many rows draft: one drafting row makes every row of the batch W wide. The gate therefore picks
+one draft length K per step (0: a plain step) to maximise expected committed tokens per second,
+
+    rate(K) = sum_r (1 + sum_{i=1..min(K, len d_r)} a_r^i) / (forward(B, K + 1, C) + host),
+
+with a_r the row's chance that a drafted token is accepted given the ones before it (geometric
+accept lengths). Rows whose drafts are worth little ride in the same forward at no extra cost.
+
+`Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
+compared with the tokens the step then committed, which are the tokens a verification of it
+would have committed (`verify.py`: both are plain decoding's), so a row that stops drafting keeps
+learning and drafts again as soon as its drafts would land; there is no retry schedule.
+
+`StepCost` is the forward's cost: measured once per engine and batch size (forwards of every width
+up to k + 1 over a short scratch cache: a second or two) and refined from the step timings, per
+context band. Only timing depends on the gate; the committed tokens are plain decoding's whatever it
+decides.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+CONTEXT_BAND = 256  # rows of context per band of the observed costs: attention grows with context
+SCRATCH_ROWS = 16  # the calibration cache's context: the prior holds the context-free part
+
+
+class Acceptance:
+    """A row's per-token acceptance rate, from its proposals compared with what it committed
+    (an exponential average over steps, starting from an even prior)."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.hits, self.misses = 0.0, 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 0.5) / (self.hits + self.misses + 1.0)
+
+    def observe(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
+        """The step proposed `proposal` (verified or not) and committed `committed`: each drafted
+        token is a trial until the first that differs from what was committed."""
+        hits = misses = 0
+        for drafted, token in zip(proposal, committed):
+            if drafted != token:
+                misses = 1
+                break
+            hits += 1
+        if hits or misses:
+            self.hits = self.decay * self.hits + hits
+            self.misses = self.decay * self.misses + misses
+
+    def expected(self, length: int) -> float:
+        """Expected accepted tokens of a draft of `length` tokens."""
+        a = self.rate
+        return sum(a**i for i in range(1, length + 1))
+
+
+def _bucket(batch: int) -> int:
+    """The calibrated batch size standing for `batch`: the largest power of two not above it."""
+    return 1 << (batch.bit_length() - 1)
+
+
+@dataclass
+class StepCost:
+    """Seconds of a verification forward by (batch, width, context), and the host time of a step
+    around it. `prior[bucket][width]`: measured on a scratch cache; `observed`: the steps' own
+    forwards (an exponential average per batch, width and context band)."""
+
+    engine: object  # None: no prior (vLLM's step is measured only as it runs)
+    prior: dict[int, dict[int, float]] = field(default_factory=dict)
+    observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    host: float = 0.0
+    decay: float = 0.5
+
+    def seconds(self, batch: int, width: int, context: int) -> float:
+        """Predicted forward seconds: observed at this batch, width and band; else an observed
+        width at this batch and band scaled by the prior's width ratio; else the prior."""
+        band = context // CONTEXT_BAND
+        seen = self.observed.get((batch, width, band))
+        if seen is not None:
+            return seen
+        near = [(abs(w - width), w) for (b, w, c) in self.observed if b == batch and c == band]
+        if _bucket(batch) not in self.prior:  # no prior: an unmeasured width costs what the nearest measured one does
+            return self.observed[(batch, min(near)[1], band)] if near else 1.0
+        prior = self._prior(batch, width)
+        if near:
+            w = min(near)[1]
+            return self.observed[(batch, w, band)] * prior / self._prior(batch, w)
+        return prior * batch / _bucket(batch)
+
+    def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
+        key = (batch, width, context // CONTEXT_BAND)
+        old = self.observed.get(key)
+        self.observed[key] = forward_s if old is None else self.decay * old + (1 - self.decay) * forward_s
+        self.host = host_s if not self.host else self.decay * self.host + (1 - self.decay) * host_s
+
+    def calibrate(self, batch: int, widths: Sequence[int]) -> None:
+        """Measure the widths not yet measured at `batch`'s bucket (one untimed warm-up forward, then
+        the smaller of two timings per width)."""
+        if self.engine is None:
+            return
+        bucket = _bucket(batch)
+        table = self.prior.setdefault(bucket, {})
+        missing = [w for w in widths if w not in table]
+        if not missing:
+            return
+        engine = self.engine
+        with torch.inference_mode():
+            _, cache = engine.prefill([[1] * SCRATCH_ROWS] * bucket)
+            for width in [max(missing)] + missing:
+                ids = torch.ones(bucket, width, dtype=torch.long, device=engine.device)
+                positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
+                best = float("inf")
+                for _ in range(2):
+                    start = time.perf_counter()
+                    engine.forward(ids, positions, cache, "all")
+                    best = min(best, time.perf_counter() - start)
+                    cache.rollback([width] * bucket)
+                table[width] = best
+
+    def _prior(self, batch: int, width: int) -> float:
+        table = self.prior[_bucket(batch)]
+        if width in table:
+            return table[width]
+        below = max((w for w in table if w < width), default=min(table))
+        above = min((w for w in table if w > width), default=max(table))
+        if below == above:
+            return table[below]
+        return table[below] + (table[above] - table[below]) * (width - below) / (above - below)
+
+
+_COSTS: "weakref.WeakKeyDictionary[object, StepCost]" = weakref.WeakKeyDictionary()
+
+
+def step_cost(engine) -> StepCost:
+    """The engine's cost model, shared by every gate that drives it (measured once per engine)."""
+    cost = _COSTS.get(engine)
+    if cost is None:
+        cost = _COSTS[engine] = StepCost(engine)
+    return cost
+
+
+class DraftGate:
+    """Picks each step's draft length from the engine's `StepCost` and the rows' `Acceptance`."""
+
+    def __init__(self, cost: StepCost, k: int):
+        self.cost, self.k = cost, k
+
+    def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int) -> int:
+        """The draft length K (0: verify nothing) with the most expected committed tokens per
+        second for a step of these rows, each with its proposed draft."""
+        longest = max((len(d) for d in drafts), default=0)
+        if longest == 0:
+            return 0
+        batch = len(drafts)
+        self.cost.calibrate(batch, range(1, max(self.k, longest) + 2))
+        best_k, best_rate = 0, batch / (self.cost.seconds(batch, 1, context) + self.cost.host)
+        for k in range(1, longest + 1):
+            gain = sum(1 + a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance))
+            rate = gain / (self.cost.seconds(batch, k + 1, context) + self.cost.host)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
+        self.cost.record(batch, width, context, forward_s, host_s)
