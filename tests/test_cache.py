@@ -137,3 +137,28 @@ def test_copies_of_one_sequence_share_their_rows_until_a_write_differs():
     assert samples.shared == 16
     mixed = KVCache([layer]).concat_batch([KVCache([layer]), KVCache([layer])])[0]
     assert mixed.shared == 0 and mixed.select_batch(torch.tensor([0, 1])).shared == 0  # not known to be copies
+
+
+def test_sequences_that_roll_back_apart_keep_their_rows_packed():
+    """Rollback by different amounts, then appends: each sequence's next rows go at its own end,
+    so its real rows sit at the buffer rows a lockstep batch would give them (no padding slot
+    between them), and the rows past a shorter sequence's end are padding."""
+    cache = KVCache.empty(1, batch=3, kv_heads=1, head_dim=2)
+    for step in range(4):
+        cache[0].append(torch.full((3, 1, 1, 2), float(step)), torch.zeros(3, 1, 1, 2), torch.full((3, 1), step))
+    cache.rollback([0, 2, 1])  # lengths 4, 2, 3
+    assert cache[0].ends == [4, 2, 3] and cache[0].length == 4
+    cache[0].append(torch.ones(3, 1, 3, 2), torch.ones(3, 1, 3, 2), torch.tensor([[4, 5, 6], [2, 3, 4], [3, 4, 5]]))
+    positions = cache[0].row_positions()
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert positions[1].tolist() == [0, 1, 2, 3, 4, -1, -1]
+    assert positions[2].tolist() == [0, 1, 2, 3, 4, 5, -1]
+    assert cache.next_positions().tolist() == [7, 5, 6]
+    chosen = cache.select_batch(torch.tensor([1, 2]))  # choosing sequences keeps their ends
+    assert chosen[0].ends == [5, 6] and chosen[0].length == 7
+    alone = cache.select_batch(torch.tensor([1]))
+    assert alone[0].ends is None and alone[0].length == 5  # one sequence: its padding is trimmed
+    cache.rollback([2, 0, 1])  # every sequence back to 5 rows: one length again
+    assert cache[0].ends is None and cache[0].length == 5 and (cache[0].row_positions() == torch.arange(5)).all()
+    joined = KVCache.concat_batch([chosen, cache])  # a batch joining another keeps every end
+    assert joined[0].ends == [5, 6, 5, 5, 5]

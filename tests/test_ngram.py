@@ -347,7 +347,7 @@ def test_the_gate_verifies_the_draft_length_that_pays(ratio, rate, rows, expect)
 
     acceptance = Acceptance(decay=1.0)
     acceptance.hits, acceptance.misses = 1000 * rate, 1000 * (1 - rate)
-    gate = DraftGate(_cost(ratio), k=8)
+    gate = DraftGate(_cost(ratio))
     assert gate.choose([[1] * 8] * rows, [acceptance] * rows, 100) == expect
     assert gate.choose([[]] * rows, [acceptance] * rows, 100) == 0  # nothing proposed
 
@@ -357,7 +357,7 @@ def test_one_good_row_does_not_widen_a_batch_of_bad_ones():
 
     good, bad = Acceptance(decay=1.0), Acceptance(decay=1.0)
     good.hits, good.misses, bad.hits, bad.misses = 800, 200, 0, 1000
-    gate = DraftGate(_cost(2.0), k=8)  # the good row's 0.8 x 9 / 8 rows does not pay a wider step
+    gate = DraftGate(_cost(2.0))  # the good row's 0.8 x 9 / 8 rows does not pay a wider step
     assert gate.choose([[1] * 8] * 8, [good] + [bad] * 7, 100) == 0
     assert gate.choose([[1] * 8], [good], 100) > 0  # alone it does
 
@@ -389,7 +389,7 @@ def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
 
     cost = StepCost(engine)
     cost.prior = {1: {w: 1e-3 * (1 + (w - 1) / 8) for w in range(1, 6)}}  # width 5 costs 1.5x
-    gated, gated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=DraftGate(cost, 4))
+    gated, gated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=DraftGate(cost))
     ungated, ungated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=None)
     assert gated[0].token_ids == ungated[0].token_ids == plain
     assert gated_stats.drafted - gated_stats.accepted < ungated_stats.drafted - ungated_stats.accepted  # fewer wasted
@@ -415,3 +415,25 @@ def test_the_ngram_drafter_turns_to_prompt_lookup_where_a_copy_continues_the_lat
     assert proposals[0] == [3, 0, 1, 2]  # the chain first (ties go to it)
     assert proposals[-1] == [4, 5, 6, 7]  # then the latest match
     assert drafter.chosen["lookup"] >= 1
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "T=1"])
+def test_a_bf16_batch_whose_rows_accept_different_lengths_commits_the_plain_tokens(sampling):
+    """A group of samples of one prompt and a batch of distinct prompts, drafting in one batch in
+    bf16: rows roll back by different amounts, each keeps its rows packed (`LayerCache.ends`), and
+    every row's tokens are the ones plain decoding of the same batch commits."""
+    engine = Engine(tiny_loaded("llama", dtype=torch.bfloat16))
+    engine.model.config.max_position_embeddings = 1024  # RoPE reaches any position
+    g = torch.Generator().manual_seed(7)
+    # long enough that attention's sums over rows span several blocks (where a padding slot
+    # between a row's keys would shift the rest and round them apart)
+    prompt = torch.randint(3, 10, (600,), generator=g).tolist()
+    batches = [[prompt] * 6, [torch.randint(3, 10, (n,), generator=g).tolist() for n in (600, 420, 700, 390)]]
+    config = GenerationConfig(max_new_tokens=40, seed=3, ignore_eos=True, **sampling)
+    for prompts in batches:
+        plain = [o.token_ids for o in engine.generate(prompts, config)]
+        cache = NgramCache(prompts[0])
+        drafters = [NgramDrafter(cache if len(set(map(tuple, prompts))) == 1 else NgramCache(p), p) for p in prompts]
+        out, stats = speculative_generate(engine, prompts, drafters, config, k=5)
+        assert [o.token_ids for o in out] == plain
+        assert len({j for j, count in enumerate(stats.accept_hist) if count}) > 1  # rows did accept different lengths

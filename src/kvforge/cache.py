@@ -10,7 +10,11 @@ token position (-1 for a padding slot of a shorter sequence in a batch) and its 
 need not be contiguous.
 
 Storage is preallocated and grows geometrically: appending a decode row is a slice copy, and
-`trim(n)` (speculative rollback) only moves the length back.
+`trim(n)` (speculative rollback) only moves the length back. When the sequences of a batch roll
+back by different amounts (speculative requests accepting different draft lengths), each keeps
+its own end (`LayerCache.ends`) and its next rows are written there, so a sequence's rows stay
+packed from its first row with no padding slot between them: the layout plain decoding gives it,
+which attention's sums over rows depend on for their rounding.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class LayerCache:
     # Rows [0, shared) are the same in every sequence of the batch (one prompt's rows copied to
     # each of its samples by `select_batch`): attention may read them once for the whole batch.
     shared: int = 0
+    # Where each sequence's rows end when they differ (rows [ends[b], length) of sequence b are
+    # padding slots, and its next rows go at ends[b]); None: every sequence ends at `length`.
+    ends: list[int] | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int, value_dim: int | None = None) -> "LayerCache":
@@ -102,9 +109,13 @@ class LayerCache:
         positions: torch.Tensor,
         kind: RowKind | torch.Tensor = RowKind.EXACT,
     ) -> None:
-        """Append rows: k, v (B, H, T, D); positions (B, T); kind one value or (B, T)."""
+        """Append rows: k, v (B, H, T, D); positions (B, T); kind one value or (B, T). Each
+        sequence's rows go at its own end."""
         t = k.shape[2]
         if t == 0:
+            return
+        if self.ends is not None:
+            self._append_at_ends(k, v, positions, kind)
             return
         self._reserve(t)
         start, end = self.length, self.length + t
@@ -117,9 +128,22 @@ class LayerCache:
             self.contiguous = bool((positions == expected).all())
         self.length = end
 
+    def _append_at_ends(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kind) -> None:
+        t = k.shape[2]
+        ends = [e + t for e in self.ends]
+        self._reserve(max(ends) - self.length)
+        kinds = kind if isinstance(kind, torch.Tensor) else torch.full(positions.shape, int(kind), dtype=torch.uint8, device=positions.device)
+        for b, end in enumerate(ends):
+            self.k[b, :, end - t : end] = k[b]
+            self.v[b, :, end - t : end] = v[b]
+            self.positions[b, end - t : end] = positions[b]
+            self.kinds[b, end - t : end] = kinds[b] if kinds.dim() == 2 else kinds
+        self.length = max(ends)
+        self.ends = None if min(ends) == max(ends) else ends
+
     def trim(self, n: int) -> None:
         """Drop the last n rows (speculative rollback)."""
-        self._trim_rows(n)
+        self.rollback([n] * self.k.shape[0])
 
     def _trim_rows(self, n: int) -> None:
         if n < 0 or n > self.length:
@@ -129,16 +153,19 @@ class LayerCache:
         self.positions[:, self.length :] = -1
 
     def rollback(self, drop: list[int]) -> None:
-        """Drop the last drop[b] rows of sequence b: rows every sequence drops are trimmed, a
-        sequence's further rows become padding slots (see `KVCache.rollback`)."""
-        common = min(drop)
-        self._trim_rows(common)
-        self.shared = min(self.shared, self.length - (max(drop) - common))  # rows some sequence pads
-        for b, n in enumerate(drop):
-            if n > common:
-                self.positions[b, self.length - (n - common) : self.length] = -1
-                self.kinds[b, self.length - (n - common) : self.length] = int(RowKind.PADDING)
+        """Drop the last drop[b] rows of sequence b (from its own end); the layer's length becomes
+        the longest sequence's, and a shorter one's rows past its end are padding slots."""
+        ends = [e - n for e, n in zip(self.ends or [self.length] * len(drop), drop)]
+        if min(ends) < 0:
+            raise ValueError(f"cannot drop {max(drop)} rows from a layer holding {self.length}")
+        self._trim_rows(self.length - max(ends))
+        for b, end in enumerate(ends):
+            if end < self.length:
+                self.positions[b, end : self.length] = -1
+                self.kinds[b, end : self.length] = int(RowKind.PADDING)
                 self.contiguous = False
+        self.shared = min(self.shared, min(ends))
+        self.ends = None if min(ends) == max(ends) else ends
 
     def select_rows(self, index: torch.Tensor) -> "LayerCache":
         """A new layer holding rows `index` (1-D, into this layer's rows) of every sequence."""
@@ -164,6 +191,11 @@ class LayerCache:
         layer.contiguous = _is_contiguous(layer.row_positions())
         # copies of one sequence share all their rows; any choice keeps the rows every one shared
         layer.shared = self.length if index.numel() > 1 and bool((index == index[0]).all()) else self.shared
+        if self.ends is not None:
+            ends = [self.ends[i] for i in index.tolist()]
+            layer.ends = None if min(ends) == max(ends) else ends
+            if layer.ends is None and ends[0] < layer.length:  # the chosen sequences all end early
+                layer._trim_rows(layer.length - ends[0])
         return layer
 
     def nbytes(self) -> int:
@@ -256,7 +288,7 @@ class RecurrentLayerCache(LayerCache):
         rows = LayerCache.select_batch(self, index)
         index = index.to(self.conv.device)
         return RecurrentLayerCache(
-            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous, rows.shared,
+            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous, rows.shared, rows.ends,
             conv=self.conv.index_select(0, index), state=self.state.index_select(0, index),
         )
 
@@ -264,7 +296,7 @@ class RecurrentLayerCache(LayerCache):
     def joined(cls, rows: LayerCache, parts: list["RecurrentLayerCache"]) -> "RecurrentLayerCache":
         """`rows` (the joined row log) with the parts' states stacked along the batch."""
         return cls(
-            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous,
+            rows.k, rows.v, rows.positions, rows.kinds, rows.length, rows.contiguous, ends=rows.ends,
             conv=torch.cat([p.conv for p in parts]), state=torch.cat([p.state for p in parts]),
         )
 
@@ -333,9 +365,9 @@ class KVCache:
 
     def rollback(self, drop: list[int]) -> None:
         """Drop the last drop[b] rows of sequence b in every layer (speculative rollback when
-        requests accepted different numbers of draft tokens). Rows every sequence drops are
-        trimmed; a sequence's further rows become padding slots (position -1, invisible to
-        attention), so the batch keeps one length per layer."""
+        requests accepted different numbers of draft tokens). Each sequence keeps its own end;
+        the batch's rows past it are padding slots (position -1, invisible to attention) until
+        its next rows are written there."""
         for layer in self.layers:
             layer.rollback(drop)
 
@@ -365,15 +397,17 @@ class KVCache:
                 kinds=torch.full((batch, length), int(RowKind.PADDING), dtype=torch.uint8, device=first.k.device),
                 length=length,
             )
-            row = 0
+            row, ends = 0, []
             for p in parts:
                 n = p.k.shape[0]
                 out.k[row : row + n, :, : p.length] = p.keys()
                 out.v[row : row + n, :, : p.length] = p.values()
                 out.positions[row : row + n, : p.length] = p.row_positions()
                 out.kinds[row : row + n, : p.length] = p.row_kinds()
+                ends += p.ends or [p.length] * n
                 row += n
             out.contiguous = _is_contiguous(out.positions)
+            out.ends = None if min(ends) == max(ends) else ends  # each sequence continues after its own rows
             layers.append(RecurrentLayerCache.joined(out, parts) if isinstance(first, RecurrentLayerCache) else out)
         return cls(layers)
 

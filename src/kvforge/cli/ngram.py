@@ -54,9 +54,10 @@ def bench_ngram_cmd(
     if json_out:
         emit_json(report)
         return
-    table = Table("arm", "tokens/s", "× plain", "mean accept", "lossless", "coverage", "predicted × sync", "measured × sync")
+    table = Table("arm", "tokens/s", "× plain", "decode × plain", "mean accept", "rows drafted", "mean k", "lossless", "coverage", "predicted × sync", "measured × sync")
     for r in report["results"]:
-        table.add_row(r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), cell(r, "mean_accept_len", ".2f"),
+        table.add_row(r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), cell(r, "decode_speedup_vs_plain", ".2f"),
+                      cell(r, "mean_accept_len", ".2f"), cell(r, "rows_drafted", ".2f"), cell(r, "mean_k", ".1f"),
                       str(r.get("lossless", "—")), cell(r, "coverage", ".3f"), cell(r, "predicted_speedup", ".3f"), cell(r, "speedup_vs_sync", ".3f"))
     Console().print(table)
     err.print(f"[dim]{report['workload']}: {report['prompts']} prompts x{report['samples_per_prompt']}, k {k}, budget {budget}, {report['threads']} thread(s), median of {runs}; plot {report['plot']}[/dim]")

@@ -17,9 +17,10 @@ compared with the tokens the step then committed, which are the tokens a verific
 would have committed (`verify.py`: both are plain decoding's), so a row that stops drafting keeps
 learning and drafts again as soon as its drafts would land; there is no retry schedule.
 
-`StepCost` is the forward's cost: measured once per engine and batch size (forwards of every width
-up to k + 1 over a short scratch cache: a second or two) and refined from the step timings, per
-context band. Only timing depends on the gate; the committed tokens are plain decoding's whatever it
+`StepCost` is the forward's cost: measured once per engine and batch size (forwards of widths 1
+and 2 over a short scratch cache, a line through them for the wider ones: a CPU's cost per extra
+row is flat over a step's few rows, from nearly 0 on AMX tiles to a whole row's cost where bf16 is
+emulated) and refined from the step timings, per context band. Only timing depends on the gate; the committed tokens are plain decoding's whatever it
 decides.
 """
 
@@ -106,39 +107,31 @@ class StepCost:
         self.observed[key] = forward_s if old is None else self.decay * old + (1 - self.decay) * forward_s
         self.host = host_s if not self.host else self.decay * self.host + (1 - self.decay) * host_s
 
-    def calibrate(self, batch: int, widths: Sequence[int]) -> None:
-        """Measure the widths not yet measured at `batch`'s bucket (one untimed warm-up forward, then
-        the smaller of two timings per width)."""
-        if self.engine is None:
-            return
+    def calibrate(self, batch: int) -> None:
+        """Measure widths 1 and 2 at `batch`'s bucket, once (the smaller of two timings of width 1,
+        around one of width 2)."""
         bucket = _bucket(batch)
-        table = self.prior.setdefault(bucket, {})
-        missing = [w for w in widths if w not in table]
-        if not missing:
+        if self.engine is None or bucket in self.prior:
             return
-        engine = self.engine
+        engine, table = self.engine, {}
         with torch.inference_mode():
             _, cache = engine.prefill([[1] * SCRATCH_ROWS] * bucket)
-            for width in [max(missing)] + missing:
+            for width in (1, 2, 1):
                 ids = torch.ones(bucket, width, dtype=torch.long, device=engine.device)
                 positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
-                best = float("inf")
-                for _ in range(2):
-                    start = time.perf_counter()
-                    engine.forward(ids, positions, cache, "all")
-                    best = min(best, time.perf_counter() - start)
-                    cache.rollback([width] * bucket)
-                table[width] = best
+                start = time.perf_counter()
+                engine.forward(ids, positions, cache, "all")
+                table[width] = min(table.get(width, float("inf")), time.perf_counter() - start)
+                cache.rollback([width] * bucket)
+        self.prior[bucket] = table
 
     def _prior(self, batch: int, width: int) -> float:
+        """The prior's seconds at `width`: measured, or on the line through the two nearest widths measured."""
         table = self.prior[_bucket(batch)]
         if width in table:
             return table[width]
-        below = max((w for w in table if w < width), default=min(table))
-        above = min((w for w in table if w > width), default=max(table))
-        if below == above:
-            return table[below]
-        return table[below] + (table[above] - table[below]) * (width - below) / (above - below)
+        a, b = sorted(sorted(table, key=lambda w: abs(w - width))[:2])
+        return max(table[a] + (table[b] - table[a]) * (width - a) / (b - a), min(table.values()))
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, StepCost]" = weakref.WeakKeyDictionary()
@@ -155,17 +148,17 @@ def step_cost(engine) -> StepCost:
 class DraftGate:
     """Picks each step's draft length from the engine's `StepCost` and the rows' `Acceptance`."""
 
-    def __init__(self, cost: StepCost, k: int):
-        self.cost, self.k = cost, k
+    def __init__(self, cost: StepCost):
+        self.cost = cost
 
     def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int) -> int:
         """The draft length K (0: verify nothing) with the most expected committed tokens per
         second for a step of these rows, each with its proposed draft."""
+        batch = len(drafts)
+        self.cost.calibrate(batch)  # once per engine and batch size
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 0
-        batch = len(drafts)
-        self.cost.calibrate(batch, range(1, max(self.k, longest) + 2))
         best_k, best_rate = 0, batch / (self.cost.seconds(batch, 1, context) + self.cost.host)
         for k in range(1, longest + 1):
             gain = sum(1 + a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance))

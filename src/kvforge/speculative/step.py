@@ -71,7 +71,7 @@ class DraftConfig:
 
     def new_gate(self, engine) -> DraftGate | None:
         """The gate this configuration asks for over `engine`'s measured costs (None: draft every step)."""
-        return DraftGate(step_cost(engine), self.k) if self.gate else None
+        return DraftGate(step_cost(engine)) if self.gate else None
 
     def k_for(self, produced: int) -> int:
         """The draft budget of a sample that has produced `produced` tokens."""

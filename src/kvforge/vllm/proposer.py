@@ -249,7 +249,7 @@ class NgramRLProposer:
     def _new_gate(self) -> DraftGate | None:
         self._last_step: tuple[int, int, int] | None = None  # (rows, width, context) of the last call's drafts
         self._last_call = 0.0
-        return DraftGate(StepCost(engine=None), self.config.k) if self.config.gate else None
+        return DraftGate(StepCost(engine=None)) if self.config.gate else None
 
     def close(self) -> None:
         if self.prefetcher is not None:
