@@ -30,7 +30,7 @@ from kvforge.bench.harness import environment
 from kvforge.bench.ngram import workload_settings
 
 ARMS = ("plain", "ngram", "suffix", "kvforge", "kvforge-prefetch", "kvforge-off")
-DEFAULT_ARMS = ARMS[:-1]  # kvforge-off (never drafts: vLLM's speculative path alone) is a diagnostic
+DEFAULT_ARMS = ARMS  # kvforge-off never drafts: the floor, vLLM's speculative path alone
 
 
 def suffix_missing() -> str | None:
@@ -134,7 +134,8 @@ def bench_vllm_ngram(model_dir, tokenizer, workload: str, dtype, runs: int = 3, 
             steps = max(s["request_steps"], 1)
             row.update({"lookup_ms_per_step": 1e3 * s["lookup_s"] / max(s["calls"], 1),
                         "propose_ms_per_step": 1e3 * s["propose_s"] / max(s["calls"], 1),
-                        "drafted_share": s["drafted_steps"] / steps,
+                        "rows_drafted": s["drafted_steps"] / steps,  # the gate's decisions: share of row-steps drafted
+                        "mean_k": s["drafted"] / max(s["drafted_steps"], 1),  # and the mean draft length returned
                         "prefetch_hit_rate": s["prefetch_hits"] / max(s["drafted_steps"], 1) if arm == "kvforge-prefetch" else None})
         results.append(row)
     import vllm

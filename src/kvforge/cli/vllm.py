@@ -44,7 +44,7 @@ def bench_vllm_ngram_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default: 128 copy, 96 rl."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     no_gate: bool = typer.Option(False, "--no-gate", help="kvforge's proposer returns every draft it finds (no cost gate)."),
-    arms: str = typer.Option("plain,ngram,suffix,kvforge,kvforge-prefetch", "--arms",
+    arms: str = typer.Option("plain,ngram,suffix,kvforge,kvforge-prefetch,kvforge-off", "--arms",
                              help="Comma-separated: plain, ngram, suffix, kvforge, kvforge-prefetch, kvforge-off (never drafts: the speculative path's own cost)."),
     no_history: bool = typer.Option(False, "--no-history", help="First visits: kvforge's prompt caches dropped before each run, suffix without its global tree."),
     dtype: str = DtypeOpt,

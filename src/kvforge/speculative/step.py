@@ -284,7 +284,7 @@ def speculative_step(
     ids, positions, lengths = verification_batch([r.pending for r in requests], drafts, [len(r.context) - 1 for r in requests])
     width = ids.shape[1] - 1
     future = None
-    if prefetcher is not None:
+    if prefetcher is not None and width:  # a plain step (the gate's choice) is likely followed by another: no tables
         prefetching = {r.key: (r.ngram, r.context[:], d) for r, d in zip(requests, drafts) if r.ngram is not None}
         future = prefetcher.start(prefetching) if prefetching else None
     t = time.perf_counter()

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
-from kvforge.speculative.ngram import NgramCache
+from kvforge.speculative.ngram import NgramCache, NgramDrafter
 from kvforge.speculative.prefetch import Branch, Prefetcher
 from kvforge.speculative.gate import Acceptance, DraftGate, StepCost
 from kvforge.speculative.step import DraftConfig
@@ -93,7 +93,7 @@ class RowState:
     """What a request's row left behind at its last step."""
 
     key: int  # names the row to the gate and the prefetcher
-    cache: NgramCache
+    drafter: NgramDrafter  # the prompt's shared n-gram cache, and prompt lookup over the row's own tokens
     produced: int = 0  # tokens committed since the prompt
     draft: list[int] | None = None  # the draft returned for this row at the last step (verified)
     proposal: list[int] | None = None  # the draft looked up at the last step, returned or not
@@ -174,7 +174,7 @@ class NgramRLProposer:
             state.draft = draft or None
             drafts[i] = draft
             if self.prefetcher is not None and draft:
-                prefetch[state.key] = (state.cache, token_ids_cpu[i, :n][-self.config.n_max - 1:].tolist(), draft)
+                prefetch[state.key] = (state.drafter.cache, token_ids_cpu[i, :n][-self.config.n_max - 1:].tolist(), draft)
         if prefetch:
             self.pending = self.prefetcher.start(prefetch)
         self._evict()
@@ -192,10 +192,10 @@ class NgramRLProposer:
             prompt = tokens[:-committed].tolist()
             cache = self.history.get(prompt)
             self.history.settle(prompt)  # evict other prompts' caches beyond the bound
-            state = RowState(self._next_key, cache)
+            state = RowState(self._next_key, NgramDrafter(cache, prompt))
             self._next_key += 1
             self.stats.new_rows += 1
-        state.cache.add(tokens[-committed:].tolist(), tokens[:-committed][-self.config.n_max:].tolist())
+        state.drafter.observe(tokens[-committed:].tolist())  # indexes them in the prompt's cache
         after = hash(tokens.tobytes())
         self.rows.setdefault(after, []).append(state)
         self.rows.move_to_end(after)
@@ -203,7 +203,8 @@ class NgramRLProposer:
 
     def _proposal(self, state: RowState, tokens: np.ndarray, sampled: list[int], branch: Branch | None, n: int) -> list[int]:
         """Score the row's last step (its verified draft, and its proposal against what it committed),
-        then look up this step's proposal: the prefetch hit, else the n-gram cache."""
+        then look up this step's proposal: the prefetch hit, else the drafter (the n-gram chain or prompt
+        lookup, whichever has matched more of late)."""
         config, stats = self.config, self.stats
         if state.produced:
             stats.request_steps += 1
@@ -226,7 +227,7 @@ class NgramRLProposer:
             proposal = hit[:room]
         else:
             lookup = time.perf_counter()
-            proposal = state.cache.draft(tokens[-config.n_max:].tolist(), room)
+            proposal = state.drafter.propose(tokens, room)
             stats.lookup_s += time.perf_counter() - lookup
         state.proposal = proposal or None
         return proposal
