@@ -352,6 +352,20 @@ def test_the_gate_verifies_the_draft_length_that_pays(ratio, rate, rows, expect)
     assert gate.choose([[]] * rows, [acceptance] * rows, 100) == 0  # nothing proposed
 
 
+def test_without_a_prior_the_gate_measures_a_plain_step_then_tries_drafting_once():
+    """vLLM's step is measured only as it runs: a plain step first, then an unmeasured width is
+    taken to cost what the nearest measured one does (so it is tried), then what it measured."""
+    from kvforge.speculative.gate import Acceptance, DraftGate, StepCost
+
+    gate, rows = DraftGate(StepCost(engine=None)), [Acceptance()] * 4
+    drafts = [[1] * 4] * 4
+    assert gate.choose(drafts, rows, 100) == 0
+    gate.record(4, 1, 100, 0.010, 0.0)
+    assert gate.choose(drafts, rows, 100) == 4  # widths 2..5 unmeasured: as cheap as width 1
+    gate.record(4, 5, 100, 0.050, 0.0)  # five times the plain step
+    assert gate.choose(drafts, rows, 100) < 4
+
+
 def test_one_good_row_does_not_widen_a_batch_of_bad_ones():
     from kvforge.speculative.gate import Acceptance, DraftGate
 

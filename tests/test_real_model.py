@@ -67,3 +67,19 @@ def test_demo_answers_a_long_real_prompt_with_every_method_and_none_degenerates(
             assert shared_content_words(row.answer, rows[0].answer), (row.method, row.answer)
     assert rows[4].ttft_s < rows[0].ttft_s  # the hand-off beats re-prefilling
     assert len(closing_lines(rows)) == 5
+
+
+def test_drafted_seeded_sampling_of_a_bf16_group_commits_plain_sampling_tokens():
+    """Eight samples of one real prompt at temperature 1 in bf16, drafting every step (no gate):
+    rows accept different lengths and roll back apart, and every sample's tokens are plain seeded
+    sampling's, token for token."""
+    from kvforge.models import load_model
+    from kvforge.speculative.rollout import DraftConfig, generate_group
+
+    engine = Engine(load_model("smollm2-135m", dtype=torch.bfloat16))
+    prompt = engine.model.tokenizer.encode("Write three short sentences about rivers, each starting with 'Rivers'.")
+    config = GenerationConfig(max_new_tokens=24, temperature=1.0, seed=5)
+    plain, _ = generate_group(engine, prompt, 8, config, DraftConfig("none"))
+    drafted, stats = generate_group(engine, prompt, 8, config, DraftConfig("ngram", k=4, gate=False))
+    assert [g.token_ids for g in drafted] == [g.token_ids for g in plain]
+    assert stats.accepted > 0 and len({j for j, n in enumerate(stats.accept_hist) if n}) > 1

@@ -137,7 +137,7 @@ class LayerCache:
             self.k[b, :, end - t : end] = k[b]
             self.v[b, :, end - t : end] = v[b]
             self.positions[b, end - t : end] = positions[b]
-            self.kinds[b, end - t : end] = kinds[b] if kinds.dim() == 2 else kinds
+            self.kinds[b, end - t : end] = kinds[b if kinds.shape[0] > 1 else 0] if kinds.dim() == 2 else kinds
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
 
@@ -451,9 +451,10 @@ class KVCache:
                         length=k.shape[2],
                     )
                     layer.contiguous = _is_contiguous(layer.positions)
+                    layer.ends = _trailing_ends(layer.positions)
                     if f"layers.{i}.state" in f.keys():
                         layer = RecurrentLayerCache(
-                            layer.k, layer.v, layer.positions, layer.kinds, layer.length, layer.contiguous,
+                            layer.k, layer.v, layer.positions, layer.kinds, layer.length, layer.contiguous, ends=layer.ends,
                             conv=f.get_tensor(f"layers.{i}.conv").to(device), state=f.get_tensor(f"layers.{i}.state").to(device))
                     layers.append(layer)
         except ArtifactError:
@@ -461,6 +462,15 @@ class KVCache:
         except Exception as exc:  # safetensors raises several types for a damaged file
             raise ArtifactError(f"cannot read KV cache {path}: {exc}") from exc
         return cls(layers), meta
+
+
+def _trailing_ends(positions: torch.Tensor) -> list[int] | None:
+    """Each sequence's end before its trailing padding slots (B, T) -> `LayerCache.ends`."""
+    if positions.shape[1] == 0:
+        return None
+    real = (positions >= 0).int()
+    ends = (positions.shape[1] - real.flip(1).argmax(1)).where(real.any(1), torch.zeros_like(real[:, 0])).tolist()
+    return None if min(ends) == max(ends) else ends
 
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:

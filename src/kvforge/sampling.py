@@ -75,7 +75,7 @@ class SampleKey:
 
     def draw(self, probs: torch.Tensor, position: int) -> int:
         """The token the exponential race picks from probs (V,) at `position`."""
-        return int((probs.double() / self.noise(position, probs.shape[-1])).argmax())
+        return int((probs.double() / self.noise(position, probs.shape[-1]).to(probs.device)).argmax())
 
 
 def prompt_key(tokens: Sequence[int]) -> int:

@@ -8,9 +8,10 @@ Workloads:
 Losslessness is checked, not assumed: every drafting arm's outputs in every timed run are compared
 token for token with plain decoding's run with the same seed (greedy for copy; for rl, seeded
 sampling at temperature 1: a sampled token is a function of its logits and its key, `sampling.py`).
-Speed is end to end and, for copy, over the decode phase alone (first token to last: prefill is
-the same for every arm). The gate's decisions are reported beside the speed: the share of
-request-steps that verified a draft and the mean draft length of the steps that did.
+Speed is end to end and over the decode phase alone (each group's first token to its last: prefill
+is the same for every arm). The gate's decisions are reported beside the speed: the share of
+request-steps that verified a draft (`rows_drafted`) and the mean draft length K of the steps that
+verified one (`mean_k`).
 
 Prefetch figures: coverage c (share of probes whose outcome was in the table), the device time
 per step T_dev (the verification forward plus the host work the prefetcher cannot take off the
@@ -72,7 +73,7 @@ def bench_ngram(
     engine, workload: str, runs: int = 3, k: int = 8, budget: int = 16, max_new_tokens: int | None = None,
     samples: int = 8, prompts: int | None = None, progress=None, gate: bool = True,
 ) -> dict:
-    """`gate`: the drafting arms skip drafts while they are rejected (`DraftGate`); False drafts every step."""
+    """`gate`: the drafting arms verify the draft length that pays (`gate.DraftGate`); False verifies every draft found."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
     prompt_ids, group, temperature, max_new_tokens = workload_settings(engine.model.tokenizer, workload, prompts, samples, max_new_tokens)

@@ -23,7 +23,8 @@ Limits: a long prompt's prefill holds up the running batch (no chunked prefill i
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
 sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
 of one request differ by seed, `app.choice_seed`), and drafting commits the tokens plain decoding
-would. A request without a seed takes a random one.
+would (in fp32, up to near-ties a wider step rounds apart). A request without a seed takes a random
+one.
 """
 
 from __future__ import annotations

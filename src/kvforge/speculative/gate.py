@@ -15,7 +15,7 @@ accept lengths). Rows whose drafts are worth little ride in the same forward at 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
 would have committed (`verify.py`: both are plain decoding's), so a row that stops drafting keeps
-learning and drafts again as soon as its drafts would land; there is no retry schedule.
+learning and drafts again as soon as its drafts would land, however many steps it ran plain.
 
 `StepCost` is the forward's cost: measured once per engine and batch size (forwards of widths 1
 and 2 over a short scratch cache, a line through them for the wider ones: a CPU's cost per extra
@@ -93,7 +93,11 @@ class StepCost:
         if seen is not None:
             return seen
         near = [(abs(w - width), w) for (b, w, c) in self.observed if b == batch and c == band]
-        if _bucket(batch) not in self.prior:  # no prior: an unmeasured width costs what the nearest measured one does
+        if _bucket(batch) not in self.prior:
+            # no prior: a plain step is measured first (an unmeasured width 1 costs nothing), then an
+            # unmeasured wider one is taken to cost what the nearest measured one does, so it is tried
+            if width == 1:
+                return 1e-9
             return self.observed[(batch, min(near)[1], band)] if near else 1.0
         prior = self._prior(batch, width)
         if near:
@@ -150,6 +154,10 @@ class DraftGate:
 
     def __init__(self, cost: StepCost):
         self.cost = cost
+
+    def prepare(self, batch: int) -> None:
+        """Measure the engine's forward at this batch size if not yet measured (outside a step's timing)."""
+        self.cost.calibrate(batch)
 
     def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int) -> int:
         """The draft length K (0: verify nothing) with the most expected committed tokens per

@@ -260,6 +260,8 @@ def speculative_step(
         raise ValueError(f"k {k} is too long for this model: its recurrent layers roll back steps of at most {limit} rows (k <= {limit - 1})")
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
+    if gate is not None:
+        gate.prepare(len(requests))
     step_start, lookup_s = time.perf_counter(), 0.0
     proposals, prefetched = [], []  # per row: the draft proposed, and 1 when it is the previous step's prefetch hit
     for r in requests:

@@ -19,14 +19,15 @@ output is vLLM's plain decoding's (greedy) or its distribution (sampling: vLLM's
 kvforge's counter-keyed one, so a seeded vLLM request is not token-identical with and without
 drafting). The gate is kvforge's (`gate.DraftGate`) over vLLM's own step cost: the time from one
 `propose` call to the next, by batch, width and context, learned as the steps run (an unmeasured
-width is assumed to cost what a measured one does, so it is tried once). Each row's acceptance
+width is assumed to cost what the nearest measured one does, so it is tried once, after a plain step
+has been measured). Each row's acceptance
 is learned from every proposal, verified or not: a proposal that was not verified is compared
 with the tokens the row committed (under sampling, plain decoding picks a drafted token with the
 probability verification accepts it). The length ramp is `DraftConfig.k_for`. With `prefetch`, the next
 step's (accept length, bonus) tables are built on a worker thread while vLLM verifies the drafts
 just returned, and probed at the next call; a miss falls back to the lookup.
 
-Memory: row states and the gate's per-row entries are bounded (least recently seen first out, at
+Memory: row states are bounded (least recently seen first out, at
 a few times vLLM's maximum batch), so finished and aborted requests leave nothing behind beyond
 the bound; the prompt caches are bounded by `max_entries` n-gram pairs (`RolloutHistory`).
 """
@@ -152,6 +153,7 @@ class NgramRLProposer:
         branches = self.pending.result() if self.pending is not None else {}
         self.pending = None
         rows: list[tuple[int, RowState, list[int], int]] = []  # (row, state, proposal, its tokens)
+        new_rows = self.stats.new_rows
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # still prefilling (or discarded this step): nothing to continue yet
                 continue
@@ -162,10 +164,15 @@ class NgramRLProposer:
         k = self.config.k if self.config.drafting else 0
         if self.gate is not None and rows:
             context = max(n for *_, n in rows)
-            if self._last_step is not None:  # vLLM's step since the last call, at the width returned then
-                self.gate.record(*self._last_step, start - self._last_call, 0.0)
+            # vLLM's step since the last call, at the width returned then; not when rows joined or
+            # left in between (that step also prefilled, or the batch was another)
+            last = self._last_step
+            if last is not None and last[0] == len(rows) and self.stats.new_rows == new_rows:
+                self.gate.record(*last, start - self._last_call, 0.0)
             k = self.gate.choose([p for _, _, p, _ in rows], [state.acceptance for _, state, _, _ in rows], context)
             self._last_step = (len(rows), 1 + max(min(k, len(p)) for _, _, p, _ in rows), context)
+        else:
+            self._last_step = None
         self._last_call = start
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
