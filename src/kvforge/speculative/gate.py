@@ -86,24 +86,38 @@ class StepCost:
     decay: float = 0.5
 
     def seconds(self, batch: int, width: int, context: int) -> float:
-        """Predicted forward seconds: observed at this batch, width and band; else an observed
-        width at this batch and band scaled by the prior's width ratio; else the prior."""
+        """Predicted forward seconds: observed at this batch, width and band; else a width observed
+        at this batch and band scaled by the shape of the cost over widths (the prior's, or with no
+        prior the widths observed at another band); else that shape itself. With nothing to go on, a
+        plain step is measured first (an unmeasured width 1 costs nothing), then a wider one is taken
+        to cost what the nearest measured width does, so it is tried."""
         band = context // CONTEXT_BAND
-        seen = self.observed.get((batch, width, band))
-        if seen is not None:
-            return seen
-        near = [(abs(w - width), w) for (b, w, c) in self.observed if b == batch and c == band]
-        if _bucket(batch) not in self.prior:
-            # no prior: a plain step is measured first (an unmeasured width 1 costs nothing), then an
-            # unmeasured wider one is taken to cost what the nearest measured one does, so it is tried
-            if width == 1:
-                return 1e-9
-            return self.observed[(batch, min(near)[1], band)] if near else 1.0
-        prior = self._prior(batch, width)
-        if near:
-            w = min(near)[1]
-            return self.observed[(batch, w, band)] * prior / self._prior(batch, w)
-        return prior * batch / _bucket(batch)
+        here = {w: t for (b, w, c), t in self.observed.items() if b == batch and c == band}
+        if width in here:
+            return here[width]
+        shape = self._shape(batch, band)
+        if here and shape is not None:
+            w = min(here, key=lambda w: abs(w - width))
+            return here[w] * _line(shape, width) / _line(shape, w)
+        if shape is not None:
+            return _line(shape, width) * (batch / _bucket(batch) if _bucket(batch) in self.prior else 1.0)
+        if len(here) >= 2:
+            return _line(here, width)
+        if width == 1:
+            return 1e-9
+        return here[min(here, key=lambda w: abs(w - width))] if here else 1.0
+
+    def _shape(self, batch: int, band: int) -> dict[int, float] | None:
+        """Seconds by width whose ratios stand for this batch's: the prior, else the widths observed
+        at this batch in the band with the most of them (two at least, another band than `band`)."""
+        if _bucket(batch) in self.prior:
+            return self.prior[_bucket(batch)]
+        bands: dict[int, dict[int, float]] = {}
+        for (b, w, c), t in self.observed.items():
+            if b == batch and c != band:
+                bands.setdefault(c, {})[w] = t
+        best = max(bands.values(), key=len, default={})
+        return best if len(best) >= 2 else None
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
         key = (batch, width, context // CONTEXT_BAND)
@@ -129,13 +143,15 @@ class StepCost:
                 cache.rollback([width] * bucket)
         self.prior[bucket] = table
 
-    def _prior(self, batch: int, width: int) -> float:
-        """The prior's seconds at `width`: measured, or on the line through the two nearest widths measured."""
-        table = self.prior[_bucket(batch)]
-        if width in table:
-            return table[width]
-        a, b = sorted(sorted(table, key=lambda w: abs(w - width))[:2])
-        return max(table[a] + (table[b] - table[a]) * (width - a) / (b - a), min(table.values()))
+def _line(table: dict[int, float], width: int) -> float:
+    """Seconds at `width`: measured, or on the line through the two nearest widths measured (one
+    width measured: its seconds)."""
+    if width in table:
+        return table[width]
+    if len(table) == 1:
+        return next(iter(table.values()))
+    a, b = sorted(sorted(table, key=lambda w: abs(w - width))[:2])
+    return max(table[a] + (table[b] - table[a]) * (width - a) / (b - a), min(table.values()))
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, StepCost]" = weakref.WeakKeyDictionary()
