@@ -451,3 +451,14 @@ def test_a_bf16_batch_whose_rows_accept_different_lengths_commits_the_plain_toke
         out, stats = speculative_generate(engine, prompts, drafters, config, k=5)
         assert [o.token_ids for o in out] == plain
         assert len({j for j, count in enumerate(stats.accept_hist) if count}) > 1  # rows did accept different lengths
+
+
+def test_a_new_row_starts_from_the_acceptance_of_the_rows_before_it():
+    from kvforge.speculative.gate import DraftGate, StepCost
+
+    gate = DraftGate(StepCost(engine=None))
+    first = gate.new_acceptance()
+    assert first.rate == pytest.approx(0.5)
+    for _ in range(50):  # drafts that never land
+        first.observe([1, 2], [3])
+    assert gate.new_acceptance().rate < 0.1  # the next request expects the same

@@ -193,6 +193,8 @@ class Scheduler:
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
                 k_for=drafting.k_for,
             )
+            if self.gate is not None:
+                r.state.acceptance = self.gate.new_acceptance()
             commit(r.state, [int(sample(logits, r.config.sampling, [key], [len(prompt)])[0])], self.tokenizer, self.context, logits=logits)
             r.ttft_s = time.perf_counter() - r.submitted_at
             if self.metrics is not None:

@@ -16,7 +16,7 @@ from kvforge.generation import (
 from kvforge.sampling import sample, sample_keys
 from kvforge.speculative.ngram import Drafter
 from kvforge.speculative.prefetch import Prefetcher
-from kvforge.speculative.gate import DraftGate
+from kvforge.speculative.gate import Acceptance, DraftGate
 from kvforge.speculative.step import SpecRequest, SpecStats, commit, speculative_step
 
 
@@ -49,6 +49,7 @@ def speculative_generate(
     stats = SpecStats(k, prefetcher=prefetcher)
     requests = [
         SpecRequest(i, SequenceState(i, len(p)), list(p), config, drafters[i], keys[i], eos, on_text,
+                    acceptance=gate.new_acceptance() if gate is not None else Acceptance(),
                     ngram=caches[i] if prefetcher is not None and caches is not None else None, k_for=k_for)
         for i, p in enumerate(prompts)
     ]

@@ -38,16 +38,18 @@ SCRATCH_ROWS = 16  # the calibration cache's context: the prior holds the contex
 
 
 class Acceptance:
-    """A row's per-token acceptance rate, from its proposals compared with what it committed
-    (an exponential average over steps, starting from an even prior)."""
+    """A row's per-token acceptance rate, from its proposals compared with what it committed (an
+    exponential average over steps). Its prior, one pseudo-trial, is the rate of `population` (the
+    rows a gate has seen, so a new request starts where its kind of request stands), else even."""
 
-    def __init__(self, decay: float = 0.8):
-        self.decay = decay
+    def __init__(self, decay: float = 0.8, population: "Acceptance | None" = None):
+        self.decay, self.population = decay, population
         self.hits, self.misses = 0.0, 0.0
 
     @property
     def rate(self) -> float:
-        return (self.hits + 0.5) / (self.hits + self.misses + 1.0)
+        prior = self.population.rate if self.population is not None else 0.5
+        return (self.hits + prior) / (self.hits + self.misses + 1.0)
 
     def observe(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
         """The step proposed `proposal` (verified or not) and committed `committed`: each drafted
@@ -61,6 +63,8 @@ class Acceptance:
         if hits or misses:
             self.hits = self.decay * self.hits + hits
             self.misses = self.decay * self.misses + misses
+            if self.population is not None:
+                self.population.observe(proposal, committed)
 
     def expected(self, length: int) -> float:
         """Expected accepted tokens of a draft of `length` tokens."""
@@ -84,6 +88,8 @@ class StepCost:
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
     host: float = 0.0
     decay: float = 0.5
+    # every row's trials over this engine (slowly forgotten): the prior of a new row's acceptance
+    population: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
 
     def seconds(self, batch: int, width: int, context: int) -> float:
         """Predicted forward seconds: observed at this batch, width and band; else a width observed
@@ -170,6 +176,10 @@ class DraftGate:
 
     def __init__(self, cost: StepCost):
         self.cost = cost
+
+    def new_acceptance(self) -> Acceptance:
+        """A new row's acceptance, its prior the rate of the rows this engine has drafted for."""
+        return Acceptance(population=self.cost.population)
 
     def prepare(self, batch: int) -> None:
         """Measure the engine's forward at this batch size if not yet measured (outside a step's timing)."""

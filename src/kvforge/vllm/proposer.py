@@ -200,6 +200,8 @@ class NgramRLProposer:
             cache = self.history.get(prompt)
             self.history.settle(prompt)  # evict other prompts' caches beyond the bound
             state = RowState(self._next_key, NgramDrafter(cache, prompt))
+            if self.gate is not None:
+                state.acceptance = self.gate.new_acceptance()
             self._next_key += 1
             self.stats.new_rows += 1
         state.drafter.observe(tokens[-committed:].tolist())  # indexes them in the prompt's cache
