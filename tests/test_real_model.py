@@ -76,9 +76,12 @@ def test_drafted_seeded_sampling_of_a_bf16_group_commits_plain_sampling_tokens()
     from kvforge.models import load_model
     from kvforge.speculative.rollout import DraftConfig, generate_group
 
+    from kvforge.prompting import encode_prompt
+
     engine = Engine(load_model("smollm2-135m", dtype=torch.bfloat16))
-    prompt = engine.model.tokenizer.encode("Write three short sentences about rivers, each starting with 'Rivers'.")
-    config = GenerationConfig(max_new_tokens=24, temperature=1.0, seed=5)
+    line = "the river runs down to the sea and the sea runs back to the river"
+    prompt = encode_prompt(engine.model.tokenizer, f"Repeat this line three times: {line}", chat=True)
+    config = GenerationConfig(max_new_tokens=24, temperature=1.0, seed=5, ignore_eos=True)
     plain, _ = generate_group(engine, prompt, 8, config, DraftConfig("none"))
     drafted, stats = generate_group(engine, prompt, 8, config, DraftConfig("ngram", k=4, gate=False))
     assert [g.token_ids for g in drafted] == [g.token_ids for g in plain]
