@@ -20,8 +20,8 @@ learning and drafts again as soon as its drafts would land, however many steps i
 `StepCost` is the forward's cost: measured once per engine and batch size (forwards of widths 1
 and 2 over a short scratch cache, a line through them for the wider ones: a CPU's cost per extra
 row is flat over a step's few rows, from nearly 0 on AMX tiles to a whole row's cost where bf16 is
-emulated) and refined from the step timings, per context band. Only timing depends on the gate; the committed tokens are plain decoding's whatever it
-decides.
+emulated) and refined from the step timings, per context band. Only timing depends on the gate;
+the committed tokens are plain decoding's whatever it decides.
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ class StepCost:
                 cache.rollback([width] * bucket)
         self.prior[bucket] = table
 
+
 def _line(table: dict[int, float], width: int) -> float:
     """Seconds at `width`: measured, or on the line through the two nearest widths measured (one
     width measured: its seconds)."""
@@ -189,7 +190,6 @@ class DraftGate:
         """The draft length K (0: verify nothing) with the most expected committed tokens per
         second for a step of these rows, each with its proposed draft."""
         batch = len(drafts)
-        self.cost.calibrate(batch)  # once per engine and batch size
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 0

@@ -253,8 +253,8 @@ def speculative_step(
     """One step for the batch in `cache` (row b is requests[b]); the cache is rolled back in
     place. Drafts of up to `k` tokens come from the prefetch hit of the previous step, else the
     request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: verify
-    every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache
-    get their next drafts built during the forward."""
+    every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache get their
+    next drafts built during the forward."""
     limit = engine.rollback_rows
     if limit is not None and k + 1 > limit:
         raise ValueError(f"k {k} is too long for this model: its recurrent layers roll back steps of at most {limit} rows (k <= {limit - 1})")

@@ -19,17 +19,16 @@ output is vLLM's plain decoding's (greedy) or its distribution (sampling: vLLM's
 kvforge's counter-keyed one, so a seeded vLLM request is not token-identical with and without
 drafting). The gate is kvforge's (`gate.DraftGate`) over vLLM's own step cost: the time from one
 `propose` call to the next, by batch, width and context, learned as the steps run (an unmeasured
-width is assumed to cost what the nearest measured one does, so it is tried once, after a plain step
-has been measured). Each row's acceptance
-is learned from every proposal, verified or not: a proposal that was not verified is compared
-with the tokens the row committed (under sampling, plain decoding picks a drafted token with the
-probability verification accepts it). The length ramp is `DraftConfig.k_for`. With `prefetch`, the next
+width is assumed to cost what the nearest measured one does, so it is tried once, after a plain
+step has been measured). Each row's acceptance is learned from every proposal, verified or not: a
+proposal that was not verified is compared with the tokens the row committed (under sampling,
+plain decoding picks a drafted token with the probability verification accepts it). The length
+ramp is `DraftConfig.k_for`. With `prefetch`, the next
 step's (accept length, bonus) tables are built on a worker thread while vLLM verifies the drafts
 just returned, and probed at the next call; a miss falls back to the lookup.
 
-Memory: row states are bounded (least recently seen first out, at
-a few times vLLM's maximum batch), so finished and aborted requests leave nothing behind beyond
-the bound; the prompt caches are bounded by `max_entries` n-gram pairs (`RolloutHistory`).
+Memory: row states are bounded (least recently seen first out, at a few times vLLM's maximum
+batch), so finished and aborted requests leave nothing behind beyond the bound; the prompt caches are bounded by `max_entries` n-gram pairs (`RolloutHistory`).
 """
 
 from __future__ import annotations
