@@ -36,12 +36,17 @@ class GenerationConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     logprobs_of: str = "model"
+    # the RL epoch a rollout belongs to: part of every sampled token's noise key (`SampleKey`), so
+    # two epochs with one seed draw fresh noise; the same epoch number replays the same noise
+    epoch: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.top_logprobs < 0 or self.logprobs_of not in ("model", "sampling"):
             raise ValueError(f"top_logprobs must be >= 0 and logprobs_of 'model' or 'sampling', got {self.top_logprobs}, {self.logprobs_of!r}")
+        if self.epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
@@ -122,7 +127,7 @@ def generate(
     tokenizer = engine.model.tokenizer
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
     params = config.sampling
-    keys = sample_keys(prompts, config.seed)
+    keys = sample_keys(prompts, config.seed, config.epoch)
     seqs = [SequenceState(i, len(p)) for i, p in enumerate(prompts)]
 
     start = time.perf_counter()

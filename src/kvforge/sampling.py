@@ -9,7 +9,8 @@ A sampled token is the Gumbel-max of the filtered distribution p: argmax_i p_i /
 independent Exp(1) noise (the exponential race; log p_i - log E_i is log p_i plus Gumbel noise),
 which is exact sampling from p. The noise is not drawn from a stateful stream: it is a function of
 the sample's `SampleKey` (seed, request, sample index) and the token's position, read from a
-counter-based generator (Philox, the key as its key, the position and index in its counter). A
+counter-based generator (Philox, the key as its key, the position, index and epoch in its
+counter). A
 sampled token is therefore a function of its logits and its key alone: decoding one token per
 step or verifying a draft of many commits the same tokens wherever the logits are the same bits,
 and two runs with one seed agree whatever else is batched with them.
@@ -55,21 +56,23 @@ class SamplingParams:
 class SampleKey:
     """Names one sample's noise: the seed, its request (`prompt_key` of the prompt's tokens, so
     that distinct prompts in one batch draw apart) and its index among the samples of that
-    request (the G samples of an RL group). The same key gives the same noise at every position
-    across calls, so an RL sample keyed alike in two epochs samples alike where the policy did not
-    move."""
+    request (the G samples of an RL group), and the RL epoch it belongs to. The same key gives the
+    same noise at every position across calls: an RL sample keyed alike in two epochs (`epoch`
+    left at 0: coupled epochs) replays its earlier draw wherever the policy did not move, while a
+    new epoch number draws fresh noise."""
 
     seed: int
     request: int
     index: int = 0
+    epoch: int = 0
 
     def noise(self, position: int, vocab: int) -> torch.Tensor:
         """(V,) float64 Exp(1) noise of the token at `position` (its index in the sequence)."""
         generator = np.random.Philox(
             key=np.array([self.seed & _U64, self.request & _U64], dtype=np.uint64),
-            # the draws advance the lowest word: the position and index sit above it, so the
-            # streams of two positions never overlap
-            counter=np.array([0, position & _U64, self.index & _U64, 0], dtype=np.uint64),
+            # the draws advance the lowest word: the position, index and epoch sit above it, so
+            # the streams of two positions never overlap
+            counter=np.array([0, position & _U64, self.index & _U64, self.epoch & _U64], dtype=np.uint64),
         )
         return torch.from_numpy(np.random.Generator(generator).standard_exponential(vocab))
 
@@ -88,7 +91,7 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def sample_keys(prompts: Sequence[Sequence[int]], seed: int | None) -> list[SampleKey]:
+def sample_keys(prompts: Sequence[Sequence[int]], seed: int | None, epoch: int = 0) -> list[SampleKey]:
     """One key per prompt of a batch: repeats of one prompt (a group) take indices 0, 1, ...;
     `seed` None takes a fresh random one for the whole batch."""
     seed = fresh_seed() if seed is None else seed
@@ -96,7 +99,7 @@ def sample_keys(prompts: Sequence[Sequence[int]], seed: int | None) -> list[Samp
     keys = []
     for prompt in prompts:
         request = prompt_key(prompt)
-        keys.append(SampleKey(seed, request, seen.get(request, 0)))
+        keys.append(SampleKey(seed, request, seen.get(request, 0), epoch))
         seen[request] = seen.get(request, 0) + 1
     return keys
 

@@ -12,8 +12,9 @@ method, or exact with the reason, and the rows filled or left shallow).
 
 A request for `n` choices is a group of n scheduler requests (`Scheduler.submit`): choice i
 samples with its own seed, derived from the request's `seed` and i (`choice_seed`). Each scheduler
-keeps a rollout history (`--history-entries`, 0: off): n-gram requests with the same prompt tokens
-draft from every earlier request's choices (`speculative.history`).
+keeps a rollout history (`--history-entries`, 0: off): n-gram requests with the same prompt tokens,
+or the same `kvforge.rollout_key`, draft from every earlier request's choices, choice i from the
+last request's choice i first (`speculative.history`).
 
 With an API key every route but /health (and /metrics when it is public) needs
 `Authorization: Bearer KEY`; the key is compared in constant time and never logged or echoed.
@@ -84,7 +85,6 @@ class AppRequest(ServeRequest):
 
     tokens: Tokenized | None = None
     report: PrefillReport | None = None
-    index: int = 0  # the choice this request is, of its API request's n
 
 
 class Served:
@@ -366,13 +366,13 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
         config = GenerationConfig(
             max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stops(),
-            logprobs=top is not None, top_logprobs=top or 0, logprobs_of=options.logprobs_of,
+            logprobs=top is not None, top_logprobs=top or 0, logprobs_of=options.logprobs_of, epoch=options.epoch,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     return [
         AppRequest(ids, replace(config, seed=choice_seed(body.seed, i)), text, options.prefill, options.draft, options.prefetch,
-                   options.history, tokens=tokens, index=i)
+                   options.history, options.rollout_key, i, tokens=tokens)
         for i in range(n)
     ]
 

@@ -41,6 +41,11 @@ class KvforgeOptions(BaseModel):
     prefetch: bool = False
     # with draft "ngram": draft from (and add to) the server's history of this prompt's earlier rollouts
     history: bool = True
+    # names the rollout in that history (an RL prompt's id); None: the prompt's tokens name it
+    rollout_key: str | None = Field(default=None, min_length=1, max_length=256)
+    # the RL epoch: part of every sampled token's noise key, so one seed draws fresh noise each
+    # epoch; leave it at 0 to couple epochs (a sample replays its last draw where the policy agrees)
+    epoch: int = Field(default=0, ge=0, lt=2**63)
     # which distribution log-probabilities are reported under (see the module docstring)
     logprobs_of: Literal["model", "sampling"] = "model"
 

@@ -14,10 +14,11 @@ batch and free their cache rows.
 The `n` choices of one API request are a group: queued as one item, admitted together when the
 batch has room for all of them, prefilled once (the cache copied per choice), and drafting from
 one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the default in the app)
-that cache is the prompt's history: a later request with the same prompt tokens drafts from every
-earlier request's choices too, and requests with the same prompt running at once share it. The
-history is settled (its bound enforced) as each choice finishes; a request opts out with
-`history=False`.
+that cache is the prompt's history: a later request with the same prompt tokens (or the same
+`rollout_key`) drafts from every earlier request's choices too, choice i from the last request's
+choice i first (`previous.py`), and requests with the same prompt running at once share it. A
+choice that finishes is recorded as its index's latest rollout and the history settled (its bound
+enforced); a request opts out with `history=False`.
 
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
@@ -61,6 +62,8 @@ class ServeRequest:
     draft: str = "none"
     prefetch: bool = False
     history: bool = True  # with draft "ngram": use the scheduler's rollout history of the prompt
+    rollout_key: str | None = None  # names the rollout in the history (None: the prompt's tokens)
+    index: int = 0  # the choice this request is, of its API request's n: its sample index in the rollout
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     # filled in by the scheduler
@@ -182,12 +185,14 @@ class Scheduler:
         logits, cache = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
         prompt = first.prompt_ids
         drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
-        kept = self.history.get(prompt) if self._keeps_history(first) else None
-        drafters, ngram = new_drafters(drafting, prompt, len(group), kept)
+        kept, previous = None, None
+        if self._keeps_history(first):
+            kept, previous = self.history.get(prompt, first.rollout_key), self.history.previous(prompt, first.rollout_key)
+        drafters, ngram = new_drafters(drafting, prompt, len(group), kept, previous, [r.index for r in group])
         running = []
         for r, drafter in zip(group, drafters):
             r.prompt_ids = prompt
-            key = SampleKey(fresh_seed() if r.config.seed is None else r.config.seed, prompt_key(prompt))
+            key = SampleKey(fresh_seed() if r.config.seed is None else r.config.seed, prompt_key(prompt), epoch=r.config.epoch)
             r.state = SpecRequest(
                 r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, key,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
@@ -238,7 +243,9 @@ class Scheduler:
             flush_text(r.state.seq, r.state.on_text)
         self.prefetcher.forget(r.id)
         if r.state is not None and self._keeps_history(r):
-            self.history.settle(r.prompt_ids)
+            if error is None:
+                self.history.record(r.prompt_ids, r.index, r.seq.token_ids, r.rollout_key)
+            self.history.settle(r.prompt_ids, r.rollout_key)
         if self.metrics is not None:
             self.metrics.observe_done(r)
         r.emit("done", r)

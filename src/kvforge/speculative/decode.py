@@ -45,7 +45,7 @@ def speculative_generate(
         raise ValueError("one drafter per prompt")
     context_limit = check_prompts(prompts, engine.model.context_length)
     eos = set() if config.ignore_eos else eos_token_ids(engine.model)
-    keys = sample_keys(prompts, config.seed)  # as plain decoding keys the batch
+    keys = sample_keys(prompts, config.seed, config.epoch)  # as plain decoding keys the batch
     stats = SpecStats(k, prefetcher=prefetcher)
     requests = [
         SpecRequest(i, SequenceState(i, len(p)), list(p), config, drafters[i], keys[i], eos, on_text,

@@ -10,9 +10,10 @@ the sibling samples of an RL group share one cache, so a rollout drafts from wha
 already wrote. A draft follows the longest n-gram suffix of the context that the cache knows,
 takes its most frequent successor (ties: the most recent), appends it and repeats, for up to k
 tokens. That chain of most frequent successors suits rollouts that repeat each other; copying a
-document wants the tokens after the latest match instead (prompt lookup), so `NgramDrafter`
-proposes both and returns, per request, the one whose recent proposals matched more of what the
-request went on to commit.
+document wants the tokens after the latest match instead (prompt lookup); a sample of a prompt
+rolled out before may follow one of its previous rollouts (`previous.py`). `NgramDrafter`
+proposes from each source and returns, per request, the one whose recent proposals matched more
+of what the request went on to commit; `source` names it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kvforge.speculative.gate import Acceptance
+from kvforge.speculative.previous import PreviousRolloutDrafter
+
+# the sources `NgramDrafter` proposes from, in the order that wins a tie
+SOURCES = ("rollout", "chain", "lookup")
 
 
 class Drafter(Protocol):
@@ -83,28 +88,39 @@ class NgramCache:
 
 
 class NgramDrafter:
-    """One request's view of a (shared) per-prompt `NgramCache`, and prompt lookup over its own
-    tokens: each `propose` looks up both and returns the one expected to land more tokens, judged
+    """One request's view of a (shared) per-prompt `NgramCache`, prompt lookup over its own
+    tokens and, given `previous` rollouts of the prompt (its own first), their continuation: each
+    `propose` looks up every source and returns the one expected to land the most tokens, judged
     by how much of each source's recent proposals the request then committed (`Acceptance`)."""
 
-    def __init__(self, cache: NgramCache, prompt: Sequence[int]):
+    def __init__(self, cache: NgramCache, prompt: Sequence[int], previous: Sequence[Sequence[int]] = ()):
         self.cache = cache
         self.tail = list(prompt[-cache.n_max :])  # what the next committed tokens continue
-        self.lookup = PromptLookupDrafter(cache.n_min, cache.n_max, latest=True)
-        self.scores = {"chain": Acceptance(), "lookup": Acceptance()}
+        self.drafters = {"lookup": PromptLookupDrafter(cache.n_min, cache.n_max, latest=True)}
+        if previous:
+            self.drafters["rollout"] = PreviousRolloutDrafter(previous, len(prompt), cache.n_min, cache.n_max)
+        self.scores = {source: Acceptance() for source in SOURCES}
         self.proposed: dict[str, list[int]] = {}  # the last proposals, until the next commit scores them
-        self.chosen = {"chain": 0, "lookup": 0}  # proposals returned per source
+        self.chosen = dict.fromkeys(SOURCES, 0)  # proposals returned per source
+        self.source: str | None = None  # the source of the last proposal returned (None: nothing proposed)
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        self.proposed = {"chain": self.cache.draft(context, k), "lookup": self.lookup.propose(context, k)}
-        source = max(self.proposed, key=lambda s: (self.scores[s].expected(len(self.proposed[s])), s == "chain"))
-        self.chosen[source] += 1
+        self.proposed = {"chain": self.cache.draft(context, k)}
+        for name, drafter in self.drafters.items():
+            self.proposed[name] = drafter.propose(context, k)
+        rank = {source: i for i, source in enumerate(SOURCES)}
+        source = max(self.proposed, key=lambda s: (self.scores[s].expected(len(self.proposed[s])), -rank[s]))
+        self.source = source if self.proposed[source] else None
+        if self.source is not None:
+            self.chosen[source] += 1
         return self.proposed[source]
 
     def observe(self, tokens: Sequence[int]) -> None:
         for source, proposal in self.proposed.items():
             self.scores[source].observe(proposal, tokens)
         self.proposed = {}
+        for drafter in self.drafters.values():
+            drafter.observe(tokens)
         self.cache.add(tokens, self.tail)
         self.tail = (self.tail + list(tokens))[-self.cache.n_max :]
 
@@ -114,6 +130,8 @@ class PromptLookupDrafter:
     that occurs earlier in the request's own tokens (prompt and output so far), at its earliest
     occurrence (`latest`: at its latest, where a copy in progress continues); the draft is the k
     tokens that followed it. No state beyond the request."""
+
+    source = "lookup"
 
     def __init__(self, n_min: int = 1, n_max: int = 4, latest: bool = False):
         self.n_min, self.n_max, self.latest = n_min, n_max, latest

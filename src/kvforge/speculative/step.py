@@ -79,16 +79,22 @@ class DraftConfig:
 
 
 def new_drafters(
-    config: DraftConfig, prompt: list[int], samples: int = 1, shared: NgramCache | None = None
+    config: DraftConfig, prompt: list[int], samples: int = 1, shared: NgramCache | None = None,
+    previous: dict[int, list[int]] | None = None, indices: list[int] | None = None,
 ) -> tuple[list[Drafter], NgramCache | None]:
     """`samples` drafters for one prompt, and the n-gram cache they share (None unless the draft
     is 'ngram'): sibling samples draft from what each other wrote. `shared`: the prompt's cache
-    when one is kept already (a store of earlier rollouts of the prompt); else a new one."""
+    when one is kept already (a store of earlier rollouts of the prompt); else a new one.
+    `previous`: the prompt's previous rollouts by sample index; sample i (`indices[i]`, default
+    i) drafts from its own first, then the others."""
     if config.draft == "ngram":
         if shared is not None and (shared.n_min, shared.n_max) != (config.n_min, config.n_max):
             raise ValueError(f"the prompt's cache holds {shared.n_min}..{shared.n_max}-grams, the drafter uses {config.n_min}..{config.n_max}")
         shared = shared if shared is not None else NgramCache(prompt, config.n_min, config.n_max)
-        return [NgramDrafter(shared, prompt) for _ in range(samples)], shared
+        previous = previous or {}
+        indices = indices if indices is not None else list(range(samples))
+        own_first = lambda i: sorted(previous, key=lambda j: (j != i, j))  # noqa: E731
+        return [NgramDrafter(shared, prompt, [previous[j] for j in own_first(i)]) for i in indices], shared
     if config.draft == "prompt-lookup":
         return [PromptLookupDrafter(config.n_min, config.n_max) for _ in range(samples)], None
     return [NoDrafter() for _ in range(samples)], None
@@ -108,6 +114,8 @@ class SpecStats:
     drafting_steps: int = 0  # steps that verified a draft (the gate's K > 0)
     k_sum: int = 0  # the gate's K summed over those steps
     accept_hist: list[int] = field(default_factory=list)  # index j: request-steps that accepted j
+    # per draft source (`NgramDrafter.SOURCES`, "prefetch" for a prefetch hit): [request-steps, drafted, accepted]
+    sources: dict[str, list[int]] = field(default_factory=dict)
     device_s: float = 0.0  # the verification forwards
     lookup_s: float = 0.0  # drafting on the critical path (synchronous lookups and prefetch misses)
     host_s: float = 0.0  # the rest of each step outside the forward: verify, commit, rollback
@@ -142,6 +150,15 @@ class SpecStats:
         """The mean draft length of the steps that verified one."""
         return self.k_sum / self.drafting_steps if self.drafting_steps else 0.0
 
+    @property
+    def accept_by_source(self) -> dict[str, dict]:
+        """Per draft source: the request-steps that verified its draft, the tokens drafted and
+        accepted, and the accepted share."""
+        return {
+            source: {"rows": rows, "drafted": drafted, "accepted": accepted, "accept_rate": accepted / drafted if drafted else 0.0}
+            for source, (rows, drafted, accepted) in sorted(self.sources.items())
+        }
+
     def as_dict(self) -> dict:
         return {
             "k": self.k,
@@ -153,6 +170,7 @@ class SpecStats:
             "prefetched": self.prefetched,
             "rows_drafted": self.rows_drafted,
             "mean_k": self.mean_k,
+            "accept_by_source": self.accept_by_source,
             "device_ms_per_step": 1000 * self.device_s / max(1, self.steps),
             "lookup_ms_per_step": 1000 * self.lookup_s / max(1, self.steps),
             "host_ms_per_step": 1000 * (self.host_s + self.lookup_s) / max(1, self.steps),
@@ -263,7 +281,7 @@ def speculative_step(
     if gate is not None:
         gate.prepare(len(requests))
     step_start, lookup_s = time.perf_counter(), 0.0
-    proposals, prefetched = [], []  # per row: the draft proposed, and 1 when it is the previous step's prefetch hit
+    proposals, prefetched, sources = [], [], []  # per row: the draft proposed, 1 when it is the previous step's prefetch hit, its source
     for r in requests:
         ready, r.ready = r.ready, None
         budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
@@ -271,14 +289,17 @@ def speculative_step(
         if room <= 0:
             proposals.append([])
             prefetched.append(0)
+            sources.append(None)
         elif ready is not None:
             proposals.append(ready[:room])
             prefetched.append(1)
+            sources.append("prefetch")
         else:
             t = time.perf_counter()
             proposals.append(r.drafter.propose(r.context, room)[:room])
             lookup_s += time.perf_counter() - t
             prefetched.append(0)
+            sources.append(getattr(r.drafter, "source", None))
     context = max(len(r.context) for r in requests)
     step_k = gate.choose(proposals, [r.acceptance for r in requests], context) if gate is not None else k
     drafts = [p[:step_k] for p in proposals]
@@ -306,6 +327,9 @@ def speculative_step(
         stats.request_steps += 1
         stats.accept_hist[j] += 1
         stats.drafted_rows += bool(d)
+        if d:
+            counts = stats.sources.setdefault(sources[row] or "other", [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + len(d), counts[2] + j
         r.steps += 1
         for counts in (stats, r):
             counts.drafted += len(d)
