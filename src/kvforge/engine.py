@@ -36,6 +36,13 @@ class Engine:
     def num_layers(self) -> int:
         return self.adapter.num_layers
 
+    def update_weights(self, tensors, lora_scale: float = 1.0) -> str:
+        """New weights in place, full or a LoRA (`models.weights.update_weights`): call it between
+        steps, not during one. Returns the kind applied."""
+        from kvforge.models.weights import update_weights
+
+        return update_weights(self.model, tensors, lora_scale)
+
     @property
     def rollback_rows(self) -> int | None:
         """The most rows one step may have and still roll back part of them (None: no limit). A

@@ -430,15 +430,25 @@ def _mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if _mkl_packable() else None
 
 
+_weights_generation = 0  # bumped by `invalidate_packed`: every packed copy made before is stale
+
+
+def invalidate_packed() -> None:
+    """Mark every packed weight copy stale, after weights were written in place (`weights.py`):
+    inference tensors keep no version counter, so a packed copy cannot see the write itself."""
+    global _weights_generation
+    _weights_generation += 1
+
+
 def _packed(weight: torch.Tensor, pack=_onednn_pack) -> torch.Tensor | None:
     """The weight in a library's packed layout (oneDNN's blocked one by default), made at first use
-    and kept on the tensor (remade if the weight changed since: its version counter, storage or
-    dtype); None for a view (a slice would be packed on every call), a non-contiguous weight, or
-    what this CPU's library cannot run."""
+    and kept on the tensor (remade if the weight changed since: its version counter, storage,
+    dtype or an `invalidate_packed`); None for a view (a slice would be packed on every call), a
+    non-contiguous weight, or what this CPU's library cannot run."""
     if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2:
         return None
     # inference tensors (made under inference mode, e.g. LoRA-merged weights) keep no version counter
-    stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype)
+    stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype, _weights_generation)
     packs = getattr(weight, "_kvforge_packed", None)
     if packs is None:
         packs = weight._kvforge_packed = {}  # one entry per layout: prefill and decode use different ones

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -41,6 +41,8 @@ class LoadedModel:
     adapter: ModelAdapter
     device: torch.device
     dtype: torch.dtype
+    weights_version: int = 0  # in-place weight updates applied (`weights.update_weights`)
+    lora_base: dict = field(default_factory=dict)  # a LoRA update's base values, by parameter name
 
     @property
     def config(self):

@@ -1,0 +1,96 @@
+"""In-place weight updates: full and LoRA, refused whole when a tensor does not fit, and every
+derived copy (fused projections, packed weights, the fingerprint) following the new values."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_hf_model, tiny_loaded
+from kvforge.engine import Engine
+from kvforge.generation import GenerationConfig
+from kvforge.models.weights import WeightUpdateError, read_update
+
+
+def _logits(engine: Engine, ids=(1, 5, 9, 4, 7)) -> torch.Tensor:
+    logits, _ = engine.prefill([list(ids)])
+    return logits
+
+
+def test_a_full_update_serves_the_new_weights_as_a_fresh_load_would(family):
+    engine, other = Engine(tiny_loaded(family, seed=0)), Engine(tiny_loaded(family, seed=1))
+    before_fingerprint, old = engine.model.fingerprint, _logits(engine)
+    new = {name: p.detach().clone() for name, p in tiny_hf_model(family, seed=1).named_parameters()}
+    assert engine.update_weights(new) == "full"
+    assert torch.equal(_logits(engine), _logits(other))  # fused q/k/v and gate/up follow the modules
+    assert not torch.equal(_logits(engine), old)
+    assert engine.model.weights_version == 1
+    assert engine.model.fingerprint == other.model.fingerprint != before_fingerprint
+
+
+def test_an_update_that_does_not_fit_is_refused_whole_and_names_the_tensor():
+    engine = Engine(tiny_loaded("llama"))
+    old, fingerprint = _logits(engine), engine.model.fingerprint
+    params = dict(engine.model.hf.named_parameters())
+    good = {name: torch.zeros_like(p) for name, p in list(params.items())[:3]}
+    first = next(iter(params))
+    for bad, named in [
+        ({**good, "model.nope.weight": torch.zeros(2)}, "model.nope.weight"),
+        ({**good, first: torch.zeros(3, 3)}, first),
+        ({**good, first: params[first].detach().to(torch.bfloat16)}, first),
+    ]:
+        with pytest.raises(WeightUpdateError, match=named.replace(".", r"\.")):
+            engine.update_weights(bad)
+    assert torch.equal(_logits(engine), old) and engine.model.fingerprint == fingerprint and engine.model.weights_version == 0
+
+
+def test_lora_updates_replace_each_other_over_the_kept_base():
+    engine = Engine(tiny_loaded("llama"))
+    hf = engine.model.hf
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = dict(hf.named_parameters())[name].detach().clone()
+    out_features, in_features = base.shape
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, in_features, generator=g), torch.randn(out_features, 2, generator=g)
+    lora = {f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight": a, f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight": b}
+    assert engine.update_weights(lora, lora_scale=0.5) == "lora"
+    assert torch.allclose(dict(hf.named_parameters())[name], base + 0.5 * b @ a)
+    engine.update_weights(lora, lora_scale=0.5)  # the same adapter again: still base + delta, not twice
+    assert torch.allclose(dict(hf.named_parameters())[name], base + 0.5 * b @ a)
+    other = "model.layers.1.mlp.down_proj.weight"
+    down = dict(hf.named_parameters())[other].detach().clone()
+    o, i = down.shape
+    engine.update_weights({f"{other.removesuffix('.weight')}.lora_A.weight": torch.zeros(1, i), f"{other.removesuffix('.weight')}.lora_B.weight": torch.ones(o, 1)})
+    assert torch.equal(dict(hf.named_parameters())[name], base)  # left out of the new adapter: back to the base
+    with pytest.raises(WeightUpdateError, match="lora_B"):
+        engine.update_weights({f"{name.removesuffix('.weight')}.lora_A.weight": a})
+    with pytest.raises(WeightUpdateError, match=r"\(r, "):
+        engine.update_weights({f"{name.removesuffix('.weight')}.lora_A.weight": a, f"{name.removesuffix('.weight')}.lora_B.weight": b.T})
+
+
+def test_a_packed_weight_copy_is_remade_after_an_update():
+    """Linears keep a packed copy of their weight on the tensor. An inference tensor (a merged
+    LoRA weight, say) has no version counter to show an in-place write, so an update marks every
+    packed copy stale."""
+    from kvforge.models import adapters
+
+    packs = []
+    pack = lambda w: packs.append(w.clone()) or packs[-1]  # noqa: E731
+    with torch.inference_mode():
+        weight = torch.ones(4, 4)
+    assert adapters._packed(weight, pack) is adapters._packed(weight, pack) and len(packs) == 1
+    with torch.inference_mode():
+        weight.fill_(2.0)
+    adapters.invalidate_packed()
+    assert torch.equal(adapters._packed(weight, pack), weight) and len(packs) == 2
+
+
+def test_read_update_takes_the_peft_scale_and_names_a_damaged_file(tmp_path):
+    save_file({"x.lora_A.weight": torch.zeros(2, 3), "x.lora_B.weight": torch.zeros(4, 2)}, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text('{"lora_alpha": 16, "r": 8}')
+    tensors, scale = read_update(tmp_path)
+    assert set(tensors) == {"x.lora_A.weight", "x.lora_B.weight"} and scale == 2.0
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightUpdateError, match="cannot read"):
+        read_update(tmp_path / "bad.safetensors")
+    with pytest.raises(WeightUpdateError, match="no weights file"):
+        read_update(tmp_path / "missing.safetensors")
