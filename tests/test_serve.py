@@ -359,7 +359,8 @@ def test_an_api_key_guards_every_route_but_health_and_is_never_logged(dirs):
         assert httpx.get(f"{url}/health").status_code == 200
         body = {"model": model, "prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}x"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
-            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
+            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere"),
+                                 ("POST", "/v1/update_weights"), ("POST", "/v1/abort")):
                 r = httpx.request(method, url + path, headers=headers, json=body)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and key not in r.text, (headers, path)
         with pytest.raises(openai.AuthenticationError):
@@ -479,6 +480,106 @@ def test_a_full_queue_answers_429(dirs):
         proc.terminate()
         proc.wait(timeout=30)
 
+
+
+# --- weights updated without a restart ---------------------------------------------------------
+def test_update_weights_serves_the_new_weights_and_refuses_artifacts_fitted_for_the_old(dirs, artifacts, tmp_path):
+    """In process, every method loaded: an update that does not fit is a 400 naming the tensor
+    and changes nothing; one that fits serves what a fresh load of those weights serves, and the
+    maps, the SPEED adapter and the translator (fitted for the old weights) are refused by name.
+    Every choice carries its token ids."""
+    from fastapi.testclient import TestClient
+    from safetensors.torch import save_file
+
+    from conftest import tiny_loaded
+    from kvforge.engine import Engine
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    llama, gemma = map(str, dirs)
+    served = build_served(ServeConfig(llama, maps=artifacts["maps"], adapter=artifacts["adapter"], translator=artifacts["translator"], target=gemma,
+                                      max_batch=4, tail=8, attended_rows=0))
+    new = {name: p.detach().clone() for name, p in tiny_hf_model("llama", seed=7).named_parameters()}
+    save_file(new, str(tmp_path / "new.safetensors"))
+    name = next(iter(new))
+    save_file({name: new[name][:1].contiguous()}, str(tmp_path / "bad.safetensors"))
+    body = {"model": llama, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    with TestClient(create_app(served)) as http:
+        before = http.post("/v1/completions", json=body).json()
+        assert before["choices"][0]["token_ids"] and before["prompt_token_ids"]
+        bad = http.post("/v1/update_weights", json={"path": str(tmp_path / "bad.safetensors")})
+        assert bad.status_code == 400 and name in bad.json()["error"]["message"]
+        assert http.post("/v1/update_weights", json={"path": str(tmp_path / "missing.safetensors")}).status_code == 400
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+        done = http.post("/v1/update_weights", json={"path": str(tmp_path / "new.safetensors")})
+        assert done.status_code == 200, done.text
+        assert done.json()["kind"] == "full" and done.json()["weights_version"] == 1
+        assert sorted(done.json()["refused"]) == sorted([f"{llama}:ridgefill", f"{llama}:speed", f"{gemma}:handoff"])
+        after = http.post("/v1/completions", json=body).json()["choices"][0]
+        for prefill, model in (("ridgefill", llama), ("speed", llama), ("handoff", gemma)):
+            refused = http.post("/v1/completions", json={**body, "model": model, "kvforge": {"prefill": prefill}})
+            assert refused.status_code == 400 and "fitted for" in refused.json()["error"]["message"], prefill
+    fresh = Engine(tiny_loaded("llama", seed=7))
+    prompt = before["prompt_token_ids"]
+    assert after["token_ids"] == fresh.generate([prompt], GenerationConfig(max_new_tokens=8))[0].token_ids
+
+
+def test_abort_finishes_running_and_queued_requests_with_what_they_have(dirs):
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    llama = str(dirs[0])
+    served = build_served(ServeConfig(llama, max_batch=1, queue_size=4))
+    engine = served[llama].engine
+    forward = engine.forward
+    engine.forward = lambda *args, **kwargs: time.sleep(0.005) or forward(*args, **kwargs)  # steps slow enough to catch one running
+    body = {"model": llama, "prompt": PROMPTS[1], "max_tokens": 100_000, "temperature": 0, "kvforge": {"draft": "none"}}
+    results = []
+    with TestClient(create_app(served)) as http:
+        threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json={**body, "max_tokens": 400}).json())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        scheduler = served[llama].schedulers[0]
+        deadline, aborted = time.monotonic() + 60, None
+        while aborted is None and time.monotonic() < deadline:
+            with scheduler.step_lock:  # the loop waits between two steps: one request running, one queued
+                if scheduler.active and scheduler.active[0].steps > 2 and scheduler._next is not None:
+                    aborted = scheduler.abort()
+            time.sleep(0.001)
+        assert aborted == 2
+        for t in threads:
+            t.join(timeout=60)
+        assert http.post("/v1/abort", json={}).json() == {"aborted": 0}
+        assert http.post("/v1/abort", json={"model": "nope"}).status_code == 404
+        served_after = http.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert sorted(len(r["choices"][0]["token_ids"]) > 0 for r in results) == [False, True]
+    assert {r["choices"][0]["finish_reason"] for r in results} == {"abort"}
+    assert served_after["finish_reason"] == "length" and len(served_after["token_ids"]) == 3
+
+
+def test_choices_record_their_rollouts_under_the_rollout_key(dirs):
+    """Choice i of a request with a rollout key becomes sample i's latest rollout of that key;
+    the next request of the key drafts from them (the same greedy tokens, drafted); an unknown
+    key drafts from nothing."""
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    llama = str(dirs[0])
+    served = build_served(ServeConfig(llama, max_batch=4))
+    body = {"model": llama, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "n": 2, "kvforge": {"draft": "ngram", "rollout_key": "task-7"}}
+    with TestClient(create_app(served)) as http:
+        first = http.post("/v1/completions", json=body).json()
+        history = served[llama].schedulers[0].history
+        prompt = first["prompt_token_ids"]
+        assert history.previous(prompt, "task-7") == {c["index"]: c["token_ids"] for c in first["choices"]}
+        assert history.previous(prompt) == {}  # keyed by the rollout key, not the prompt
+        second = http.post("/v1/completions", json=body).json()
+        assert [c["token_ids"] for c in second["choices"]] == [c["token_ids"] for c in first["choices"]]
+        assert second["kvforge"]["mean_accept_len"] > 1.0  # drafted from the first request's rollouts
+        other = http.post("/v1/completions", json={**body, "kvforge": {"draft": "ngram", "rollout_key": "never-seen"}})
+        assert other.status_code == 200
 
 
 # --- the scheduler in process: the same speculative step as offline decoding -------------------

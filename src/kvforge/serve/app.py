@@ -16,6 +16,14 @@ keeps a rollout history (`--history-entries`, 0: off): n-gram requests with the 
 or the same `kvforge.rollout_key`, draft from every earlier request's choices, choice i from the
 last request's choice i first (`speculative.history`).
 
+Weights are updated in place without a restart (`POST /v1/update_weights` with a safetensors
+path, or `update_weights` in process with tensors): the swap waits for the step running, happens
+with every scheduler paused between steps, and requests running then finish on the new weights,
+their responses marked `kvforge.weights_crossed`. Methods whose artifacts were fitted for the old
+weights (RidgeFill maps, a SPEED adapter, a hand-off translator) are refused from then on with a
+400 that says so. `POST /v1/abort` finishes every queued and running request with finish reason
+"abort". Every choice carries its `token_ids`, and the response its `prompt_token_ids`.
+
 With an API key every route but /health (and /metrics when it is public) needs
 `Authorization: Bearer KEY`; the key is compared in constant time and never logged or echoed.
 """
@@ -23,6 +31,7 @@ With an API key every route but /health (and /metrics when it is public) needs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -39,8 +48,9 @@ from kvforge.models.loading import dtype_name
 from kvforge.plan import PrefillReport
 from kvforge.prompting import encode_prompt
 from kvforge.serve.metrics import ServerMetrics
+from kvforge.models.weights import WeightUpdateError, read_update
 from kvforge.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, choice_body, completion_body, error_body, logprobs_body, new_id, usage,
+    AbortRequest, ChatCompletionRequest, CompletionRequest, UpdateWeightsRequest, choice_body, completion_body, error_body, logprobs_body, new_id, usage,
 )
 from kvforge.serve.scheduler import QueueFull, Scheduler, ServeRequest
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
@@ -89,10 +99,14 @@ class AppRequest(ServeRequest):
 
 class Served:
     """One served model: its engine, the prefill methods it has artifacts for, and a scheduler
-    per weight set (`groups`: (engine, prefillers) pairs; the first is the base model's)."""
+    per weight set (`groups`: (engine, prefillers) pairs; the first is the base model's).
+    `fitted`: per method, the engines whose weights its artifacts were fitted for; `refused`:
+    methods whose artifacts no longer fit, with the reason."""
 
-    def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES):
+    def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES,
+                 fitted: dict[str, list] | None = None):
         self.name, self.engine = name, groups[0][0]
+        self.fitted, self.refused = fitted or {}, {}
         draft = DraftConfig()
         history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
         # one history per scheduler: each is read and written by its own scheduler thread only
@@ -121,14 +135,17 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
     groups = [(engine, base)]
     spd = speed.resolve(engine, config.cut, config.anchors, config.speed_tail, config.adapter)
     speed_prefill = planned_prefiller(spd.engine, lambda ids: spd.plan(len(ids)))
+    fitted = {}
     if spd.engine is engine:
         base["speed"] = speed_prefill
     else:
         groups.append((spd.engine, {"speed": speed_prefill}))
+        fitted["speed"] = [engine]
     if config.maps is not None:
         rf, maps = ridgefill.resolve(engine, config.maps, config.preset, config.split, config.tail, config.attended_rows)
         base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps))
-    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries)}
+        fitted["ridgefill"] = [engine]
+    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted)}
     if config.translator is not None:
         from kvforge.translate.translator import ModelSide, Translator
 
@@ -136,8 +153,33 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         target = load(config.target)
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
         target_prefillers = {"exact": planned_prefiller(target, lambda ids: None), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
-        served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries)
+        served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
+                                       {"handoff": [engine, target]})
     return served
+
+
+def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: float = 1.0) -> dict:
+    """Swap `model`'s weights in place (full or LoRA, `models.weights`) between two steps: every
+    scheduler of the app waits (a hand-off target prefills with its source's weights). An update
+    that does not fit raises `WeightUpdateError` with the weights unchanged. Requests running on
+    the model are marked crossed; methods fitted for its old weights are refused from then on.
+    Returns what was done."""
+    s = served[model]
+    with contextlib.ExitStack() as paused:
+        for scheduler in (sch for each in served.values() for sch in each.schedulers):
+            paused.enter_context(scheduler.step_lock)
+        kind = s.engine.update_weights(tensors, lora_scale)
+        crossed = [r for scheduler in s.schedulers for r in scheduler.active]
+        for r in crossed:
+            r.crossed = True
+        refused = []
+        for each in served.values():
+            for method, engines in each.fitted.items():
+                if method not in each.refused and any(e is s.engine for e in engines):
+                    each.refused[method] = (f"prefill {method!r} of {each.name} was fitted for {model}'s weights before they were updated: "
+                                            "refit it for the new weights and restart the server with it")
+                    refused.append(f"{each.name}:{method}")
+    return {"model": model, "kind": kind, "weights_version": s.engine.model.weights_version, "crossed_requests": len(crossed), "refused": refused}
 
 
 def planned_prefiller(engine, make_plan):
@@ -216,6 +258,26 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "kvforge", "created": 0} for name in served]}
 
+    @app.post("/v1/update_weights")
+    async def update_weights_route(body: UpdateWeightsRequest):
+        name = body.model or next(iter(served))
+        if name not in served:
+            raise ApiError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
+        try:
+            tensors, scale = await asyncio.to_thread(read_update, body.path)
+            return await asyncio.to_thread(update_weights, served, name, tensors, body.lora_scale or scale)
+        except WeightUpdateError as exc:
+            raise ApiError(400, str(exc), "path") from exc
+
+    @app.post("/v1/abort")
+    async def abort(body: AbortRequest | None = None):
+        names = [body.model] if body is not None and body.model else list(served)
+        unknown = [n for n in names if n not in served]
+        if unknown:
+            raise ApiError(404, f"the model `{unknown[0]}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
+        counts = await asyncio.to_thread(lambda: [scheduler.abort() for n in names for scheduler in served[n].schedulers])
+        return {"aborted": sum(counts)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         return await _serve(http, body, chat=False)
@@ -254,7 +316,8 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
         failed = next((r.error for r in group if r.error is not None), None)
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed}", kind="server_error")
-        choices = [choice_body(r.index, r.seq.text, r.seq.finish_reason, chat, reply.logprobs(r)) for r in group]
+        choices = [choice_body(r.index, r.seq.text if r.seq else "", r.seq.finish_reason if r.seq else "abort", chat, reply.logprobs(r), reply.token_ids(r))
+                   for r in group]
         return completion_body(rid, s.name, choices, chat, _extra(group))
 
     async def _stream(model: str, group: list[AppRequest], events: asyncio.Queue, rid: str, reply: "_Reply"):
@@ -267,7 +330,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                 i, kind, payload = await events.get()
                 r = group[i]
                 if kind == "text":
-                    delta = choice_body(i, payload, None, reply.chat, reply.logprobs(r, new=True), stream=True)
+                    delta = choice_body(i, payload, None, reply.chat, reply.logprobs(r, new=True), reply.token_ids(r, new=True), stream=True)
                     yield f"data: {json.dumps(completion_body(rid, model, [delta], reply.chat, stream=True))}\n\n"
                     continue
                 finished += 1
@@ -275,7 +338,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                     yield f"data: {json.dumps(error_body(f'generation failed: {r.error}', 'server_error'))}\n\n"
                     break
                 last = _extra(group) if finished == len(group) else None
-                final = choice_body(i, "", r.seq.finish_reason, reply.chat, reply.logprobs(r, new=True), stream=True)
+                final = choice_body(i, "", r.seq.finish_reason if r.seq else "abort", reply.chat, reply.logprobs(r, new=True), reply.token_ids(r, new=True), stream=True)
                 yield f"data: {json.dumps(completion_body(rid, model, [final], reply.chat, last, stream=True))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -309,15 +372,24 @@ class _Reply:
     def __init__(self, tokenizer, group: list[AppRequest], chat: bool, logprobs_of: str):
         self.tokenizer, self.chat, self.logprobs_of = tokenizer, chat, logprobs_of
         self.sent = [0] * len(group)  # per choice: log-probability entries already sent (streaming)
+        self.sent_ids = [0] * len(group)  # per choice: token ids already sent (streaming)
         self.offset = [0] * len(group)  # per choice: characters of token text before them
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
+    def token_ids(self, r: AppRequest, new: bool = False) -> list[int]:
+        """The choice's token ids: all of them, or (`new`) those committed since the last call."""
+        ids = list(r.seq.token_ids) if r.seq is not None else []
+        start = self.sent_ids[r.index] if new else 0
+        if new:
+            self.sent_ids[r.index] = len(ids)
+        return ids[start:]
+
     def logprobs(self, r: AppRequest, new: bool = False) -> dict | None:
         """The choice's log-probabilities: all of them, or (`new`) those committed since the
         last call; the scheduler records a token's before streaming its text."""
-        if not r.config.logprobs:
+        if not r.config.logprobs or r.seq is None:
             return None
         start = self.sent[r.index] if new else 0
         entries = r.seq.logprobs[start:]
@@ -341,6 +413,8 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     """The request's n choices, its prompt tokenized once: the ids checked against the context
     are the ids served (a hand-off keeps them, with their character spans, for the alignment)."""
     engine, options = s.engine, body.kvforge
+    if options.prefill in s.refused:
+        raise ApiError(400, s.refused[options.prefill], "kvforge.prefill")
     if options.prefill not in s.routes:
         hint = {"ridgefill": "start the server with --maps (no fitted or shipped maps were found for this model)", "handoff": "start the server with --translator and --target, and ask the target model"}
         raise ApiError(400, f"prefill {options.prefill!r} is not available for {s.name}: {hint.get(options.prefill, 'not loaded')}", "kvforge.prefill")
@@ -427,9 +501,11 @@ def _extra(group: list[AppRequest]) -> dict:
     steps = sum(r.steps for r in group)
     mean_accept_len = sum(r.state.accepted for r in group if r.state is not None) / steps if steps else 0.0  # per choice and step
     return {
-        "usage": usage(len(first.prompt_ids), sum(len(r.seq.token_ids) for r in group)),
+        "usage": usage(len(first.prompt_ids), sum(len(r.seq.token_ids) for r in group if r.seq is not None)),
+        "prompt_token_ids": list(first.prompt_ids),
         "kvforge": {
             **ran, "draft": first.draft, "prefetch": first.prefetch, "ttft_s": max(r.ttft_s for r in group),
             "mean_accept_len": mean_accept_len if first.draft != "none" else None, "steps": max(r.steps for r in group),
+            "weights_crossed": any(r.crossed for r in group),
         },
     }

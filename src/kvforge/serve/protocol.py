@@ -50,6 +50,24 @@ class KvforgeOptions(BaseModel):
     logprobs_of: Literal["model", "sampling"] = "model"
 
 
+class UpdateWeightsRequest(BaseModel):
+    """POST /v1/update_weights: a safetensors file (full weights by parameter name, or a LoRA's
+    lora_A/lora_B factors; a PEFT directory's adapter_model.safetensors) for `model` (default:
+    the first served). `lora_scale` overrides the PEFT config's lora_alpha / r."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str | None = None
+    path: str = Field(min_length=1)
+    lora_scale: float | None = Field(default=None, gt=0.0)
+
+
+class AbortRequest(BaseModel):
+    """POST /v1/abort: finish every queued and running request of `model` (default: every model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+
+
 class ContentPart(BaseModel):
     """One part of a message's content. A text-only model takes text parts; any other type is
     refused by name when the prompt is built (a clearer 400 than a union's validation error)."""
@@ -175,12 +193,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice_body(index: int, text: str, finish: str | None, chat: bool, logprobs: dict | None = None, stream: bool = False) -> dict:
-    """One choice of a response (stream=False) or of a stream chunk."""
+def choice_body(index: int, text: str, finish: str | None, chat: bool, logprobs: dict | None = None, token_ids: list[int] | None = None,
+                stream: bool = False) -> dict:
+    """One choice of a response (stream=False) or of a stream chunk; `token_ids`: the tokens its
+    text came from (a chunk: those committed since the last chunk)."""
     if chat:
         message = {"role": "assistant", "content": text}
-        return {"index": index, "delta" if stream else "message": message, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta" if stream else "message": message, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids or []}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids or []}
 
 
 def completion_body(rid: str, model: str, choices: list[dict], chat: bool, extra: dict | None = None, stream: bool = False) -> dict:

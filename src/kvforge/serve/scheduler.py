@@ -20,6 +20,12 @@ choice i first (`previous.py`), and requests with the same prompt running at onc
 choice that finishes is recorded as its index's latest rollout and the history settled (its bound
 enforced); a request opts out with `history=False`.
 
+Between steps the loop holds no lock (`step_lock` is held for each admission and step), so a
+weight update (`app.update_weights`) takes every scheduler's lock and swaps the weights between
+two steps; requests running then finish on the new weights and are marked `crossed`. `abort()`
+finishes every queued and running request at once with finish reason "abort" and the tokens it
+has, as RL frameworks stop a rollout before an update.
+
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
 sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
@@ -66,6 +72,8 @@ class ServeRequest:
     index: int = 0  # the choice this request is, of its API request's n: its sample index in the rollout
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    aborted: bool = False  # stopped by `Scheduler.abort`: finishes with what it has, reason "abort"
+    crossed: bool = False  # running when the weights were updated: its tokens come from both
     # filled in by the scheduler
     id: int = 0
     state: SpecRequest | None = None  # the decoding state, from the first token on
@@ -113,6 +121,7 @@ class Scheduler:
         self.cache: KVCache | None = None
         self._ids = 0
         self._stop = threading.Event()
+        self.step_lock = threading.RLock()  # held through each admission and step: a weight swap waits for it
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def start(self) -> "Scheduler":
@@ -146,21 +155,49 @@ class Scheduler:
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._admit()
-                if self.active:
-                    with torch.inference_mode():
-                        self._step()
-            except Exception as exc:  # never let one bad step kill the server: fail the batch
-                for r in self.active:
-                    self._finish(r, error=f"{type(exc).__name__}: {exc}")
-                self.active, self.cache = [], None
+            waiting = None
+            if not self.active and self._next is None:
+                try:  # idle: wait outside the lock, so an update or an abort gets it at once
+                    waiting = self.queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            with self.step_lock:
+                if waiting is not None:  # the group taken off the queue while idle
+                    self._next = waiting
+                try:
+                    self._admit()
+                    if self.active:
+                        with torch.inference_mode():
+                            self._step()
+                except Exception as exc:  # never let one bad step kill the server: fail the batch
+                    for r in self.active:
+                        self._finish(r, error=f"{type(exc).__name__}: {exc}")
+                    self.active, self.cache = [], None
+
+    def abort(self) -> int:
+        """Finish every queued and running request now, with reason "abort" and the tokens each
+        has (none for one not started). Returns how many were aborted."""
+        with self.step_lock:
+            groups = [self._next] if self._next is not None else []
+            self._next = None
+            while True:
+                try:
+                    groups.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            stopped = [r for group in groups for r in group] + self.active
+            for r in stopped:
+                r.aborted = True
+                r.cancelled.set()
+                self._finish(r)
+            self.active, self.cache = [], None
+        return len(stopped)
 
     def _admit(self) -> None:
         while True:
             if self._next is None:
                 try:
-                    self._next = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
+                    self._next = self.queue.get_nowait()
                 except queue.Empty:
                     return
             group = self._next
@@ -238,12 +275,14 @@ class Scheduler:
             self.cache = self.cache.select_batch(torch.tensor(keep, device=self.engine.device)) if keep else None
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
-        r.error = error
+        r.error = None if r.aborted else error
         if r.state is not None:
+            if r.aborted and r.state.seq.finish_reason is None:
+                r.state.seq.finish_reason = "abort"
             flush_text(r.state.seq, r.state.on_text)
         self.prefetcher.forget(r.id)
         if r.state is not None and self._keeps_history(r):
-            if error is None:
+            if r.error is None and not r.aborted:
                 self.history.record(r.prompt_ids, r.index, r.seq.token_ids, r.rollout_key)
             self.history.settle(r.prompt_ids, r.rollout_key)
         if self.metrics is not None:
