@@ -1,7 +1,8 @@
 """Rollout history: the per-prompt store's bound and LRU eviction, its files (round trip, damaged
 or foreign files ignored with a warning), drafting from a prompt's own history only, greedy
-identity with plain decoding whatever the history holds, the length-aware budget, and
-`bench rollout` on a tiny model."""
+identity with plain decoding whatever the history holds, the length-aware budget, previous
+rollouts as drafts (the alignment, own sample first, fresh and coupled epochs), and `bench
+rollout` on a tiny model."""
 
 import json
 import threading
@@ -18,7 +19,8 @@ from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
 from kvforge.speculative.decode import speculative_generate
 from kvforge.speculative.history import RolloutHistory, prompt_key
-from kvforge.speculative.ngram import NgramCache
+from kvforge.speculative.ngram import NgramCache, NgramDrafter
+from kvforge.speculative.previous import PreviousRolloutDrafter
 from kvforge.speculative.rollout import DraftConfig, generate_group
 
 A = [5, 6, 7, 5, 6, 7, 5, 6, 8]
@@ -193,11 +195,19 @@ def test_rollout_history_persists_across_cli_calls(tiny_model_dir, tmp_path):
     assert first.exit_code == 0, first.output
     files = sorted((tmp_path / "h").iterdir())
     assert len(files) == 2 and json.loads(first.stdout.strip().splitlines()[-1])["history"] == portable_path(str(tmp_path / "h"))
+    samples = lambda: [json.loads(line)["token_ids"] for line in (tmp_path / "r.jsonl").read_text().splitlines()]  # noqa: E731
+    rollouts = samples()
     files[0].write_bytes(b"damaged")
     second = CliRunner().invoke(app, args)
     assert second.exit_code == 0, second.output
     assert "warning" in second.stderr and str(files[0]) in second.stderr.replace("\n", "")
     assert files[0].read_bytes()[:8] != b"damaged"  # rewritten whole
+    # the same seed and epoch: the same samples, the undamaged prompt's drafted from its previous rollouts
+    assert samples() == rollouts
+    assert json.loads(second.stdout.strip().splitlines()[-1])["accept_by_source"]["rollout"]["accepted"] > 0
+    fresh = CliRunner().invoke(app, args + ["--epoch", "1"])
+    assert fresh.exit_code == 0 and json.loads(fresh.stdout.strip().splitlines()[-1])["noise"] == "fresh"
+    assert samples() != rollouts  # a new epoch draws new samples
 
 
 def test_bench_rollout_reports_epochs_and_arms(tiny_model_dir, monkeypatch):
@@ -215,3 +225,64 @@ def test_bench_rollout_reports_epochs_and_arms(tiny_model_dir, monkeypatch):
         if arm != "plain":
             assert r["lossless"] is True and r["mean_accept_len"] >= 0
     assert rows[(1, "ngram")]["history_entries"] == 0 < rows[(2, "ngram")]["history_entries"]
+
+
+# --- previous rollouts as drafts ---------------------------------------------------------------
+def test_a_previous_rollout_drafts_along_while_the_sample_follows_it_and_realigns_after():
+    prompt = [1, 2, 3]
+    own, sibling = [10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 13, 14, 17]
+    drafter = PreviousRolloutDrafter([own, sibling], len(prompt))
+    assert drafter.propose(prompt, 3) == [10, 11, 12]  # its own previous rollout, from the start
+    drafter.observe([10, 11])
+    assert drafter.propose(prompt + [10, 11], 3) == [12, 13, 14]
+    drafter.observe([99])  # left it: nothing begins with 10 11 99, no recent match either
+    assert drafter.propose(prompt + [10, 11, 99], 3) == []
+    drafter.observe([13, 14])  # back on a text both rollouts hold: the nearest occurrence wins
+    assert drafter.propose(prompt + [10, 11, 99, 13, 14], 2) == [15, 16]
+    fresh = PreviousRolloutDrafter([own, sibling], len(prompt))
+    fresh.observe([20])  # its own rollout began otherwise; the sibling's begins with its output
+    assert fresh.propose(prompt + [20], 2) == [21, 22]
+    assert PreviousRolloutDrafter([], 3).propose(prompt, 4) == []
+
+
+def test_the_drafter_takes_the_previous_rollout_source_and_reports_it():
+    prompt = [1, 2, 3]
+    drafter = NgramDrafter(NgramCache(prompt, 2, 4), prompt, [[7, 8, 9, 7, 8]])
+    assert drafter.propose(prompt, 4) == [7, 8, 9, 7] and drafter.source == "rollout"
+    drafter.observe([7, 8, 9])
+    assert drafter.propose(prompt + [7, 8, 9], 4) == [7, 8] and drafter.chosen["rollout"] == 2
+    assert NgramDrafter(NgramCache(prompt, 2, 4), prompt).propose(prompt, 4) == []
+
+
+def test_history_keeps_each_samples_latest_rollout_by_key_on_disk(tmp_path):
+    history = RolloutHistory(2, 4, directory=tmp_path)
+    history.get(A, "task-1")
+    history.record(A, 0, [1, 2, 3], "task-1")
+    history.record(A, 1, [4, 5], "task-1")
+    history.record(A, 0, [6], "task-1")  # the latest replaces the one before
+    history.settle(A, "task-1")
+    assert history.previous(A, "task-1") == {0: [6], 1: [4, 5]} and history.previous(A) == {}
+    again = RolloutHistory(2, 4, directory=tmp_path)
+    assert again.previous(B, "task-1") == {0: [6], 1: [4, 5]}  # a rollout key names the rollout whatever the prompt
+    assert again.entries == again.get(B, "task-1").entries + 3  # the bound counts the rollouts' tokens
+    assert again.previous(B, "unknown") == {}  # an unknown key: nothing to draft from
+
+
+def test_a_group_drafts_from_its_previous_epoch_and_commits_the_plain_samples(engine):
+    """Epoch 2 of a prompt drafts from epoch 1's rollouts: with coupled noise (the epoch left
+    out of the key) and unchanged weights every sample replays its own previous rollout, drafted
+    nearly whole; with fresh noise (a new epoch) the samples are new draws. Either way the tokens
+    are plain sampling's with the same key."""
+    prompt = [4, 7, 9, 4, 7]
+    history = RolloutHistory(2, 4)
+    draft, plain = DraftConfig("ngram", 6), DraftConfig("none", 6)
+    config = lambda epoch: GenerationConfig(24, temperature=1.0, seed=3, epoch=epoch, ignore_eos=True)  # noqa: E731
+    first, _ = generate_group(engine, prompt, 4, config(0), plain, history=history)  # a plain epoch leaves its rollouts too
+    assert history.previous(prompt) == {i: g.token_ids for i, g in enumerate(first)}
+    coupled, stats = generate_group(engine, prompt, 4, config(0), draft, history=history)
+    assert [g.token_ids for g in coupled] == [g.token_ids for g in first]
+    assert stats.accept_by_source["rollout"]["accept_rate"] == 1.0 and stats.mean_accept_len > 3
+    fresh, fresh_stats = generate_group(engine, prompt, 4, config(1), draft, history=history)
+    reference, _ = generate_group(engine, prompt, 4, config(1), plain)
+    assert [g.token_ids for g in fresh] == [g.token_ids for g in reference] != [g.token_ids for g in first]
+    assert set(fresh_stats.accept_by_source) <= {"rollout", "chain", "lookup"}

@@ -44,7 +44,8 @@ def test_a_key_and_position_name_one_token_whatever_the_batch():
     assert batch == alone == sample(logits, params, keys, range(40, 46)).tolist()
 
 
-@pytest.mark.parametrize("other", [SampleKey(8, 11, 0), SampleKey(7, 12, 0), SampleKey(7, 11, 1)], ids=["seed", "request", "index"])
+@pytest.mark.parametrize("other", [SampleKey(8, 11, 0), SampleKey(7, 12, 0), SampleKey(7, 11, 1), SampleKey(7, 11, 0, 1)],
+                         ids=["seed", "request", "index", "epoch"])
 def test_each_part_of_the_key_changes_the_noise(other):
     key = SampleKey(7, 11, 0)
     assert not torch.equal(key.noise(3, 64), other.noise(3, 64))
@@ -57,6 +58,7 @@ def test_keys_of_a_batch_name_repeats_of_a_prompt_apart():
     assert [k.index for k in keys] == [0, 0, 1] and keys[0].request == keys[2].request == prompt_key([1, 2]) != keys[1].request
     assert {k.seed for k in keys} == {5}
     assert sample_keys([[1]], None)[0].seed != sample_keys([[1]], None)[0].seed  # no seed: a fresh one
+    assert [k.epoch for k in sample_keys([[1], [1]], 5, epoch=3)] == [3, 3]
 
 
 def test_sampled_frequencies_follow_the_distribution():

@@ -161,6 +161,15 @@ def rollout(
     top_p: float = typer.Option(1.0, "--top-p"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     seed: Optional[int] = typer.Option(None, "--seed"),
+    epoch: int = typer.Option(
+        0, "--epoch", min=0,
+        help="The RL epoch: part of every sampled token's noise key, so one --seed draws fresh noise each epoch.",
+    ),
+    couple_epochs: bool = typer.Option(
+        False, "--couple-epochs",
+        help="Leave the epoch out of the noise key: a sample replays its previous rollout wherever the policy agrees. "
+        "Faster drafting, but not a fresh draw from the current policy (docs/ngram.md).",
+    ),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap each prompt in the model's chat template."),
     draft: str = typer.Option("ngram", "--draft", help="none, prompt-lookup or ngram."),
     prefetch: bool = PrefetchOpt,
@@ -188,7 +197,8 @@ def rollout(
     log-probability under the distribution it was sampled from (after temperature and top-p;
     0.0 when greedy), plus model_logprobs with --model-logprobs. With --draft ngram each prompt's
     n-gram cache is its rollout history: kept across the prompts of this call, and with --history
-    across calls."""
+    across calls, with each sample's latest rollout (sample i drafts from the last call's sample
+    i first)."""
     import time
 
     from kvforge.generation import GenerationConfig
@@ -205,10 +215,11 @@ def rollout(
         raise KvforgeError("--history needs --draft ngram: the history is the prompts' n-gram caches")
     store = RolloutHistory(drafting.n_min, drafting.n_max, history_entries, history,
                            warn=lambda m: err.print(f"[yellow]warning:[/yellow] {m}", highlight=False, soft_wrap=True))
-    config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True)
+    config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True, epoch=0 if couple_epochs else epoch)
     engine = load_engine(model, device, dtype)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
     tokens, accepted, steps, start = 0, 0, 0, time.perf_counter()
+    by_source: dict[str, list[int]] = {}  # per draft source: request-steps, drafted, accepted
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for index, ids in enumerate(encoded):
@@ -219,6 +230,9 @@ def rollout(
                 tokens += len(g.token_ids)
             if stats:
                 accepted, steps = accepted + stats.accepted, steps + stats.request_steps
+                for source, counts in stats.sources.items():
+                    total = by_source.setdefault(source, [0, 0, 0])
+                    total[:] = [a + b for a, b in zip(total, counts)]
     elapsed = time.perf_counter() - start
     summary = {
         "command": "rollout",
@@ -234,6 +248,9 @@ def rollout(
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
         "mean_accept_len": accepted / steps if steps else None,
+        "epoch": epoch,
+        "noise": "coupled" if couple_epochs else "fresh",
+        "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(by_source.items())},
         "out": str(out),
     }
     if json_out:
