@@ -1,0 +1,168 @@
+"""`kvforge bench rl`: a small RL loop end to end, rollouts plain and drafted in one run.
+
+Each epoch rolls out P problems of a generated task (`data.rl_tasks`) x G samples at temperature
+1 in the rollout engine, twice, arms interleaved (their order alternates by epoch): `plain`
+(no drafter) and `drafted` (the n-gram drafter with the rollout history: each sample drafts from
+its previous-epoch rollout first, then its group's n-grams, the history and the prompt, under
+the cost gate). Both arms use the same noise keys, so their samples must be token-identical; the
+report says whether they were. The drafted arm's samples are scored and make one GRPO update
+(`grpo.py`) of a float32 trainer copy of the model, whose weights are then loaded into the
+rollout engine in place (`Engine.update_weights`), no restart, and the next epoch begins.
+
+Noise (`noise`): "fresh" keys every sampled token by its epoch too, so every sample is a fresh
+draw from the current policy and a previous rollout's token is accepted with the probability
+the policy now gives it; "coupled" leaves the epoch out, so a sample replays its previous rollout
+wherever the policy's draw did not change: more accepted drafts, but the samples are not fresh
+draws given a policy trained on them (the reward per epoch shows what that costs in learning).
+
+Per epoch and arm: tokens/s over the epoch's rollouts (completion tokens over wall seconds),
+speedup over plain, KL(new || old) per token of the update that made the epoch's policy (none for
+epoch 1), the reward mean, acceptance per draft source and the share of steps that drafted.
+Held-out reward (greedy, plain) is reported before the first update and after the last.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvforge.bench.harness import environment
+from kvforge.bench.plotting import new_figure, save_figure
+from kvforge.data.rl_tasks import TASKS, problems, reward
+from kvforge.generation import GenerationConfig
+from kvforge.grpo import GrpoConfig, GrpoTrainer, Rollout
+from kvforge.prompting import encode_prompt
+from kvforge.speculative.history import RolloutHistory
+from kvforge.speculative.rollout import DraftConfig, generate_group
+
+NOISES = ("fresh", "coupled")
+
+
+def bench_rl(
+    engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
+    noise: str = "fresh", lr: float = GrpoConfig.lr, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
+) -> dict:
+    """The loop of the module docstring over `engine` (rollouts) and `trainer_model` (a float32
+    transformers model of the same weights, trained)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
+    if noise not in NOISES:
+        raise ValueError(f"unknown noise {noise!r}: use fresh or coupled")
+    if min(epochs, group, prompts, max_tokens, k, rollout_threads) < 1 or heldout < 0 or not lr > 0:
+        raise ValueError("--epochs, -G, --prompts, --max-tokens, --k and --threads must be >= 1, --heldout >= 0, --lr > 0")
+    say = progress or (lambda message: None)
+    tokenizer = engine.model.tokenizer
+    train = problems(task, "train", prompts)
+    encoded = [encode_prompt(tokenizer, p.prompt, chat=True) for p in train]
+    trainer = GrpoTrainer(trainer_model, GrpoConfig(lr=lr))
+    history = RolloutHistory()
+    arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k)}
+    train_threads = torch.get_num_threads()
+    torch.set_num_threads(rollout_threads)
+    warm = GenerationConfig(4, temperature=1.0, seed=seed)
+    for draft in arms.values():  # first-call costs and the gate's calibration, outside the timings
+        generate_group(engine, encoded[0], group, warm, draft)
+    heldout_before = _heldout_reward(engine, task, heldout, max_tokens)
+    results, kl, update = [], None, None
+    for epoch in range(1, epochs + 1):
+        config = GenerationConfig(max_tokens, temperature=1.0, seed=seed, epoch=epoch if noise == "fresh" else 0)
+        torch.set_num_threads(rollout_threads)
+        order = list(arms) if epoch % 2 else list(reversed(arms))
+        outcome = {}
+        for arm in order:
+            say(f"epoch {epoch}/{epochs}: {arm} rollouts")
+            outcome[arm] = _roll_out(engine, train, encoded, group, config, arms[arm], history if arm == "drafted" else None)
+        identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"]
+        rewards = [[reward(p, text) for text in texts] for p, texts in zip(train, outcome["drafted"]["texts"])]
+        for arm in arms:
+            o = outcome[arm]
+            rate = o["completion_tokens"] / o["seconds"]
+            plain_rate = outcome["plain"]["completion_tokens"] / outcome["plain"]["seconds"]
+            results.append({
+                "epoch": epoch, "arm": arm, "noise": noise, "tokens_per_s": rate, "speedup_vs_plain": rate / plain_rate,
+                "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,
+                "kl_to_previous": kl, "reward_mean": statistics.fmean(r for rs in rewards for r in rs),
+                "accept_by_source": o["accept_by_source"] if arm == "drafted" else None,
+                "mean_accept_len": o["mean_accept_len"] if arm == "drafted" else None,
+                "rows_drafted": o["rows_drafted"] if arm == "drafted" else None,
+                "host_ms_per_step": o["host_ms_per_step"] if arm == "drafted" else None,
+                "update": update,
+            })
+        if epoch == epochs:
+            break
+        say(f"epoch {epoch}/{epochs}: GRPO update")
+        torch.set_num_threads(train_threads)
+        groups = [[Rollout(ids, tokens, r) for tokens, r in zip(sample_tokens, rs)]
+                  for ids, sample_tokens, rs in zip(encoded, outcome["drafted"]["tokens"], rewards)]
+        update = trainer.step(groups)
+        start = time.perf_counter()
+        engine.update_weights(trainer.weights(engine.dtype))
+        update["load_s"] = time.perf_counter() - start
+        kl = update["kl_per_token"]
+    torch.set_num_threads(train_threads)
+    heldout_after = _heldout_reward(engine, task, heldout, max_tokens) if epochs > 1 else heldout_before
+    return {
+        "command": "bench rl", "task": task, "noise": noise, "epochs": epochs, "group": group, "prompts": prompts, "max_tokens": max_tokens,
+        "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads, "train_threads": train_threads,
+        "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
+        **environment(engine), "threads": rollout_threads, "results": results,
+    }
+
+
+def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draft: DraftConfig, history) -> dict:
+    """One arm's pass over the problems: the samples' tokens and texts per problem, the wall
+    seconds, and the drafting statistics summed over the groups."""
+    tokens, texts, sources, accepted, request_steps, drafted_rows, host_s, steps = [], [], {}, 0, 0, 0, 0.0, 0
+    start = time.perf_counter()
+    for problem, ids in zip(train, encoded):
+        outputs, stats = generate_group(engine, ids, group, config, draft, history=history, rollout_key=problem.key)
+        tokens.append([g.token_ids for g in outputs])
+        texts.append([g.text for g in outputs])
+        if stats is not None:
+            accepted, request_steps, drafted_rows, steps = accepted + stats.accepted, request_steps + stats.request_steps, drafted_rows + stats.drafted_rows, steps + stats.steps
+            host_s += stats.host_s + stats.lookup_s
+            for source, counts in stats.sources.items():
+                total = sources.setdefault(source, [0, 0, 0])
+                total[:] = [a + b for a, b in zip(total, counts)]
+    seconds = time.perf_counter() - start
+    return {
+        "tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts),
+        "mean_accept_len": accepted / request_steps if request_steps else 0.0, "rows_drafted": drafted_rows / request_steps if request_steps else 0.0,
+        "host_ms_per_step": 1000 * host_s / steps if steps else 0.0,
+        "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(sources.items())},
+    }
+
+
+def _heldout_reward(engine, task: str, count: int, max_tokens: int) -> float | None:
+    """Mean reward of greedy answers to `count` held-out problems (None for none)."""
+    if count == 0:
+        return None
+    held = problems(task, "heldout", count)
+    prompts = [encode_prompt(engine.model.tokenizer, p.prompt, chat=True) for p in held]
+    outputs = engine.generate(prompts, GenerationConfig(max_tokens))
+    return statistics.fmean(reward(p, g.text) for p, g in zip(held, outputs))
+
+
+def plot(reports: list[dict], path: Path) -> Path:
+    """PNG: drafted speedup against the KL of the update before each epoch, and reward per epoch,
+    one series per report (noise mode)."""
+    fig, (speed_ax, reward_ax) = new_figure(2, (11, 4))
+    for report in reports:
+        drafted = [r for r in report["results"] if r["arm"] == "drafted"]
+        moved = [r for r in drafted if r["kl_to_previous"] is not None]
+        speed_ax.scatter([r["kl_to_previous"] for r in moved], [r["speedup_vs_plain"] for r in moved], label=f"{report['noise']} noise")
+        reward_ax.plot([r["epoch"] for r in drafted], [r["reward_mean"] for r in drafted], marker="o", label=f"{report['noise']} noise")
+    speed_ax.axhline(1.0, color="grey", lw=0.5)
+    speed_ax.set_xscale("symlog", linthresh=1e-4)
+    speed_ax.set_xlabel("KL(new || old) per token of the update before the epoch")
+    speed_ax.set_ylabel("drafted tokens/s vs plain")
+    reward_ax.set_xlabel("epoch")
+    reward_ax.set_ylabel("mean reward of the rollouts")
+    for ax in (speed_ax, reward_ax):
+        ax.legend()
+    first = reports[0]
+    fig.suptitle(f"bench rl --task {first['task']}: G = {first['group']}, {first['prompts']} problems, {first.get('dtype', '')}")
+    return save_figure(fig, path)
