@@ -61,6 +61,22 @@ def test_drafts_follow_the_shared_prompt_cache_across_row_moves():
     assert drafts[1] == cache.draft(batch.rows[1], 4)
 
 
+def test_a_later_row_of_a_prompt_drafts_along_an_earlier_rows_output():
+    """Each row's output is one of its prompt's rollouts: epoch 2's row follows the earlier row
+    whose output begins as its own does."""
+    proposer = NgramRLProposer(fake_vllm_config(k=4), ProposerConfig(k=4, gate=False))
+    prompt = [5, 6, 7, 8]
+    batch = Batch()
+    batch.rows = [list(prompt), list(prompt)]
+    batch.call(proposer, [[20], [40]])
+    batch.call(proposer, [[21, 22, 23], [41, 42, 43]])  # epoch 1: two samples
+    assert sorted(proposer.history.previous(prompt).values()) == [[20, 21, 22, 23], [40, 41, 42, 43]]
+    batch.rows = [list(prompt)]  # they finished; epoch 2 samples the prompt again
+    assert batch.call(proposer, [[40]]) == [[41, 42, 43]]
+    state = next(s for states in proposer.rows.values() for s in states if s.output == [40])
+    assert state.drafter.source == "rollout"
+
+
 def test_prefilling_rows_get_no_draft_and_room_stops_at_max_len():
     proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
     batch = Batch()

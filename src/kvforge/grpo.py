@@ -75,7 +75,7 @@ class GrpoTrainer:
             surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - self.config.clip, 1 + self.config.clip) * advantage)
             loss = -surrogate.sum() / tokens  # the mean over every response token of the update
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)) if trained else 0.0
         if trained:
             self.optimizer.step()

@@ -283,7 +283,7 @@ class Scheduler:
         self.prefetcher.forget(r.id)
         if r.state is not None and self._keeps_history(r):
             if r.error is None and not r.aborted:
-                self.history.record(r.prompt_ids, r.index, r.seq.token_ids, r.rollout_key)
+                self.history.record(r.prompt_ids, r.index, list(r.seq.token_ids), r.rollout_key)
             self.history.settle(r.prompt_ids, r.rollout_key)
         if self.metrics is not None:
             self.metrics.observe_done(r)

@@ -44,6 +44,7 @@ from kvforge.speculative.ngram import NgramCache
 
 FORMAT, VERSION = "kvforge-rollout-history", "2"
 DEFAULT_MAX_ENTRIES = 500_000
+MAX_ROLLOUTS = 32  # latest rollouts kept per prompt: a sample aligns against each of them
 
 
 def prompt_key(prompt: Sequence[int]) -> str:
@@ -103,10 +104,16 @@ class RolloutHistory:
         self.get(prompt, rollout_key)
         return dict(self.rollouts[history_key(prompt, rollout_key)])
 
-    def record(self, prompt: Sequence[int], index: int, tokens: Sequence[int], rollout_key: str | None = None) -> None:
-        """Sample `index` of the rollout finished with `tokens`: its latest rollout from now on."""
+    def record(self, prompt: Sequence[int], index: int, tokens: list[int], rollout_key: str | None = None) -> None:
+        """Sample `index` of the rollout wrote `tokens` (kept as given: a caller may go on
+        appending to the list): its latest rollout from now on. Beyond `MAX_ROLLOUTS` samples
+        of one prompt the oldest recorded goes."""
         self.get(prompt, rollout_key)
-        self.rollouts[history_key(prompt, rollout_key)][index] = list(tokens)
+        rollouts = self.rollouts[history_key(prompt, rollout_key)]
+        rollouts.pop(index, None)
+        rollouts[index] = tokens
+        while len(rollouts) > MAX_ROLLOUTS:
+            rollouts.pop(next(iter(rollouts)))
 
     def settle(self, prompt: Sequence[int], rollout_key: str | None = None) -> None:
         """After a group of the prompt finished: write its file (with a directory), then evict

@@ -26,7 +26,7 @@ class PreviousRolloutDrafter:
     """One sample's drafter over its prompt's previous rollouts (`rollouts[0]`: its own)."""
 
     def __init__(self, rollouts: Sequence[Sequence[int]], prompt_length: int, n_min: int = 2, n_max: int = 4):
-        self.rollouts = [np.asarray(r, dtype=np.int64) for r in rollouts]
+        self.rollouts = [np.asarray(r, dtype=np.int64) for r in rollouts if len(r)]  # an empty one has nothing to draft
         self.prompt_length, self.n_min, self.n_max = prompt_length, n_min, n_max
         # (rollout, offset) the next committed token continues; None: lost, search again
         self.aligned: tuple[int, int] | None = (0, 0) if self.rollouts else None

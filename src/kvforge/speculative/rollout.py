@@ -48,6 +48,6 @@ def generate_group(
         for index, g in enumerate(outputs):
             if draft.draft != "ngram":  # a drafting group indexed its tokens as it went
                 cache.add(g.token_ids, prompt)
-            history.record(prompt, index, g.token_ids, rollout_key)
+            history.record(prompt, index, list(g.token_ids), rollout_key)
         history.settle(prompt, rollout_key)
     return outputs, stats

@@ -10,7 +10,10 @@ requests finish, so a row is recognised by its content: the state a row left beh
 under a hash of all its tokens, and found next step under the hash of all its tokens before this
 step's commit. A row with no stored state is a new request, and its tokens before the first commit
 are its prompt: the key of the prompt's n-gram cache (`RolloutHistory`), which every sample of the
-prompt shares (`n=G` in one request, G requests with the same prompt, later epochs). A request
+prompt shares (`n=G` in one request, G requests with the same prompt, later epochs). Each row's
+output is also one of the prompt's rollouts there (the list itself, growing as the row commits),
+so a row of a later epoch drafts from the earlier rows' outputs first (`previous.py`: the one
+whose text its own follows; vLLM names no sample index, so the alignment finds it). A request
 resumed after preemption is found the same way, its state intact unless evicted meanwhile (then it
 starts over as a new request whose "prompt" includes what it had written: slower, still lossless).
 
@@ -93,7 +96,8 @@ class RowState:
     """What a request's row left behind at its last step."""
 
     key: int  # names the row to the gate and the prefetcher
-    drafter: NgramDrafter  # the prompt's shared n-gram cache, and prompt lookup over the row's own tokens
+    drafter: NgramDrafter  # the prompt's shared n-gram cache, its previous rollouts, and prompt lookup over the row's own tokens
+    output: list[int] = field(default_factory=list)  # its committed tokens: one of its prompt's rollouts in the history
     produced: int = 0  # tokens committed since the prompt
     draft: list[int] | None = None  # the draft returned for this row at the last step (verified)
     proposal: list[int] | None = None  # the draft looked up at the last step, returned or not
@@ -197,13 +201,17 @@ class NgramRLProposer:
         if state is None:
             prompt = tokens[:-committed].tolist()
             cache = self.history.get(prompt)
+            previous = self.history.previous(prompt)
+            state = RowState(self._next_key, NgramDrafter(cache, prompt, [previous[i] for i in sorted(previous)]))
+            self.history.record(prompt, state.key, state.output)  # this row's output, as it grows
             self.history.settle(prompt)  # evict other prompts' caches beyond the bound
-            state = RowState(self._next_key, NgramDrafter(cache, prompt))
             if self.gate is not None:
                 state.acceptance = self.gate.new_acceptance()
             self._next_key += 1
             self.stats.new_rows += 1
-        state.drafter.observe(tokens[-committed:].tolist())  # indexes them in the prompt's cache
+        new = tokens[-committed:].tolist()
+        state.drafter.observe(new)  # indexes them in the prompt's cache
+        state.output.extend(new)
         after = hash(tokens.tobytes())
         self.rows.setdefault(after, []).append(state)
         self.rows.move_to_end(after)
