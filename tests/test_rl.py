@@ -98,6 +98,7 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows[2:])  # the policy moved
     drafted = [r for r in rows if r["arm"] == "drafted"]
     assert all(r["speedup_vs_plain"] > 0 and r["accept_by_source"] is not None for r in drafted)
+    assert "rollout" not in drafted[0]["match_by_source"] and "rollout" in drafted[1]["match_by_source"]  # last epoch's rollouts as drafts
     assert (tmp_path / "rl.png").stat().st_size > 0
 
 

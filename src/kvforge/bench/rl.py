@@ -11,13 +11,15 @@ rollout engine in place (`Engine.update_weights`), no restart, and the next epoc
 
 Noise (`noise`): "fresh" keys every sampled token by its epoch too, so every sample is a fresh
 draw from the current policy and a previous rollout's token is accepted with the probability
-the policy now gives it; "coupled" leaves the epoch out, so a sample replays its previous rollout
+the current policy gives it; "coupled" leaves the epoch out, so a sample replays its previous rollout
 wherever the policy's draw did not change: more accepted drafts, but the samples are not fresh
 draws given a policy trained on them (the reward per epoch shows what that costs in learning).
 
 Per epoch and arm: tokens/s over the epoch's rollouts (completion tokens over wall seconds),
 speedup over plain, KL(new || old) per token of the update that made the epoch's policy (none for
-epoch 1), the reward mean, acceptance per draft source and the share of steps that drafted.
+epoch 1), the reward mean, acceptance per draft source (of the drafts verified, and of every
+proposal, verified or not, against what the sample then committed: what each source is worth
+whatever the gate chose) and the share of steps that drafted.
 Held-out reward (greedy, plain) is reported before the first update and after the last.
 """
 
@@ -43,7 +45,7 @@ NOISES = ("fresh", "coupled")
 
 def bench_rl(
     engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
-    noise: str = "fresh", lr: float = GrpoConfig.lr, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
+    noise: str = "fresh", lr: float = 6e-6, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
 ) -> dict:
     """The loop of the module docstring over `engine` (rollouts) and `trainer_model` (a float32
     transformers model of the same weights, trained)."""
@@ -86,6 +88,7 @@ def bench_rl(
                 "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,
                 "kl_to_previous": kl, "reward_mean": statistics.fmean(r for rs in rewards for r in rs),
                 "accept_by_source": o["accept_by_source"] if arm == "drafted" else None,
+                "match_by_source": o["match_by_source"] if arm == "drafted" else None,
                 "mean_accept_len": o["mean_accept_len"] if arm == "drafted" else None,
                 "rows_drafted": o["rows_drafted"] if arm == "drafted" else None,
                 "host_ms_per_step": o["host_ms_per_step"] if arm == "drafted" else None,
@@ -115,7 +118,7 @@ def bench_rl(
 def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draft: DraftConfig, history) -> dict:
     """One arm's pass over the problems: the samples' tokens and texts per problem, the wall
     seconds, and the drafting statistics summed over the groups."""
-    tokens, texts, sources, accepted, request_steps, drafted_rows, host_s, steps = [], [], {}, 0, 0, 0, 0.0, 0
+    tokens, texts, sources, matched, accepted, request_steps, drafted_rows, host_s, steps = [], [], {}, {}, 0, 0, 0, 0.0, 0
     start = time.perf_counter()
     for problem, ids in zip(train, encoded):
         outputs, stats = generate_group(engine, ids, group, config, draft, history=history, rollout_key=problem.key)
@@ -124,15 +127,17 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draf
         if stats is not None:
             accepted, request_steps, drafted_rows, steps = accepted + stats.accepted, request_steps + stats.request_steps, drafted_rows + stats.drafted_rows, steps + stats.steps
             host_s += stats.host_s + stats.lookup_s
-            for source, counts in stats.sources.items():
-                total = sources.setdefault(source, [0, 0, 0])
-                total[:] = [a + b for a, b in zip(total, counts)]
+            for totals, per_source in ((sources, stats.sources), (matched, stats.proposals)):
+                for source, counts in per_source.items():
+                    total = totals.setdefault(source, [0] * len(counts))
+                    total[:] = [a + b for a, b in zip(total, counts)]
     seconds = time.perf_counter() - start
     return {
         "tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts),
         "mean_accept_len": accepted / request_steps if request_steps else 0.0, "rows_drafted": drafted_rows / request_steps if request_steps else 0.0,
         "host_ms_per_step": 1000 * host_s / steps if steps else 0.0,
         "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(sources.items())},
+        "match_by_source": {s: landed / compared for s, (compared, landed) in sorted(matched.items()) if compared},
     }
 
 

@@ -25,7 +25,7 @@ def bench_rl_cmd(
     prompts: int = typer.Option(4, "--prompts", help="Training problems rolled out every epoch."),
     max_tokens: int = typer.Option(48, "--max-new-tokens", "-n"),
     noise: str = typer.Option("fresh", "--noise", help="fresh (the epoch in the noise key: exact draws) or coupled (replays; biased for training)."),
-    lr: float = typer.Option(1e-6, "--lr", help="AdamW learning rate of the update (full weights)."),
+    lr: float = typer.Option(6e-6, "--lr", help="AdamW learning rate of the update (full weights; smollm2-135m: KL ~1e-3 per token)."),
     k: int = KOpt,
     heldout: int = typer.Option(8, "--heldout", help="Held-out problems answered greedily before the first update and after the last."),
     seed: int = typer.Option(0, "--seed"),
@@ -68,11 +68,12 @@ def bench_rl_cmd(
     if json_out:
         emit_json(report)
         return
-    table = Table("epoch", "arm", "tokens/s", "× plain", "identical", "KL to previous", "reward", "mean accept", "accepted by source")
+    table = Table("epoch", "arm", "tokens/s", "× plain", "identical", "KL to previous", "reward", "mean accept", "rows drafted", "proposals landed by source")
     for r in report["results"]:
-        by_source = ", ".join(f"{s} {v['accept_rate']:.2f}" for s, v in (r["accept_by_source"] or {}).items())
+        by_source = ", ".join(f"{s} {v:.2f}" for s, v in (r["match_by_source"] or {}).items())
         table.add_row(str(r["epoch"]), r["arm"], cell(r, "tokens_per_s", ".1f"), cell(r, "speedup_vs_plain", ".2f"), str(r["token_identical"]),
-                      cell(r, "kl_to_previous", ".2e"), cell(r, "reward_mean", ".3f"), cell(r, "mean_accept_len", ".2f"), by_source or "—")
+                      cell(r, "kl_to_previous", ".2e"), cell(r, "reward_mean", ".3f"), cell(r, "mean_accept_len", ".2f"), cell(r, "rows_drafted", ".2f"),
+                      by_source or "—")
     Console().print(table)
     held = report["heldout_reward"]
     err.print(f"[dim]{task}, {noise} noise: {prompts} problems x{group}, {max_tokens} tokens, {threads} rollout thread(s); "

@@ -126,9 +126,9 @@ def _arith_problem(split: str, index: int) -> Problem:
         sentences.append(sentence.format(name=name, x=x, item=item))
         count = apply(count, x)
     prompt = ("Solve the problem step by step, then end with a last line of the form `Answer: <number>`.\n\n"
-              "Example: Ben has 4 coins. Ben finds 3 more coins. How many coins does Ben have now?\n"
+              "Example: Ben has 4 coins. Ben finds 3 more coins. How many coins does Ben have in the end?\n"
               "Ben has 4 coins. He finds 3 more: 4 + 3 = 7.\nAnswer: 7\n\n"
-              + " ".join(sentences) + f" How many {item} does {name} have now?")
+              + " ".join(sentences) + f" How many {item} does {name} have in the end?")
     return Problem("arith", f"arith/{split}/{index}", prompt, str(count))
 
 

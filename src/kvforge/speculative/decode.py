@@ -67,6 +67,7 @@ def speculative_generate(
         active, cache = _drop_finished(active, cache)
     for r in requests:
         flush_text(r.seq, on_text)
+        stats.add_proposals(r.drafter)
     return [r.seq.result(start, report) for r in requests], stats
 
 

@@ -102,6 +102,9 @@ class NgramDrafter:
         self.scores = {source: Acceptance() for source in SOURCES}
         self.proposed: dict[str, list[int]] = {}  # the last proposals, until the next commit scores them
         self.chosen = dict.fromkeys(SOURCES, 0)  # proposals returned per source
+        # per source, over every proposal whether verified or not: [tokens proposed, tokens that the
+        # request then committed, up to the first that differs] (what each source would land)
+        self.matched = {source: [0, 0] for source in SOURCES}
         self.source: str | None = None  # the source of the last proposal returned (None: nothing proposed)
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
@@ -118,6 +121,9 @@ class NgramDrafter:
     def observe(self, tokens: Sequence[int]) -> None:
         for source, proposal in self.proposed.items():
             self.scores[source].observe(proposal, tokens)
+            landed = next((i for i, (d, t) in enumerate(zip(proposal, tokens)) if d != t), min(len(proposal), len(tokens)))
+            tally = self.matched[source]
+            tally[0], tally[1] = tally[0] + min(len(proposal), len(tokens)), tally[1] + landed
         self.proposed = {}
         for drafter in self.drafters.values():
             drafter.observe(tokens)

@@ -116,6 +116,8 @@ class SpecStats:
     accept_hist: list[int] = field(default_factory=list)  # index j: request-steps that accepted j
     # per draft source (`NgramDrafter.SOURCES`, "prefetch" for a prefetch hit): [request-steps, drafted, accepted]
     sources: dict[str, list[int]] = field(default_factory=dict)
+    # per draft source, every proposal verified or not (`NgramDrafter.matched`): [tokens compared, tokens that landed]
+    proposals: dict[str, list[int]] = field(default_factory=dict)
     device_s: float = 0.0  # the verification forwards
     lookup_s: float = 0.0  # drafting on the critical path (synchronous lookups and prefetch misses)
     host_s: float = 0.0  # the rest of each step outside the forward: verify, commit, rollback
@@ -159,6 +161,19 @@ class SpecStats:
             for source, (rows, drafted, accepted) in sorted(self.sources.items())
         }
 
+    @property
+    def match_by_source(self) -> dict[str, float]:
+        """Per draft source, the share of its proposed tokens (verified or not, compared with what
+        the request committed next) that would have been accepted: what the source is worth,
+        whatever the gate verified."""
+        return {source: landed / compared for source, (compared, landed) in sorted(self.proposals.items()) if compared}
+
+    def add_proposals(self, drafter) -> None:
+        """Add a finished request's drafter's per-source tally (drafters that keep none add nothing)."""
+        for source, (compared, landed) in getattr(drafter, "matched", {}).items():
+            total = self.proposals.setdefault(source, [0, 0])
+            total[0], total[1] = total[0] + compared, total[1] + landed
+
     def as_dict(self) -> dict:
         return {
             "k": self.k,
@@ -171,6 +186,7 @@ class SpecStats:
             "rows_drafted": self.rows_drafted,
             "mean_k": self.mean_k,
             "accept_by_source": self.accept_by_source,
+            "match_by_source": self.match_by_source,
             "device_ms_per_step": 1000 * self.device_s / max(1, self.steps),
             "lookup_ms_per_step": 1000 * self.lookup_s / max(1, self.steps),
             "host_ms_per_step": 1000 * (self.host_s + self.lookup_s) / max(1, self.steps),
