@@ -83,12 +83,12 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("noise", ["fresh", "coupled"])
-def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, noise, monkeypatch):
+@pytest.mark.parametrize("noise, lr", [("fresh", "1e-3"), ("coupled", "1e-6")])
+def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, noise, lr, monkeypatch):
     # a random tiny model earns no task reward: a reward that varies with the text gives the groups advantages
     monkeypatch.setattr("kvforge.bench.rl.reward", lambda problem, text: (sum(map(ord, text)) % 5) / 4)
     result = CliRunner().invoke(app, ["bench", "rl", "-m", str(model_dir), "--task", "sql", "--epochs", "3", "-G", "4", "--prompts", "2",
-                                      "-n", "12", "--noise", noise, "--lr", "1e-3", "--heldout", "2", "--dtype", "fp32",
+                                      "-n", "12", "--noise", noise, "--lr", lr, "--heldout", "2", "--dtype", "fp32",
                                       "--plot", str(tmp_path / "rl.png"), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -98,7 +98,9 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows[2:])  # the policy moved
     drafted = [r for r in rows if r["arm"] == "drafted"]
     assert all(r["speedup_vs_plain"] > 0 and r["accept_by_source"] is not None for r in drafted)
-    assert "rollout" not in drafted[0]["match_by_source"] and "rollout" in drafted[1]["match_by_source"]  # last epoch's rollouts as drafts
+    assert "rollout" not in drafted[0]["match_by_source"]  # no earlier epoch to draft from
+    if noise == "coupled":  # a policy that barely moved replays its samples: last epoch's rollouts land
+        assert all(r["match_by_source"]["rollout"] > 0.5 for r in drafted[1:])
     assert (tmp_path / "rl.png").stat().st_size > 0
 
 
