@@ -97,7 +97,7 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     assert all(r["token_identical"] for r in rows) and all(r["noise"] == noise for r in rows)
     assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows[2:])  # the policy moved
     drafted = [r for r in rows if r["arm"] == "drafted"]
-    assert all(r["speedup_vs_plain"] > 0 and r["accept_by_source"] is not None for r in drafted)
+    assert all(set(r["match_by_source"]) <= {"rollout", "chain", "lookup"} for r in drafted)
     assert "rollout" not in drafted[0]["match_by_source"]  # no earlier epoch to draft from
     if noise == "coupled":  # a policy that barely moved replays its samples: last epoch's rollouts land
         assert all(r["match_by_source"]["rollout"] > 0.5 for r in drafted[1:])

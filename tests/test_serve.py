@@ -558,10 +558,41 @@ def test_abort_finishes_running_and_queued_requests_with_what_they_have(dirs):
     assert served_after["finish_reason"] == "length" and len(served_after["token_ids"]) == 3
 
 
+def test_an_update_during_a_request_swaps_between_steps_and_marks_it_crossed(dirs):
+    """The update waits for the running step, not for the request: the request goes on with the
+    new weights and its response says so."""
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app, update_weights
+
+    llama = str(dirs[0])
+    served = build_served(ServeConfig(llama, max_batch=2))
+    engine = served[llama].engine
+    forward = engine.forward
+    engine.forward = lambda *args, **kwargs: time.sleep(0.005) or forward(*args, **kwargs)
+    body = {"model": llama, "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0}
+    new = {name: p.detach().clone() for name, p in tiny_hf_model("llama", seed=3).named_parameters()}
+    results = []
+    with TestClient(create_app(served)) as http:
+        thread = threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body).json()))
+        thread.start()
+        scheduler = served[llama].schedulers[0]
+        deadline = time.monotonic() + 60
+        while not (scheduler.active and scheduler.active[0].steps > 2) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        start = time.monotonic()
+        done = update_weights(served, llama, new)
+        waited = time.monotonic() - start
+        thread.join(timeout=60)
+    assert done["crossed_requests"] == 1 and done["weights_version"] == 1
+    assert waited < 5  # a step or so, not the request's 200 tokens
+    assert results[0]["kvforge"]["weights_crossed"] is True
+
+
 def test_choices_record_their_rollouts_under_the_rollout_key(dirs):
     """Choice i of a request with a rollout key becomes sample i's latest rollout of that key;
     the next request of the key drafts from them (the same greedy tokens, drafted); an unknown
-    key drafts from nothing."""
+    key has no history (its choices draft from their prompt and each other)."""
     from fastapi.testclient import TestClient
 
     from kvforge.serve.app import ServeConfig, build_served, create_app
@@ -579,7 +610,8 @@ def test_choices_record_their_rollouts_under_the_rollout_key(dirs):
         assert [c["token_ids"] for c in second["choices"]] == [c["token_ids"] for c in first["choices"]]
         assert second["kvforge"]["mean_accept_len"] > 1.0  # drafted from the first request's rollouts
         other = http.post("/v1/completions", json={**body, "kvforge": {"draft": "ngram", "rollout_key": "never-seen"}})
-        assert other.status_code == 200
+        assert other.status_code == 200 and [c["token_ids"] for c in other.json()["choices"]] == [c["token_ids"] for c in first["choices"]]
+        assert history.previous(prompt, "never-seen") == {c["index"]: c["token_ids"] for c in first["choices"]}  # recorded from then on
 
 
 # --- the scheduler in process: the same speculative step as offline decoding -------------------

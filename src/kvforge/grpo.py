@@ -93,10 +93,10 @@ class GrpoTrainer:
         for row, s in enumerate(sequences):  # right padding: positions stay 0..len-1
             ids[row, : len(s)] = torch.tensor(s)
             mask[row, : len(s)] = 1
-        hidden = self.model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, T, V): the family's own head (soft-capping included)
         # the row before each response token predicts it
-        rows = torch.cat([hidden[row, len(r.prompt) - 1 : len(r.prompt) + len(r.tokens) - 1] for row, r in enumerate(rollouts)])
-        return self.model.lm_head(rows).float().log_softmax(-1)
+        rows = torch.cat([logits[row, len(r.prompt) - 1 : len(r.prompt) + len(r.tokens) - 1] for row, r in enumerate(rollouts)])
+        return rows.float().log_softmax(-1)
 
     def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every parameter by name (tied ones under each name), cast for a rollout engine."""

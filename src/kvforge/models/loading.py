@@ -55,7 +55,8 @@ class LoadedModel:
     @cached_property
     def fingerprint(self) -> str:
         """`model_fingerprint` of the weights, computed on first use and kept (hashing every value
-        of a 135M model takes 0.3-1 s); weights edited in place after that keep the old id."""
+        of a 135M model takes 0.3-1 s); `weights.update_weights` drops it, other in-place edits
+        keep the old id."""
         return model_fingerprint(self.hf)
 
 

@@ -104,7 +104,8 @@ def _lora_writes(model, params: dict, named: Mapping[str, torch.Tensor], scale: 
 
 def read_update(path: str | Path) -> tuple[dict[str, torch.Tensor], float]:
     """The tensors of a safetensors file (or of `adapter_model.safetensors` in a PEFT directory)
-    and the LoRA scale: lora_alpha / r from an `adapter_config.json` beside it, else 1.0."""
+    and the LoRA scale: lora_alpha / r from an `adapter_config.json` beside it (lora_alpha /
+    sqrt(r) with `use_rslora`), else 1.0."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -121,7 +122,7 @@ def read_update(path: str | Path) -> tuple[dict[str, torch.Tensor], float]:
     if config.is_file():
         try:
             settings = json.loads(config.read_text())
-            scale = float(settings["lora_alpha"]) / float(settings["r"])
+            scale = float(settings["lora_alpha"]) / (float(settings["r"]) ** 0.5 if settings.get("use_rslora") else float(settings["r"]))
         except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
             raise WeightUpdateError(f"{config} does not give lora_alpha and r: {exc}") from exc
     return tensors, scale

@@ -109,7 +109,7 @@ class Served:
         self.fitted, self.refused = fitted or {}, {}
         draft = DraftConfig()
         history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
-        # one history per scheduler: each is read and written by its own scheduler thread only
+        # one history per scheduler: read and written under its scheduler's step lock only
         self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history()) for engine, prefillers in groups]
         self.routes = {method: s for s in self.schedulers for method in s.prefillers}
         every = self.schedulers
@@ -167,7 +167,7 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
     s = served[model]
     with contextlib.ExitStack() as paused:
         for scheduler in (sch for each in served.values() for sch in each.schedulers):
-            paused.enter_context(scheduler.step_lock)
+            paused.enter_context(scheduler.paused())
         kind = s.engine.update_weights(tensors, lora_scale)
         crossed = [r for scheduler in s.schedulers for r in scheduler.active]
         for r in crossed:
@@ -178,6 +178,8 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
                 if method not in each.refused and any(e is s.engine for e in engines):
                     each.refused[method] = (f"prefill {method!r} of {each.name} was fitted for {model}'s weights before they were updated: "
                                             "refit it for the new weights and restart the server with it")
+                    for scheduler in each.schedulers:
+                        scheduler.refused[method] = each.refused[method]
                     refused.append(f"{each.name}:{method}")
     return {"model": model, "kind": kind, "weights_version": s.engine.model.weights_version, "crossed_requests": len(crossed), "refused": refused}
 

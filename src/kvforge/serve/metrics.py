@@ -50,7 +50,8 @@ class ServerMetrics:
             self.hits.inc()
 
     def observe_done(self, request) -> None:
-        outcome = "ok" if request.error is None else ("cancelled" if request.error == "cancelled" else "error")
+        outcome = "aborted" if getattr(request, "aborted", False) else "ok" if request.error is None else (
+            "cancelled" if request.error == "cancelled" else "error")
         self.requests.labels(request.prefill, request.draft, outcome).inc()
 
     def _tokens(self, n: int) -> None:

@@ -21,8 +21,9 @@ choice that finishes is recorded as its index's latest rollout and the history s
 enforced); a request opts out with `history=False`.
 
 Between steps the loop holds no lock (`step_lock` is held for each admission and step), so a
-weight update (`app.update_weights`) takes every scheduler's lock and swaps the weights between
-two steps; requests running then finish on the new weights and are marked `crossed`. `abort()`
+weight update (`app.update_weights`) pauses every scheduler (`paused`: the loop yields the lock to
+it) and swaps the weights between two steps; requests running then finish on the new weights and
+are marked `crossed`, and queued requests of a method whose artifacts no longer fit fail. `abort()`
 finishes every queued and running request at once with finish reason "abort" and the tokens it
 has, as RL frameworks stop a rollout before an update.
 
@@ -36,6 +37,7 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -122,6 +124,8 @@ class Scheduler:
         self._ids = 0
         self._stop = threading.Event()
         self.step_lock = threading.RLock()  # held through each admission and step: a weight swap waits for it
+        self._pausing = 0  # callers waiting in `paused`: the loop lets them take the lock first
+        self.refused: dict[str, str] = {}  # prefill methods no longer served (artifacts fitted for old weights): the reason
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def start(self) -> "Scheduler":
@@ -155,15 +159,9 @@ class Scheduler:
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            waiting = None
-            if not self.active and self._next is None:
-                try:  # idle: wait outside the lock, so an update or an abort gets it at once
-                    waiting = self.queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
+            while self._pausing:  # an update or an abort waits for the lock: let it have it
+                time.sleep(0.001)
             with self.step_lock:
-                if waiting is not None:  # the group taken off the queue while idle
-                    self._next = waiting
                 try:
                     self._admit()
                     if self.active:
@@ -174,10 +172,20 @@ class Scheduler:
                         self._finish(r, error=f"{type(exc).__name__}: {exc}")
                     self.active, self.cache = [], None
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the loop between two steps (an idle loop waits at most its 50 ms queue poll)."""
+        self._pausing += 1
+        try:
+            with self.step_lock:
+                yield
+        finally:
+            self._pausing -= 1
+
     def abort(self) -> int:
         """Finish every queued and running request now, with reason "abort" and the tokens each
         has (none for one not started). Returns how many were aborted."""
-        with self.step_lock:
+        with self.paused():
             groups = [self._next] if self._next is not None else []
             self._next = None
             while True:
@@ -196,14 +204,18 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             if self._next is None:
-                try:
-                    self._next = self.queue.get_nowait()
+                try:  # idle: wait a little for work (an update or an abort waits as long at most)
+                    self._next = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
                 except queue.Empty:
                     return
             group = self._next
             if len(self.active) + len(group) > self.max_batch:
                 return  # the group joins when there is room for all of it
             self._next = None
+            if group[0].prefill in self.refused:  # queued before its method's artifacts went stale
+                for r in group:
+                    self._finish(r, error=self.refused[group[0].prefill])
+                continue
             if any(r.cancelled.is_set() for r in group):
                 for r in group:
                     self._finish(r, error="cancelled")
