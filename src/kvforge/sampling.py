@@ -10,8 +10,7 @@ independent Exp(1) noise (the exponential race; log p_i - log E_i is log p_i plu
 which is exact sampling from p. The noise is not drawn from a stateful stream: it is a function of
 the sample's `SampleKey` (seed, request, sample index) and the token's position, read from a
 counter-based generator (Philox, the key as its key, the position, index and epoch in its
-counter). A
-sampled token is therefore a function of its logits and its key alone: decoding one token per
+counter). A sampled token is therefore a function of its logits and its key alone: decoding one token per
 step or verifying a draft of many commits the same tokens wherever the logits are the same bits,
 and two runs with one seed agree whatever else is batched with them.
 """

@@ -39,8 +39,20 @@ from kvforge.grpo import GrpoConfig, GrpoTrainer, Rollout
 from kvforge.prompting import encode_prompt
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.rollout import DraftConfig, generate_group
+from kvforge.speculative.step import SpecStats
 
 NOISES = ("fresh", "coupled")
+
+
+def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int, max_tokens: int, k: int, threads: int, heldout: int,
+                   lr: float) -> None:
+    """A `ValueError` naming the first setting `bench rl` cannot run with (checked before any model loads)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
+    if noise not in NOISES:
+        raise ValueError(f"unknown noise {noise!r}: use fresh or coupled")
+    if min(epochs, group, prompts, max_tokens, k, threads) < 1 or heldout < 0 or not lr > 0:
+        raise ValueError("--epochs, -G, --prompts, --max-new-tokens, --k and --threads must be >= 1, --heldout >= 0 and --lr > 0")
 
 
 def bench_rl(
@@ -49,12 +61,7 @@ def bench_rl(
 ) -> dict:
     """The loop of the module docstring over `engine` (rollouts) and `trainer_model` (a float32
     transformers model of the same weights, trained)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
-    if noise not in NOISES:
-        raise ValueError(f"unknown noise {noise!r}: use fresh or coupled")
-    if min(epochs, group, prompts, max_tokens, k, rollout_threads) < 1 or heldout < 0 or not lr > 0:
-        raise ValueError("--epochs, -G, --prompts, --max-tokens, --k and --threads must be >= 1, --heldout >= 0, --lr > 0")
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr)
     say = progress or (lambda message: None)
     tokenizer = engine.model.tokenizer
     train = problems(task, "train", prompts)
@@ -119,26 +126,19 @@ def bench_rl(
 def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draft: DraftConfig, history) -> dict:
     """One arm's pass over the problems: the samples' tokens and texts per problem, the wall
     seconds, and the drafting statistics summed over the groups."""
-    tokens, texts, sources, matched, accepted, request_steps, drafted_rows, host_s, steps = [], [], {}, {}, 0, 0, 0, 0.0, 0
+    tokens, texts, total = [], [], SpecStats(draft.k)
     start = time.perf_counter()
     for problem, ids in zip(train, encoded):
         outputs, stats = generate_group(engine, ids, group, config, draft, history=history, rollout_key=problem.key)
         tokens.append([g.token_ids for g in outputs])
         texts.append([g.text for g in outputs])
         if stats is not None:
-            accepted, request_steps, drafted_rows, steps = accepted + stats.accepted, request_steps + stats.request_steps, drafted_rows + stats.drafted_rows, steps + stats.steps
-            host_s += stats.host_s + stats.lookup_s
-            for totals, per_source in ((sources, stats.sources), (matched, stats.proposals)):
-                for source, counts in per_source.items():
-                    total = totals.setdefault(source, [0] * len(counts))
-                    total[:] = [a + b for a, b in zip(total, counts)]
+            total.add(stats)
     seconds = time.perf_counter() - start
+    summary = total.as_dict()
     return {
         "tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts),
-        "mean_accept_len": accepted / request_steps if request_steps else 0.0, "rows_drafted": drafted_rows / request_steps if request_steps else 0.0,
-        "host_ms_per_step": 1000 * host_s / steps if steps else 0.0,
-        "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(sources.items())},
-        "match_by_source": {s: landed / compared for s, (compared, landed) in sorted(matched.items()) if compared},
+        "rows_drafted": total.rows_drafted, **{key: summary[key] for key in ("mean_accept_len", "host_ms_per_step", "accept_by_source", "match_by_source")},
     }
 
 

@@ -205,6 +205,7 @@ def rollout(
     from kvforge.prompting import encode_prompt
     from kvforge.speculative.history import RolloutHistory
     from kvforge.speculative.rollout import DraftConfig, generate_group
+    from kvforge.speculative.step import SpecStats
 
     setup_threads(threads)
     if samples_per_prompt < 1:
@@ -218,8 +219,7 @@ def rollout(
     config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True, epoch=0 if couple_epochs else epoch)
     engine = load_engine(model, device, dtype)
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
-    tokens, accepted, steps, start = 0, 0, 0, time.perf_counter()
-    by_source: dict[str, list[int]] = {}  # per draft source: request-steps, drafted, accepted
+    tokens, total, start = 0, SpecStats(drafting.k), time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         for index, ids in enumerate(encoded):
@@ -229,10 +229,7 @@ def rollout(
                 f.write(json.dumps(_rollout_record(index, sample, g, model_logprobs)) + "\n")
                 tokens += len(g.token_ids)
             if stats:
-                accepted, steps = accepted + stats.accepted, steps + stats.request_steps
-                for source, counts in stats.sources.items():
-                    total = by_source.setdefault(source, [0, 0, 0])
-                    total[:] = [a + b for a, b in zip(total, counts)]
+                total.add(stats)
     elapsed = time.perf_counter() - start
     summary = {
         "command": "rollout",
@@ -247,10 +244,10 @@ def rollout(
         "samples_per_prompt": samples_per_prompt,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
-        "mean_accept_len": accepted / steps if steps else None,
+        "mean_accept_len": total.mean_accept_len if total.request_steps else None,
         "epoch": config.epoch,  # the epoch in the noise key (0 with --couple-epochs)
         "noise": "coupled" if couple_epochs else "keyed by epoch",
-        "accept_by_source": {s: {"rows": r, "drafted": d, "accepted": a, "accept_rate": a / d if d else 0.0} for s, (r, d, a) in sorted(by_source.items())},
+        "accept_by_source": total.accept_by_source,
         "out": str(out),
     }
     if json_out:

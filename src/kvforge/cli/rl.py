@@ -41,16 +41,10 @@ def bench_rl_cmd(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvforge.bench.rl import NOISES, bench_rl, plot as plot_report
-    from kvforge.data.rl_tasks import TASKS
+    from kvforge.bench.rl import bench_rl, check_settings, plot as plot_report
     from kvforge.models.loading import hf_directory
 
-    if task not in TASKS:
-        raise KvforgeError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
-    if noise not in NOISES:
-        raise KvforgeError(f"unknown noise {noise!r}: use fresh or coupled")
-    if min(epochs, group, prompts, max_tokens, k, threads) < 1 or heldout < 0 or not lr > 0:
-        raise KvforgeError("--epochs, -G, --prompts, --max-new-tokens, --k and --threads must be >= 1, --heldout >= 0 and --lr > 0")
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr)
     other = None
     if also is not None:
         try:

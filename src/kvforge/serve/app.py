@@ -100,13 +100,13 @@ class AppRequest(ServeRequest):
 class Served:
     """One served model: its engine, the prefill methods it has artifacts for, and a scheduler
     per weight set (`groups`: (engine, prefillers) pairs; the first is the base model's).
-    `fitted`: per method, the engines whose weights its artifacts were fitted for; `refused`:
-    methods whose artifacts no longer fit, with the reason."""
+    `fitted`: per method, the engines whose weights its artifacts were fitted for (the method's
+    scheduler keeps what it refuses since an update: `Scheduler.refused`)."""
 
     def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES,
                  fitted: dict[str, list] | None = None):
         self.name, self.engine = name, groups[0][0]
-        self.fitted, self.refused = fitted or {}, {}
+        self.fitted = fitted or {}
         draft = DraftConfig()
         history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
         # one history per scheduler: read and written under its scheduler's step lock only
@@ -175,11 +175,10 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
         refused = []
         for each in served.values():
             for method, engines in each.fitted.items():
-                if method not in each.refused and any(e is s.engine for e in engines):
-                    each.refused[method] = (f"prefill {method!r} of {each.name} was fitted for {model}'s weights before they were updated: "
-                                            "refit it for the new weights and restart the server with it")
-                    for scheduler in each.schedulers:
-                        scheduler.refused[method] = each.refused[method]
+                scheduler = each.routes[method]
+                if method not in scheduler.refused and any(e is s.engine for e in engines):
+                    scheduler.refused[method] = (f"prefill {method!r} of {each.name} was fitted for {model}'s weights before they were updated: "
+                                                 "refit it for the new weights and restart the server with it")
                     refused.append(f"{each.name}:{method}")
     return {"model": model, "kind": kind, "weights_version": s.engine.model.weights_version, "crossed_requests": len(crossed), "refused": refused}
 
@@ -264,7 +263,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
     async def update_weights_route(body: UpdateWeightsRequest):
         name = body.model or next(iter(served))
         if name not in served:
-            raise ApiError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
+            raise _unknown_model(name, served)
         try:
             tensors, scale = await asyncio.to_thread(read_update, body.path)
             return await asyncio.to_thread(update_weights, served, name, tensors, body.lora_scale or scale)
@@ -276,7 +275,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
         names = [body.model] if body is not None and body.model else list(served)
         unknown = [n for n in names if n not in served]
         if unknown:
-            raise ApiError(404, f"the model `{unknown[0]}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
+            raise _unknown_model(unknown[0], served)
         counts = await asyncio.to_thread(lambda: [scheduler.abort() for n in names for scheduler in served[n].schedulers])
         return {"aborted": sum(counts)}
 
@@ -291,7 +290,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
     async def _serve(http: Request, body, chat: bool):
         s = served.get(body.model)
         if s is None:
-            raise ApiError(404, f"the model `{body.model}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
+            raise _unknown_model(body.model, served)
         group = _make_group(s, body, chat)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         for r in group:
@@ -348,6 +347,10 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                 r.cancelled.set()  # a no-op when finished; frees the slots when the client went away
 
     return app
+
+
+def _unknown_model(name: str, served: dict) -> ApiError:
+    return ApiError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model", "model_not_found")
 
 
 def _require_key(api_key: str, open_paths: set[str]):
@@ -415,8 +418,8 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     """The request's n choices, its prompt tokenized once: the ids checked against the context
     are the ids served (a hand-off keeps them, with their character spans, for the alignment)."""
     engine, options = s.engine, body.kvforge
-    if options.prefill in s.refused:
-        raise ApiError(400, s.refused[options.prefill], "kvforge.prefill")
+    if options.prefill in s.routes and options.prefill in s.routes[options.prefill].refused:
+        raise ApiError(400, s.routes[options.prefill].refused[options.prefill], "kvforge.prefill")
     if options.prefill not in s.routes:
         hint = {"ridgefill": "start the server with --maps (no fitted or shipped maps were found for this model)", "handoff": "start the server with --translator and --target, and ask the target model"}
         raise ApiError(400, f"prefill {options.prefill!r} is not available for {s.name}: {hint.get(options.prefill, 'not loaded')}", "kvforge.prefill")

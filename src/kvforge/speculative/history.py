@@ -90,30 +90,31 @@ class RolloutHistory:
     def get(self, prompt: Sequence[int], rollout_key: str | None = None) -> NgramCache:
         """The rollout's n-gram cache, most recently used now: held, else read from its file,
         else new (the prompt alone)."""
-        key = history_key(prompt, rollout_key)
-        cache = self.caches.get(key)
-        if cache is None:
-            cache, rollouts = self._read(key, prompt, rollout_key) or (NgramCache(prompt, self.n_min, self.n_max), {})
-            self.caches[key], self.rollouts[key] = cache, rollouts
-        self.caches.move_to_end(key)
-        return cache
+        return self.caches[self._held(prompt, rollout_key)]
 
     def previous(self, prompt: Sequence[int], rollout_key: str | None = None) -> dict[int, list[int]]:
         """The rollout's latest token ids per sample index (a copy: a group drafts from the
         rollouts it started with while its finished samples are recorded)."""
-        self.get(prompt, rollout_key)
-        return dict(self.rollouts[history_key(prompt, rollout_key)])
+        return dict(self.rollouts[self._held(prompt, rollout_key)])
 
     def record(self, prompt: Sequence[int], index: int, tokens: list[int], rollout_key: str | None = None) -> None:
         """Sample `index` of the rollout wrote `tokens` (kept as given: a caller may go on
         appending to the list): its latest rollout from now on. Beyond `MAX_ROLLOUTS` samples
         of one prompt the oldest recorded goes."""
-        self.get(prompt, rollout_key)
-        rollouts = self.rollouts[history_key(prompt, rollout_key)]
+        rollouts = self.rollouts[self._held(prompt, rollout_key)]
         rollouts.pop(index, None)
         rollouts[index] = tokens
         while len(rollouts) > MAX_ROLLOUTS:
             rollouts.pop(next(iter(rollouts)))
+
+    def _held(self, prompt: Sequence[int], rollout_key: str | None) -> str:
+        """The rollout's key, its history held (read from its file, else new) and most recently used."""
+        key = history_key(prompt, rollout_key)
+        if key not in self.caches:
+            cache, rollouts = self._read(key, prompt, rollout_key) or (NgramCache(prompt, self.n_min, self.n_max), {})
+            self.caches[key], self.rollouts[key] = cache, rollouts
+        self.caches.move_to_end(key)
+        return key
 
     def settle(self, prompt: Sequence[int], rollout_key: str | None = None) -> None:
         """After a group of the prompt finished: write its file (with a directory), then evict

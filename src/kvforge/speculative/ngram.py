@@ -27,6 +27,7 @@ from kvforge.speculative.previous import PreviousRolloutDrafter
 
 # the sources `NgramDrafter` proposes from, in the order that wins a tie
 SOURCES = ("rollout", "chain", "lookup")
+_TIE_RANK = {source: -i for i, source in enumerate(SOURCES)}
 
 
 class Drafter(Protocol):
@@ -111,8 +112,7 @@ class NgramDrafter:
         self.proposed = {"chain": self.cache.draft(context, k)}
         for name, drafter in self.drafters.items():
             self.proposed[name] = drafter.propose(context, k)
-        rank = {source: i for i, source in enumerate(SOURCES)}
-        source = max(self.proposed, key=lambda s: (self.scores[s].expected(len(self.proposed[s])), -rank[s]))
+        source = max(self.proposed, key=lambda s: (self.scores[s].expected(len(self.proposed[s])), _TIE_RANK[s]))
         self.source = source if self.proposed[source] else None
         if self.source is not None:
             self.chosen[source] += 1

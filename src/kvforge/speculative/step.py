@@ -168,6 +168,17 @@ class SpecStats:
         whatever the gate verified."""
         return {source: landed / compared for source, (compared, landed) in sorted(self.proposals.items()) if compared}
 
+    def add(self, other: "SpecStats") -> None:
+        """Add another run's counters (the groups of one pass summed; the prefetcher stays this one's)."""
+        for name in ("steps", "request_steps", "drafted", "accepted", "prefetched", "drafted_rows", "drafting_steps", "k_sum",
+                     "device_s", "lookup_s", "host_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accept_hist = [a + b for a, b in zip(self.accept_hist, other.accept_hist)]
+        for mine, theirs in ((self.sources, other.sources), (self.proposals, other.proposals)):
+            for source, counts in theirs.items():
+                total = mine.setdefault(source, [0] * len(counts))
+                total[:] = [a + b for a, b in zip(total, counts)]
+
     def add_proposals(self, drafter) -> None:
         """Add a finished request's drafter's per-source tally (drafters that keep none add nothing)."""
         for source, (compared, landed) in getattr(drafter, "matched", {}).items():
