@@ -159,7 +159,7 @@ def test_the_scheduler_keeps_a_prompts_history_across_requests(engine):
     from kvforge.serve.scheduler import Scheduler, ServeRequest
 
     greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    scheduler = Scheduler(engine, {"exact": lambda r: engine.prefill([r.prompt_ids])}, max_batch=4, history=RolloutHistory(2, 4)).start()
+    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=4, history=RolloutHistory(2, 4)).start()
     try:
         def run(group):
             done = threading.Semaphore(0)

@@ -42,7 +42,7 @@ def test_plan_with_every_row_full_depth_is_exact(family):
     exact, exact_cache = engine.prefill(ids)
     plan = PrefillPlan.exact(T, engine.num_layers)
     with torch.inference_mode():
-        h = engine.run_plan(*engine.pad_batch(ids), engine.new_cache(), plan)
+        h, _ = engine.run_plan(*engine.pad_batch(ids), engine.new_cache(), plan)
         logits = engine.adapter.head(h[:, -1]).float()
     assert (logits - exact).abs().max() < TOL
     assert plan.is_exact(engine.num_layers)

@@ -45,8 +45,8 @@ def test_a_rescued_row_equals_the_row_a_prefill_keeping_it_exact_computes(family
     rows = [9, 10, 11, 20]
     config = RidgeFillConfig(split=2, tail=6, sinks=2)
     plan = ridgefill_plan(engine, ids, config, maps)
-    _, cache = engine.prefill([ids], plan=plan)
-    rescue = plan.decode(engine, ids, cache)
+    _, cache, states = engine.prefill_with_states([ids], plan=plan)
+    rescue = DecodeRescue.start(engine, ids, cache, states, plan)
     assert rescue is not None
     rescue.late_layers(engine, cache, rows)
     _, kept = engine.prefill([ids], plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, sinks=2, rows=tuple(rows)), maps))
@@ -65,19 +65,23 @@ def test_generation_with_the_rescue_is_what_its_teacher_forced_scoring_decodes(f
     config = RidgeFillConfig(split=2, tail=1, sinks=2, rows=(len(prompt) - 2,), rescue=RescueConfig(ngram=1, window=4, recent=2))
     generation = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=True)
     calls: dict[str, list] = {"generate": [], "score": []}
-    original = DecodeRescue.late_layers
+    original = DecodeRescue.due
+
+    def recording(into):
+        return lambda self, context: (lambda rows: (rows and calls[into].append(list(rows))) or rows)(original(self, context))
+
     try:
-        DecodeRescue.late_layers = lambda self, engine, cache, rows, *step: calls["generate"].append(list(rows)) or original(self, engine, cache, rows, *step)
+        DecodeRescue.due = recording("generate")
         out = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, config, maps))[0]
         plain = engine.generate(prompt, generation, plan=ridgefill_plan(engine, prompt, replace(config, rescue=None), maps))[0]
-        DecodeRescue.late_layers = lambda self, engine, cache, rows, *step: calls["score"].append(list(rows)) or original(self, engine, cache, rows, *step)
+        DecodeRescue.due = recording("score")
         seq = prompt + out.token_ids
         plan = ridgefill_plan(engine, prompt[:-1], config, maps)  # the evaluation's: prefill all but the last prompt token
-        _, cache = engine.prefill([prompt[:-1]], plan=plan)
+        _, cache, states = engine.prefill_with_states([prompt[:-1]], plan=plan)
         with torch.inference_mode():
-            logits = _continuation_logits(engine, seq, len(prompt), cache, plan.decode(engine, prompt[:-1], cache))
+            logits = _continuation_logits(engine, seq, len(prompt), cache, DecodeRescue.start(engine, prompt[:-1], cache, states, plan))
     finally:
-        DecodeRescue.late_layers = original
+        DecodeRescue.due = original
     assert calls["generate"] and calls["score"] == calls["generate"] and out.rescued_rows == sum(map(len, calls["generate"]))
     scored = torch.log_softmax(logits, -1)[torch.arange(len(out.token_ids)), out.token_ids]
     generated = torch.tensor([lp.model for lp in out.logprobs])
@@ -91,12 +95,12 @@ def test_no_rescue_without_maps_states_or_when_a_prompt_continues_a_cache(fitted
     engine, maps = fitted
     ids = _ids(8)
     identity = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, fill="identity"))
-    assert identity.decode is None
-    assert ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, rescue=None), maps).decode is None
+    assert identity.rescue is None
+    assert ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6, rescue=None), maps).rescue is None
     plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=2, tail=6), maps)
     _, cache = engine.prefill([ids[:10]])
-    engine.prefill([ids], cache=cache, plan=plan)
-    hook, why = DecodeRescue.of(engine, ids, cache, plan.fill.states, 2, RescueConfig())
+    _, _, states = engine.prefill_with_states([ids], cache=cache, plan=plan)
+    hook, why = DecodeRescue.of(engine, ids, cache, states, 2, RescueConfig())
     assert hook is None and "continues a cached sequence" in why
 
 
@@ -120,9 +124,9 @@ def test_a_hybrid_with_a_recurrent_late_layer_turns_the_rescue_off():
     maps = _fit(engine, [1])
     ids = _ids(9)
     plan = ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=6, sinks=2), maps)
-    _, cache = engine.prefill([ids], plan=plan)
-    hook, why = DecodeRescue.of(engine, ids, cache, plan.fill.states, 1, RescueConfig())
-    assert hook is None and "recurrent" in why and plan.decode(engine, ids, cache) is None
+    _, cache, states = engine.prefill_with_states([ids], plan=plan)
+    hook, why = DecodeRescue.of(engine, ids, cache, states, 1, RescueConfig())
+    assert hook is None and "recurrent" in why and DecodeRescue.start(engine, ids, cache, states, plan) is None
     out = engine.generate(ids, GenerationConfig(max_new_tokens=4, ignore_eos=True), plan=ridgefill_plan(engine, ids, RidgeFillConfig(split=1, tail=6, sinks=2), maps))[0]
     assert out.rescued_rows is None and len(out.token_ids) == 4
 
@@ -134,8 +138,8 @@ def test_a_step_with_rescued_rows_equals_the_rescue_then_the_plain_step(fitted):
     caches, logits = [], []
     for merged in (False, True):
         plan = ridgefill_plan(engine, ids, config, maps)
-        _, cache = engine.prefill([ids], plan=plan)
-        rescue = plan.decode(engine, ids, cache)
+        _, cache, states = engine.prefill_with_states([ids], plan=plan)
+        rescue = DecodeRescue.start(engine, ids, cache, states, plan)
         if merged:
             logits.append(rescue.late_layers(engine, cache, [8, 9, 15], 42, len(ids)))
         else:

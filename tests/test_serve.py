@@ -233,14 +233,14 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     body = ChatCompletionRequest(model=target, messages=messages, max_tokens=2, kvforge={"prefill": "handoff"})
     (request,) = _make_group(served, body, chat=True)
     assert request.prompt_ids == expected
-    logits, cache = served.routes["handoff"].prefillers["handoff"](request)
+    logits, cache, _ = served.routes["handoff"].prefillers["handoff"](request)
     assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
     assert request.report.prefill == "handoff" and logits.shape[0] == 1
     # --handoff-native-tail over the whole prompt: the target's own prefill, logits and all
     whole = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1,
                                      handoff_native_tail=len(expected)))[target]
     (request,) = _make_group(whole, body, chat=True)
-    logits, _ = whole.routes["handoff"].prefillers["handoff"](request)
+    logits, _, _ = whole.routes["handoff"].prefillers["handoff"](request)
     exact, _ = whole.engine.prefill([expected])
     torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
 
@@ -632,7 +632,7 @@ def _schedule(engine, items, draft=None, setup=lambda scheduler: None, prefill=N
     requests = [r for item in items for r in (item if isinstance(item, list) else [item])]
     for r in requests:
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(engine, {"exact": prefill or (lambda r: engine.prefill([r.prompt_ids]))}, max_batch=8, draft=draft)
+    scheduler = Scheduler(engine, {"exact": prefill or (lambda r: (*engine.prefill([r.prompt_ids]), None))}, max_batch=8, draft=draft)
     setup(scheduler)
     for item in items:
         scheduler.submit(item)
@@ -661,10 +661,10 @@ def test_the_scheduler_verifies_prefetch_hits_as_the_next_drafts(tiny_engine, mo
     events = []  # ("hit", draft) and ("verify", draft), in order
     forward = engine.forward
 
-    def spy_forward(ids, positions, cache, logits="last"):
+    def spy_forward(ids, positions, cache, logits="last", rewritten=None):
         if logits == "all":  # a verification forward (prefill asks for 'last')
             events.append(("verify", ids[0, 1:].tolist()))
-        return forward(ids, positions, cache, logits)
+        return forward(ids, positions, cache, logits, rewritten)
 
     def spy_probe(scheduler):
         probe = scheduler.prefetcher.probe
@@ -721,14 +721,14 @@ def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngra
     prefills, widths = [], []
     forward = engine.forward
 
-    def spy_forward(ids, positions, cache, logits="last"):
+    def spy_forward(ids, positions, cache, logits="last", rewritten=None):
         if logits == "all":
             widths.append(ids.shape[0])
-        return forward(ids, positions, cache, logits)
+        return forward(ids, positions, cache, logits, rewritten)
 
     def prefill(r):
         prefills.append(r)
-        return engine.prefill([r.prompt_ids])
+        return (*engine.prefill([r.prompt_ids]), None)
 
     monkeypatch.setattr(engine, "forward", spy_forward)
     group = [ServeRequest(prompt, greedy, draft="ngram") for _ in range(3)]

@@ -141,6 +141,18 @@ class LayerCache:
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
 
+    def rewrite(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace held rows in place: row index[b, r] of sequence b takes k[b, :, r] and
+        v[b, :, r] (index -1: a padding slot, nothing written). Positions and kinds stay: a kind
+        records what the prefill ran. A rewritten row is no longer the same in every sequence."""
+        b, r = (index >= 0).nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return
+        rows = index[b, r]
+        self.k[b, :, rows] = k[b, :, r].to(self.k.dtype)
+        self.v[b, :, rows] = v[b, :, r].to(self.v.dtype)
+        self.shared = min(self.shared, int(rows.min()))
+
     def trim(self, n: int) -> None:
         """Drop the last n rows (speculative rollback)."""
         self.rollback([n] * self.k.shape[0])

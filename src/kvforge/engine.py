@@ -10,6 +10,8 @@ padding: a padding slot has position -1 and is invisible to attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvforge.allocator import keep_freed_memory
@@ -19,6 +21,21 @@ from kvforge.errors import PromptError
 from kvforge.models.deltanet import PER_TOKEN_STEPS
 from kvforge.models.loading import LoadedModel
 from kvforge.plan import PrefillPlan, filled_key_value
+
+
+@dataclass(frozen=True)
+class RewrittenRows:
+    """Rows the cache holds already, recomputed from `layer` on inside a forward (RidgeFill's
+    rescue rides with a decode or verification step this way): their residual stream entering
+    `layer` h (B, R, E), their positions (B, R) and their row indices in the cache (B, R), -1 in
+    both for a padding slot. From `layer` on they run with the forward's rows (before them), their
+    keys and values replace the held ones in place, and every row attends to the cache as it
+    stands: a held row up to its own position, rewritten ones included."""
+
+    layer: int
+    h: torch.Tensor
+    positions: torch.Tensor
+    index: torch.Tensor
 
 
 class Engine:
@@ -71,19 +88,43 @@ class Engine:
         cache: KVCache,
         rope: dict,
         kind: RowKind | torch.Tensor = RowKind.EXACT,
+        rewrite: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one decoder layer on rows h (B, T, E) at `positions` (B, T); their K/V are
-        appended to the layer's cache first, so they attend to themselves and all earlier rows."""
+        appended to the layer's cache first, so they attend to themselves and all earlier rows.
+        `rewrite` (B, R): the first R rows of h are rows the cache holds already, at these row
+        indices (-1: none), and replace them in place instead of being appended (`RewrittenRows`)."""
         a = self.adapter
         if a.is_recurrent(layer):
+            if rewrite is not None:
+                raise ValueError(f"layer {layer} is recurrent: its state cannot take a row back")
             padding = positions < 0
             mixed = self._recur(layer, h, positions, cache[layer], kind, padding if bool(padding.any()) else None)
             return a.mlp_block(layer, a.mix_output(layer, h, mixed))
+        if rewrite is None:
+            store = lambda held, k, v: held.append(k, v, positions, kind)  # noqa: E731
+            return self.attention_layer(layer, h, positions, cache, rope, store, new_rows=h.shape[1])
+        n = rewrite.shape[1]
+
+        def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor) -> None:
+            held.rewrite(rewrite, k[:, :, :n], v[:, :, :n])
+            held.append(k[:, :, n:], v[:, :, n:], positions[:, n:], kind)
+
+        return self.attention_layer(layer, h, positions, cache, rope, store)
+
+    def attention_layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, rope: dict, store,
+                        new_rows: int | None = None) -> torch.Tensor:
+        """The one attention-layer body: rows h (B, T, E) at `positions` (B, T) project their
+        queries, keys and values; `store(layer_cache, k, v)` puts the keys and values into the
+        cache (appended, interleaved with filled rows, or rewriting held rows); then every row
+        attends to the cache as it stands, masked by positions, and attention output and MLP give
+        the next layer's input. `new_rows`: the layer's last rows are these rows' own (attention's
+        mask-free path)."""
+        a = self.adapter
         q, k, v, gate = a.attention_inputs(layer, h, rope)
-        cache[layer].append(k, v, positions, kind)
-        o = attend(q, a.attention_view(layer, cache[layer]), positions, a.scaling[layer], a.windows[layer], new_rows=h.shape[1])
-        h = a.attention_output(layer, h, o, gate)
-        return a.mlp_block(layer, h)
+        store(cache[layer], k, v)
+        o = attend(q, a.attention_view(layer, cache[layer]), positions, a.scaling[layer], a.windows[layer], new_rows=new_rows)
+        return a.mlp_block(layer, a.attention_output(layer, h, o, gate))
 
     def _recur(self, layer: int, h, positions, state: RecurrentLayerCache, kind, padding=None, per_token: bool | None = None):
         """Rows h (B, T, E) in position order through a recurrent layer's state update, which
@@ -103,22 +144,31 @@ class Engine:
         start: int = 0,
         end: int | None = None,
         rope: dict | None = None,
+        rewritten: RewrittenRows | None = None,
     ) -> torch.Tensor:
-        """Run layers [start, end) on rows h; returns the residual stream entering layer `end`."""
+        """Run layers [start, end) on rows h; returns the residual stream entering layer `end`.
+        `rewritten`: held rows that join from their layer on and are rewritten in place
+        (`RewrittenRows`); the returned stream holds h's rows only."""
         end = self.num_layers if end is None else end
         rope = rope if rope is not None else self.adapter.rope(h, positions)
         kind = _row_kinds(positions)
+        index = None
         for layer in range(start, end):
-            h = self.run_layer(layer, h, positions, cache, rope, kind)
-        return h
+            if rewritten is not None and layer == rewritten.layer:
+                h = torch.cat([rewritten.h.to(h.dtype), h], dim=1)
+                positions = torch.cat([rewritten.positions, positions], dim=1)
+                rope, index = self.adapter.rope(h, positions), rewritten.index
+            h = self.run_layer(layer, h, positions, cache, rope, kind, index)
+        return h if index is None else h[:, index.shape[1] :]
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last"
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last", rewritten: RewrittenRows | None = None
     ) -> torch.Tensor | None:
-        """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or 'none'."""
+        """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or
+        'none'. `rewritten`: held rows recomputed from a layer on in the same forward."""
         h = self.adapter.embed(ids)
-        h = self.run_layers(h, positions, cache)
+        h = self.run_layers(h, positions, cache, rewritten=rewritten)
         if logits == "none":
             return None
         if logits == "last":
@@ -143,13 +193,27 @@ class Engine:
         chunked); exact_shortcut=False runs it through `run_plan` all the same, so tests can hold
         the plan path to its invariant.
         """
+        logits, cache, _ = self.prefill_with_states(prompts, cache, chunk_size, logits, plan, exact_shortcut)
+        return logits, cache
+
+    def prefill_with_states(
+        self,
+        prompts: list[list[int]] | torch.Tensor,
+        cache: KVCache | None = None,
+        chunk_size: int | None = None,
+        logits: str = "last",
+        plan: PrefillPlan | None = None,
+        exact_shortcut: bool = True,
+    ) -> tuple[torch.Tensor, KVCache, torch.Tensor | None]:
+        """`prefill`, and what decoding may need of it beside the cache: a planned prefill's
+        per-row residual streams entering their depths (`run_plan`; None for an exact prefill)."""
         if cache is None and plan is None and _copies_of_one(prompts):
             # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
             # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
             # is that prompt's own, bit for bit
             last, one = self.prefill([list(prompts[0])], chunk_size=chunk_size, logits=logits)
             copies = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
-            return (None if last is None else last.index_select(0, copies)), one.select_batch(copies)
+            return (None if last is None else last.index_select(0, copies)), one.select_batch(copies), None
         ids, positions = self.pad_batch(prompts, cache)
         # A fresh cache is sized to the prompt exactly: attention then reads K/V that are one
         # contiguous block per layer, which the CPU attention kernel runs measurably faster on.
@@ -159,8 +223,8 @@ class Engine:
                 raise ValueError("a non-exact prefill plan runs one prompt and returns last-token logits")
             plan.validate(ids.shape[1], self.num_layers)
             with torch.inference_mode():
-                h = self.run_plan(ids, positions, cache, plan)
-                return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache
+                h, states = self.run_plan(ids, positions, cache, plan)
+                return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, states
         chunk = chunk_size or self.chunk_size or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):
@@ -168,14 +232,16 @@ class Engine:
             want = logits if (end == ids.shape[1] or logits == "all") else "none"
             outputs.append(self.forward(ids[:, start:end], positions[:, start:end], cache, want))
         if logits == "all":
-            return torch.cat(outputs, dim=1), cache
-        return outputs[-1], cache
+            return torch.cat(outputs, dim=1), cache, None
+        return outputs[-1], cache, None
 
-    def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> torch.Tensor:
+    def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are
         filled (their K/V written from the plan's predicted input, in position order among the
         exact rows, before those attend) or absent. Returns the residual stream leaving the last
-        layer (1, T, E), final for full-depth rows only.
+        layer (1, T, E), final for full-depth rows only, and every row's stream entering its own
+        depth (a row of full depth: entering the first layer any row left; None when none left),
+        what a decode-time rescue recomputes a filled row from.
 
         Not under inference mode, so training under a plan (SPEED adaptation) backpropagates
         through it; `prefill` is the inference entry point."""
@@ -207,21 +273,22 @@ class Engine:
                 h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
                 h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
                 continue
-            q, k, v, gate = a.attention_inputs(layer, h_active, _rope_rows(rope, active))
-            present, kinds = active, RowKind.EXACT
-            if plan.fill is not None:
-                written = past & readable_rows(positions[0], active, a.windows[layer])
-                k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, written, _rope_rows(rope, written))
-                present = active | written
-                is_exact = active[present]
-                k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
-                kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
-            cache[layer].append(k, v, positions[:, present], kinds)
-            o = attend(q, a.attention_view(layer, cache[layer]), positions[:, active], a.scaling[layer], a.windows[layer])
+
+            def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor, layer=layer, active=active, past=past) -> None:
+                present, kinds = active, RowKind.EXACT
+                if plan.fill is not None:
+                    written = past & readable_rows(positions[0], active, a.windows[layer])
+                    k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, written, _rope_rows(rope, written))
+                    present = active | written
+                    is_exact = active[present]
+                    k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
+                    kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
+                held.append(k, v, positions[:, present], kinds)
+
+            h_new = self.attention_layer(layer, h_active, positions[:, active], cache, _rope_rows(rope, active), store)
             # Out of place: autograd may still need the old h when a plan is trained through.
-            h_new = a.mlp_block(layer, a.attention_output(layer, h_active, o, gate))
             h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
-        return h
+        return h, at_depth
 
     def _run_recurrent_plan(self, layer, h_active, active, past, at_depth, positions, cache, plan) -> torch.Tensor:
         """One recurrent layer of `run_plan`: a filled row runs the layer's projections and state
@@ -264,8 +331,8 @@ class Engine:
         return ids.to(self.device), positions.to(self.device)
 
     def generate(self, prompts, config=None, on_text=None, plan: PrefillPlan | None = None, cache: KVCache | None = None):
-        """See `kvforge.generation.generate`."""
-        from kvforge.generation import generate
+        """See `kvforge.speculative.decode.generate`."""
+        from kvforge.speculative.decode import generate  # the decode loop builds on the engine
 
         return generate(self, prompts, config, on_text, plan, cache)
 

@@ -1,23 +1,22 @@
-"""`generate`: prefill, then decode until max tokens, EOS, a stop string or the context ends.
+"""What decoding is asked for and what it returns: `GenerationConfig`, `Generation`, and one
+sequence's state while it decodes (`SequenceState`, `commit_token`). The loop that decodes is
+`speculative.decode` (plain decoding is a step with no draft).
 
-A batch of prompts of different lengths is left-padded and decoded in lockstep; a finished
-sequence leaves the batch (its cache rows are dropped) so the others do not pay for it.
-Streaming hands each sequence's new text to a callback, holding back what may still become a
-stop string or an incomplete UTF-8 character. With `logprobs`, each committed token's
-log-probabilities are recorded from the logits it was chosen from (`sampling.token_logprobs`).
+Decoding ends at max tokens, EOS, a stop string or the context's end. Streaming hands each
+sequence's new text to a callback, holding back what may still become a stop string or an
+incomplete UTF-8 character. With `logprobs`, each committed token's log-probabilities are
+recorded from the logits it was chosen from (`sampling.token_logprobs`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from kvforge.errors import PromptError
 from kvforge.plan import PrefillReport
-from kvforge.sampling import SamplingParams, TokenLogprob, sample, sample_keys, token_logprobs
+from kvforge.sampling import SamplingParams, TokenLogprob, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -102,73 +101,6 @@ class SequenceState:
         return Generation(self.token_ids, self.text, self.finish_reason, self.prompt_tokens, self.first_token_at - start,
                           self.last_token_at - self.first_token_at, self.stop_matched, prefill,
                           self.logprobs or None)
-
-
-def generate(
-    engine,
-    prompts: list[list[int]] | list[int],
-    config: GenerationConfig | None = None,
-    on_text: Callable[[int, str], None] | None = None,
-    plan=None,
-    cache=None,
-) -> list[Generation]:
-    """Generate for one prompt (a list of ids) or a batch (a list of lists).
-
-    `on_text(i, delta)` receives sequence i's new text as it is produced. `plan`: a
-    `PrefillPlan` for the prompt (one prompt); decode always runs every layer, through the plan's
-    `decode` hook when it has one (RidgeFill's rescue). `cache`: the
-    prompts continue the sequences it holds (a translated cache, for a hand-off).
-    """
-    config = config or GenerationConfig()
-    if prompts and isinstance(prompts[0], int):
-        prompts = [prompts]
-    cached = cache.next_positions().tolist() if cache is not None else [0] * len(prompts)
-    context = check_prompts(prompts, engine.model.context_length, cached)
-    tokenizer = engine.model.tokenizer
-    eos = set() if config.ignore_eos else eos_token_ids(engine.model)
-    params = config.sampling
-    keys = sample_keys(prompts, config.seed, config.epoch)
-    seqs = [SequenceState(i, len(p)) for i, p in enumerate(prompts)]
-
-    start = time.perf_counter()
-    logits, cache = engine.prefill(prompts, cache=cache, chunk_size=config.chunk_size, plan=plan)
-    report = planned_report(plan, cache, prompts, cached[0])
-    # what the plan does between decode steps (RidgeFill's rescue of filled rows a copy reads),
-    # set up at the first step so that its cost stays out of the time to first token
-    start_between = plan.decode if plan is not None and plan.decode is not None and len(prompts) == 1 else None
-    between = None
-    positions = torch.tensor([c + len(p) for c, p in zip(cached, prompts)], dtype=torch.long, device=engine.device)
-    active = list(range(len(seqs)))
-    while True:
-        tokens = sample(logits, params, [keys[i] for i in active], positions.tolist())
-        logprobs = config.token_logprobs(logits, tokens.tolist())
-        now = time.perf_counter()
-        for row, index in enumerate(active):
-            commit_token(seqs[index], int(tokens[row]), now, tokenizer, eos, config, on_text, logprobs[row] if logprobs else None)
-            if seqs[index].finish_reason is None and positions[row] + 1 >= context:
-                seqs[index].finish_reason = "length"
-        keep = [row for row, index in enumerate(active) if seqs[index].finish_reason is None]
-        if not keep:
-            break
-        if len(keep) < len(active):
-            rows = torch.tensor(keep, device=engine.device)
-            cache = cache.select_batch(rows)
-            tokens, positions = tokens[rows], positions[rows]
-            active = [active[row] for row in keep]
-        if start_between is not None:
-            between, start_between = start_between(engine, prompts[0], cache), None
-        if between is not None:  # the plan runs the step (RidgeFill: with the rows it rescues)
-            logits = between.decode_step(engine, cache, int(tokens[0]), int(positions[0]))
-        else:
-            logits = engine.decode_step(tokens, cache, positions)
-        positions = positions + 1
-
-    for seq in seqs:
-        flush_text(seq, on_text)
-    results = [seq.result(start, report) for seq in seqs]
-    if between is not None:
-        results[0].rescued_rows = between.rescued_rows
-    return results
 
 
 def planned_report(plan, cache, prompts: list[list[int]], start: int = 0) -> PrefillReport | None:

@@ -26,11 +26,14 @@ Invariant: a plan whose rows are all full depth computes exactly what exact pref
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from kvforge.cache import KVCache, LayerCache, RowKind
+
+if TYPE_CHECKING:  # fill.rescue reads plans: a runtime import would be a circle
+    from kvforge.fill.rescue import RescueConfig
 
 # fill(layer, h, rows) -> the predicted input of `layer` (1, N, E) for the N prompt rows picked by
 # the bool mask `rows` (T,); h (1, T, E) holds every prompt row's residual stream entering its own
@@ -50,10 +53,9 @@ class PrefillPlan:
     choose: Chooser | None = None
     reason: str | None = None  # why a method's plan for this prompt computes every row exactly
     choose_at: int | None = None  # the layer before which `choose` runs (None: the first layer any row leaves)
-    # decode(engine, prompt, cache) -> a hook with decode_step(engine, cache, token, position) ->
-    # logits (1, V), or None: how the method runs the decode steps of this prompt's one sequence
-    # (RidgeFill's rescue recomputes filled rows within them)
-    decode: Callable | None = None
+    # RidgeFill: while decoding, recompute filled rows a copy reads next (`fill.rescue.RescueConfig`;
+    # the decode loop starts a `DecodeRescue` per sequence from what the prefill returns); None: off
+    rescue: "RescueConfig | None" = None
 
     @classmethod
     def exact(cls, tokens: int, num_layers: int, reason: str | None = None) -> "PrefillPlan":

@@ -51,7 +51,7 @@ def planned_logits(engine, ids: list[int], prefix: int, plan: PrefillPlan) -> to
     `ids` run from an empty cache under `plan` (which covers every row of `ids`)."""
     seq = torch.tensor([ids], device=engine.device)  # (1, N)
     positions = torch.arange(len(ids), device=engine.device).unsqueeze(0)
-    h = engine.run_plan(seq, positions, engine.new_cache(1, capacity=len(ids)), plan)
+    h, _ = engine.run_plan(seq, positions, engine.new_cache(1, capacity=len(ids)), plan)
     return engine.adapter.head(h[:, prefix - 1 : -1])[0]
 
 

@@ -80,7 +80,8 @@ def eval_ridgefill(
             memo[exact_key] = _prefill(engine, prompt, None)
         exact_cache = memo[exact_key]
         plans = {name: ridgefill_plan(engine, prompt, c, maps) for name, c in arms.items()}
-        caches = {name: _prefill(engine, prompt, plan) for name, plan in plans.items()}
+        prefilled = {name: engine.prefill_with_states([prompt], plan=plan)[1:] for name, plan in plans.items()}
+        caches = {name: cache for name, (cache, _) in prefilled.items()}
         ridge_cache = caches["ridgefill"]
         filled = _filled_rows(ridge_cache, len(prompt))
         if rescuing:  # the same prefill decoded with and without the rescue, which rewrites rows of its own copy
@@ -92,7 +93,7 @@ def eval_ridgefill(
         caches["exact"] = exact_cache
         with torch.inference_mode():  # restore: the memoised exact cache is left as it was
             for name, cache in caches.items():
-                between = plans[name].decode(engine, prompt, cache) if name in plans and plans[name].decode is not None else None
+                between = DecodeRescue.start(engine, prompt, cache, prefilled[name][1], plans[name]) if name in plans else None
                 nll[name].append(_continuation_nll(engine, seq, settings.prompt_tokens, cache, between).cpu())
                 if between is not None:
                     rescued.append((between.rescued_rows, between.events, int(filled.sum())))
@@ -139,9 +140,8 @@ def _continuation_nll(engine: Engine, seq: list[int], prompt_tokens: int, cache:
 
 def _continuation_logits(engine: Engine, seq: list[int], prompt_tokens: int, cache: KVCache, between) -> torch.Tensor:
     """(T, V) logits predicting seq[prompt_tokens:] given `cache` holding seq[:prompt_tokens - 1],
-    scored as `generate` decodes with a plan's decode hook (RidgeFill's rescue): before the row of
-    each token past the prompt the hook sees that token and may rewrite cache rows, which every
-    later row reads."""
+    scored as decoding runs RidgeFill's rescue (`fill.rescue`): the row of each token past the
+    prompt rides with the rows that token calls for, which it and every later row read."""
     between.extend([seq[prompt_tokens - 1]])  # the prompt's last token: generation prefills it with the prompt
     parts, start = [], prompt_tokens - 1
     for t in range(prompt_tokens, len(seq) - 1):

@@ -4,13 +4,21 @@ A filled row's late-layer keys come from a predicted input, and what that loses 
 from the prompt: a copy matches the token before and reads the row after (docs/ridgefill.md:
 exact keys under filled values remove most of the gap). So when the text being decoded ends in an
 n-gram that also occurs in the prompt, the filled rows after its most recent occurrences are what
-a copy reads next, and the next decode step recomputes them: their exact split-layer states
-(kept from the prefill) join the step's token from the split on, through layers [split, L), each
-row attending to the cache as it stands up to itself, as the prefill's tail-attended rows do (one
-forward: the late layers' weights are read once for the step and its rescue). Their row kind stays FILLED: kinds
-record what the prefill ran (`PrefillReport`), and `DecodeRescue` counts what decoding rescued.
-TTFT does not change; the cost is the rescued rows' share of a late-layer forward, paid while
-decoding and only when the text copies.
+a copy reads next, and they are recomputed: their exact split-layer states (what the planned
+prefill returned beside the cache) join the step's forward from the split on, through layers
+[split, L), each row attending to the cache as it stands up to itself, as the prefill's
+tail-attended rows do (one forward: the late layers' weights are read once for the step and its
+rescue; `engine.RewrittenRows`). Their row kind stays FILLED: kinds record what the prefill ran
+(`PrefillReport`), and `DecodeRescue` counts what decoding rescued. TTFT does not change; the
+cost is the rescued rows' share of a late-layer forward, paid while decoding and only when the
+text copies.
+
+The schedule, the same for every decode path (plain, drafted, batched, served, scored): the
+token a step feeds first (its pending token) triggers the rescue its n-gram calls for, and the
+rows ride with that step, so every position of the step sees them. A drafted token never
+triggers one: a draft ends before a token that would (`would_rescue`), which then triggers it as
+the next step's pending token. So each position sees the rows as plain decoding does, one token a
+step, and drafted RidgeFill commits plain RidgeFill's tokens.
 
 The rescue needs every late layer to hold every prompt row at its own position: a sliding-window
 layer that skipped filled rows no exact row could see, or a recurrent layer (its state cannot
@@ -23,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.attention import attend
 from kvforge.cache import KVCache
-from kvforge.plan import final_depth
+from kvforge.engine import RewrittenRows
+from kvforge.plan import PrefillPlan, final_depth
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,8 @@ class RescueConfig:
 
 class DecodeRescue:
     """One sequence's rescue: the prompt's n-gram occurrences, the rows still filled and their
-    split-layer states. `decode_step` runs a decode step with the rows its token calls for
-    (`observe`); `late_layers` rewrites rows, with or without a step."""
+    split-layer states. `due` names the rows a step's pending token calls for, `rewritten` makes
+    them rows of that step's forward; `late_layers` rewrites rows, with or without a token."""
 
     def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
         self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
@@ -58,6 +66,16 @@ class DecodeRescue:
         """The first recurrent layer at or above `split`, whose state cannot take a row back (the
         rescue is off for such a model), or None."""
         return next((layer for layer in range(split, adapter.num_layers) if adapter.is_recurrent(layer)), None)
+
+    @classmethod
+    def start(cls, engine, prompt: list[int], cache: KVCache, states: torch.Tensor | None, plan: PrefillPlan | None) -> "DecodeRescue | None":
+        """The rescue a prefill by `plan` asks for (`PrefillPlan.rescue`), or None: no plan, no
+        rescue asked, or one that cannot run (`of`). `states`: what the prefill returned beside
+        the cache (`Engine.prefill_with_states`)."""
+        if plan is None or plan.rescue is None or plan.is_exact(engine.num_layers):
+            return None
+        split = int(plan.depth.min())  # a RidgeFill plan's filled rows run exactly up to the split
+        return cls.of(engine, prompt, cache, states, split, plan.rescue)[0]
 
     @classmethod
     def of(cls, engine, prompt: list[int], cache: KVCache, states: torch.Tensor | None, split: int,
@@ -94,54 +112,53 @@ class DecodeRescue:
                 self.occurrences.setdefault(tuple(self.tokens[end - n + 1 : end + 1]), []).append(end)
             self.tokens.append(token)
 
-    def observe(self, token: int) -> list[int]:
-        """`token` is about to be decoded: the filled rows after the latest occurrences of the
-        n-gram it ends (sorted), now counted as rescued."""
-        self.tokens.append(token)
+    def copy(self) -> "DecodeRescue":
+        """A rescue for another sample of the same prompt (its own rows pending, the states shared)."""
+        other = DecodeRescue.__new__(DecodeRescue)
+        other.__dict__.update(self.__dict__)
+        other.tokens, other.pending, other.rescued_rows, other.events = list(self.tokens), self.pending.clone(), 0, 0
+        return other
+
+    def _rows_after(self, context: list[int]) -> list[int]:
+        """The filled rows still pending after the latest occurrences of `context`'s last n-gram (sorted)."""
         n, rows = self.config.ngram, set()
-        for end in self.occurrences.get(tuple(self.tokens[-n:]), [])[-self.config.recent :]:
+        for end in self.occurrences.get(tuple(context[-n:]), [])[-self.config.recent :]:
             stop = min(end + 1 + self.config.window, self.pending.numel())
             rows.update(r for r in range(end + 1, stop) if self.pending[r])
-        rows = sorted(rows)
+        return sorted(rows)
+
+    def would_rescue(self, context: list[int]) -> bool:
+        """Whether feeding `context`'s last token would trigger a rescue (nothing is marked)."""
+        return bool(self._rows_after(context))
+
+    def due(self, context: list[int]) -> list[int]:
+        """`context`'s last token (the step's pending token) is about to be fed: the filled rows
+        its n-gram calls for (sorted), now counted as rescued."""
+        rows = self._rows_after(context)
         if rows:
             self.pending[rows] = False
             self.rescued_rows += len(rows)
             self.events += 1
         return rows
 
-    def decode_step(self, engine, cache: KVCache, token: int, position: int) -> torch.Tensor:
-        """The decode step of `token` at `position` (its logits, (1, V)), rescuing first the rows
-        its n-gram calls for (`observe`). Rescued rows join the step from the split on, so the late
-        layers' weights are read once for both: a rescue costs its rows, not a second pass."""
-        rows = self.observe(token)
-        if rows:
-            return self.late_layers(engine, cache, rows, token, position)
-        return engine.decode_step(torch.tensor([token], device=engine.device), cache, torch.tensor([position], device=engine.device))
+    def observe(self, token: int) -> list[int]:
+        """`due` for a scorer that feeds one token at a time: `token` is about to be fed."""
+        self.tokens.append(token)
+        return self.due(self.tokens)
+
+    def rewritten(self, rows: list[int], device) -> RewrittenRows:
+        """`rows` as rows of a forward of this one sequence, rewritten from the split on."""
+        index = torch.tensor(rows, dtype=torch.long, device=device).view(1, -1)
+        return RewrittenRows(self.split, self.states[:, index[0]], index, index)
 
     @torch.inference_mode()
     def late_layers(self, engine, cache: KVCache, rows: list[int], token: int | None = None, position: int | None = None):
-        """Layers [split, L) for `rows` from their split-layer states, with the decode step of
-        `token` (run below the split first) as the chunk's last row when given; returns its logits
-        (1, V), or None. Layer by layer the rows' keys and values replace the filled ones in place
-        and the token's are appended, then every query attends to the rows up to its own position as
-        they stand (rescued ones included), and attention output and MLP give the next layer's input."""
-        a = engine.adapter
-        index = torch.tensor(rows, device=engine.device)
-        h = self.states[:, index]
-        positions = index.view(1, -1)
+        """Layers [split, L) for `rows` from their split-layer states, with the forward of `token`
+        at `position` (its logits (1, V)) when given, else alone (None)."""
+        rewritten = self.rewritten(rows, engine.device)
         if token is not None:
-            at = torch.tensor([[position]], device=engine.device)
-            below = engine.run_layers(a.embed(torch.tensor([[token]], device=engine.device)), at, cache, 0, self.split)
-            h, positions = torch.cat([h, below.to(h.dtype)], dim=1), torch.cat([positions, at], dim=1)
-        rope = a.rope(h, positions)
-        n = len(rows)
-        for layer in range(self.split, a.num_layers):
-            q, k, v, gate = a.attention_inputs(layer, h, rope)
-            held = cache[layer]
-            held.k[:, :, index] = k[:, :, :n]
-            held.v[:, :, index] = v[:, :, :n]
-            if token is not None:
-                held.append(k[:, :, n:], v[:, :, n:], positions[:, n:])
-            o = attend(q, a.attention_view(layer, held), positions, a.scaling[layer], a.windows[layer])
-            h = a.mlp_block(layer, a.attention_output(layer, h, o, gate))
-        return a.head(h[:, -1:]).squeeze(1).float() if token is not None else None
+            at = lambda value: torch.tensor([[value]], device=engine.device)  # noqa: E731
+            return engine.forward(at(token), at(position), cache, "last", rewritten)
+        empty = torch.zeros(1, 0, dtype=torch.long, device=engine.device)
+        engine.run_layers(self.states[:, :0], empty, cache, self.split, rewritten=rewritten)
+        return None

@@ -29,7 +29,7 @@ from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.fill.calibrate import validate_splits
 from kvforge.fill.maps import RidgeMaps, fold_kv
-from kvforge.fill.rescue import DecodeRescue, RescueConfig
+from kvforge.fill.rescue import RescueConfig
 from kvforge.plan import PrefillPlan
 
 FILLS = ("ridge", "identity")
@@ -188,23 +188,13 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
         return PrefillPlan.exact(tokens, num_layers, reason)
     depth = torch.where(exact, num_layers, config.split)
     fill = MapFill(maps, config.split, engine.adapter, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
-    decode = rescue_hook(fill, config.split, config.rescue) if config.rescue is not None and isinstance(fill, MapFill) else None
+    rescue = config.rescue if isinstance(fill, MapFill) else None  # the identity fill has no maps to fall short of
     a = engine.adapter
     read = attention_read_layer(a.windows, config.split, [a.is_recurrent(layer) for layer in range(a.num_layers)])
     if not config.attended_rows or read is None:  # read None: a hybrid with no attention layer below the split
-        return PrefillPlan(depth, fill, "ridgefill", decode=decode)
+        return PrefillPlan(depth, fill, "ridgefill", rescue=rescue)
     return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span),
-                       choose_at=read + 1, decode=decode)
-
-
-def rescue_hook(fill: "MapFill", split: int, config: RescueConfig):
-    """The plan's `decode`: a `DecodeRescue` over the split-layer states the fill kept, or None
-    where the rescue cannot run (`DecodeRescue.of`)."""
-
-    def start(engine: Engine, prompt: list[int], cache) -> DecodeRescue | None:
-        return DecodeRescue.of(engine, prompt, cache, fill.states, split, config)[0]
-
-    return start
+                       choose_at=read + 1, rescue=rescue)
 
 
 def attention_read_layer(windows: list[int | None], split: int, recurrent: list[bool] | None = None) -> int | None:
@@ -236,10 +226,8 @@ class MapFill:
     def __init__(self, maps: RidgeMaps, split: int, adapter, dtype: torch.dtype, device: torch.device):
         self.maps, self.split, self.adapter, self.dtype, self.device = maps, split, adapter, dtype, device
         self._key, self._x = None, None  # the last map input, reused while a prefill writes the same rows
-        self.states = None  # every prompt row's h_split from the last prefill: what a decode-time rescue recomputes from
 
     def __call__(self, layer: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.states = h
         if layer == self.split:  # the split layer's input is h_split itself
             return h[:, rows]
         w, b = self.maps.weights(self.split, layer, self.dtype)
@@ -247,7 +235,6 @@ class MapFill:
 
     def key_value(self, layer: int, h: torch.Tensor, rows: torch.Tensor, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache rows (k, v) `layer` holds for the filled `rows`."""
-        self.states = h
         folded = None if layer == self.split or not self.maps.predicts_normed else self._folded(layer)
         if folded is None:
             return self.adapter.key_value(layer, self(layer, h, rows), rope)

@@ -43,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig
 from kvforge.models.loading import dtype_name
 from kvforge.plan import PrefillReport
@@ -184,13 +185,14 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
 
 
 def planned_prefiller(engine, make_plan):
-    """Prefill a request by `make_plan(prompt_ids)` (None: exact) and record what ran."""
+    """Prefill a request by `make_plan(prompt_ids)` (None: exact) and record what ran; the
+    request decodes with the rescue its plan asks for (RidgeFill)."""
 
     def prefill(r: AppRequest):
         plan = make_plan(r.prompt_ids)
-        logits, cache = engine.prefill([r.prompt_ids], plan=plan)
+        logits, cache, states = engine.prefill_with_states([r.prompt_ids], plan=plan)
         r.report = PrefillReport.of(plan, cache, len(r.prompt_ids))
-        return logits, cache
+        return logits, cache, DecodeRescue.start(engine, r.prompt_ids, cache, states, plan)
 
     return prefill
 
@@ -205,7 +207,7 @@ def handoff_prefiller(translator, source, target, native_tail: int = 0):
         r.prompt_ids = h.target_ids  # the ids the request was checked with, when it tokenized them
         r.report = PrefillReport("handoff", len(h.target_ids), None, None)
         logits = target.decode_step(torch.tensor([h.pending]), h.cache)
-        return logits, h.cache
+        return logits, h.cache, None
 
     return prefill
 

@@ -48,14 +48,15 @@ from typing import Callable
 import torch
 
 from kvforge.cache import KVCache
+from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
 from kvforge.sampling import SampleKey, fresh_seed, prompt_key, sample
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit, new_drafters, speculative_step
 
-# prefill(request) -> (first-token logits (1, V), the request's cache)
-Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache]]
+# prefill(request) -> (first-token logits (1, V), the request's cache, its RidgeFill rescue or None)
+Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache, DecodeRescue | None]]
 
 
 @dataclass
@@ -231,7 +232,7 @@ class Scheduler:
         """Prefill the group's prompt once, commit each choice's first token, and join the batch
         with the choices still running (all or none of them: an error leaves the batch as it was)."""
         first = group[0]
-        logits, cache = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
+        logits, cache, rescue = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
         prompt = first.prompt_ids
         drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
         kept, previous = None, None
@@ -239,13 +240,14 @@ class Scheduler:
             kept, previous = self.history.get(prompt, first.rollout_key), self.history.previous(prompt, first.rollout_key)
         drafters, ngram = new_drafters(drafting, prompt, len(group), kept, previous, [r.index for r in group])
         running = []
-        for r, drafter in zip(group, drafters):
+        rescues = [rescue if i == 0 or rescue is None else rescue.copy() for i in range(len(group))]  # each choice rescues its own rows
+        for r, drafter, rescue in zip(group, drafters, rescues):
             r.prompt_ids = prompt
             key = SampleKey(fresh_seed() if r.config.seed is None else r.config.seed, prompt_key(prompt), epoch=r.config.epoch)
             r.state = SpecRequest(
                 r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, key,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
-                k_for=drafting.k_for,
+                k_for=drafting.k_for, rescue=rescue,
             )
             if self.gate is not None:
                 r.state.acceptance = self.gate.new_acceptance()

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from kvforge.engine import RewrittenRows
+from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, commit_token
 from kvforge.sampling import SampleKey
 from kvforge.speculative.gate import Acceptance, DraftGate, step_cost
@@ -221,6 +223,8 @@ class SpecRequest:
     ngram: NgramCache | None = None  # the cache the prefetcher reads; None: not prefetched
     k_for: Callable[[int], int] | None = None  # draft budget by tokens produced (`DraftConfig.k_for`); None: the step's k
     ready: list[int] | None = None  # the prefetch hit for the next step's draft
+    rescue: DecodeRescue | None = None  # RidgeFill's rescue of filled prompt rows (`fill.rescue`); None: none
+    offset: int = 0  # cached positions before the prompt (a prompt that continues a cache)
     acceptance: Acceptance = field(default_factory=Acceptance)  # what its proposals are worth, for the gate
     steps: int = 0
     drafted: int = 0
@@ -265,7 +269,7 @@ def commit(
         committed.append(token)
         if request.finished:
             break
-    if not request.finished and len(request.context) >= context_limit:
+    if not request.finished and request.offset + len(request.context) >= context_limit:
         request.seq.finish_reason = "length"
     request.drafter.observe(committed)
     return committed
@@ -312,7 +316,7 @@ def speculative_step(
     for r in requests:
         ready, r.ready = r.ready, None
         budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
-        room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - len(r.context) - 1)
+        room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - r.offset - len(r.context) - 1)
         if room <= 0:
             proposals.append([])
             prefetched.append(0)
@@ -327,18 +331,23 @@ def speculative_step(
             lookup_s += time.perf_counter() - t
             prefetched.append(0)
             sources.append(getattr(r.drafter, "source", None))
+    # RidgeFill's rescue: the pending token triggers what its n-gram calls for; a draft ends before
+    # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
+    rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
+    proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
     context = max(len(r.context) for r in requests)
     step_k = gate.choose(proposals, [r.acceptance for r in requests], context) if gate is not None else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
-    ids, positions, lengths = verification_batch([r.pending for r in requests], drafts, [len(r.context) - 1 for r in requests])
+    ids, positions, lengths = verification_batch([r.pending for r in requests], drafts, [r.offset + len(r.context) - 1 for r in requests])
     width = ids.shape[1] - 1
     future = None
     if prefetcher is not None and width:  # a plain step (the gate's choice) is likely followed by another: no tables
         prefetching = {r.key: (r.ngram, r.context[:], d) for r, d in zip(requests, drafts) if r.ngram is not None}
         future = prefetcher.start(prefetching) if prefetching else None
     t = time.perf_counter()
-    logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all")  # (B, K+1, V)
+    rewritten = rescued_rows(requests, rescued, engine.device)
+    logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all", rewritten)  # (B, K+1, V)
     device_s = time.perf_counter() - t
     accepted, bonus = _verify_rows(logits, ids, lengths, requests)
     cache.rollback([width - j for j in accepted])  # keep the pending row and the accepted drafts
@@ -392,8 +401,37 @@ def _verify_rows(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
         index = torch.tensor(rows, device=logits.device)
         width = int(lengths[index].max())
         keys = [requests[row].sample_key for row in rows]
-        positions = [len(requests[row].context) for row in rows]  # the pending token sits at len - 1
+        positions = [requests[row].offset + len(requests[row].context) for row in rows]  # the pending token sits one before
         a, b = verify(logits[index, : width + 1], drafts[index, :width], lengths[index], params, keys, positions)
         for row, j, token in zip(rows, a.tolist(), b.tolist()):
             accepted[row], bonus[row] = j, token
     return accepted, bonus
+
+
+def _before_rescue(request: SpecRequest, draft: list[int]) -> list[int]:
+    """`draft` up to (not including) its first token that would trigger a rescue."""
+    for i in range(len(draft)):
+        if request.rescue.would_rescue(request.context + draft[: i + 1]):
+            return draft[:i]
+    return draft
+
+
+def rescued_rows(requests: list[SpecRequest], rescued: list[list[int]], device) -> RewrittenRows | None:
+    """The rows each request's rescue recomputes this step as one batch of rewritten rows (padded
+    to the most rows with slots at -1), or None when no request rescues any. Every rescue starts
+    at its plan's split; one step rewrites from one layer."""
+    if not any(rescued):
+        return None
+    splits = {r.rescue.split for r, rows in zip(requests, rescued) if rows}
+    if len(splits) > 1:
+        raise ValueError(f"requests rescuing rows from different splits ({sorted(splits)}) share a step")
+    parts = [r.rescue.rewritten(rows, device) if rows else None for r, rows in zip(requests, rescued)]
+    width = max(p.index.shape[1] for p in parts if p is not None)
+    sample = next(p for p in parts if p is not None)
+    h = sample.h.new_zeros(len(requests), width, sample.h.shape[-1])
+    index = torch.full((len(requests), width), -1, dtype=torch.long, device=device)
+    for row, p in enumerate(parts):
+        if p is not None:
+            n = p.index.shape[1]
+            h[row, :n], index[row, :n] = p.h[0], p.index[0]
+    return RewrittenRows(splits.pop(), h, index.clone(), index)
