@@ -151,3 +151,112 @@ def test_a_step_with_rescued_rows_equals_the_rescue_then_the_plain_step(fitted):
         assert a.length == b.length == len(ids) + 1
         torch.testing.assert_close(a.keys(), b.keys(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(a.values(), b.values(), rtol=1e-4, atol=1e-5)
+
+
+# --- one decode loop: the rescue in every path ------------------------------------------------
+RESCUING = RidgeFillConfig(split=2, tail=1, sinks=2, rescue=RescueConfig(ngram=1, window=4, recent=2))
+GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+# sampled: a tiny random model's greedy text repeats one token, which triggers one rescue; drawn
+# text triggers many, and drafts cross them
+SAMPLED = replace(GREEDY, temperature=1.0, seed=3)
+
+
+def _every_id(seed: int, t: int = 96) -> list[int]:
+    """A prompt holding every token id of the tiny vocabulary: whatever is decoded occurs in it."""
+    ids = torch.randperm(97, generator=torch.Generator().manual_seed(seed)).tolist()
+    return (ids * 2)[:t]
+
+
+class Oracle:
+    """Drafts the continuation of a known output: every draft crosses whatever it crosses."""
+
+    source = "oracle"
+
+    def __init__(self, prompt, output):
+        self.text = list(prompt) + list(output)
+
+    def propose(self, context, k):
+        return self.text[len(context) : len(context) + k] if self.text[: len(context)] == context else []
+
+    def observe(self, tokens):
+        pass
+
+
+@pytest.mark.parametrize("generation", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafted_ridgefill_commits_plain_ridgefills_tokens_and_rescues_the_same_rows(fitted, generation):
+    """Drafts that cross a token triggering a rescue end before it, so every position sees the rows
+    plain decoding shows it: the same tokens, rows and log-probabilities, all drafted right."""
+    from kvforge.speculative.decode import speculative_generate
+
+    engine, maps = fitted
+    logprobs = replace(generation, logprobs=True)
+    for seed in (7, 8):
+        prompt = _every_id(seed)
+        plain = engine.generate(prompt, logprobs, plan=ridgefill_plan(engine, prompt, RESCUING, maps))[0]
+        (drafted,), stats = speculative_generate(engine, [prompt], [Oracle(prompt, plain.token_ids)], logprobs, k=8,
+                                                 plan=ridgefill_plan(engine, prompt, RESCUING, maps))
+        assert plain.rescued_rows > 0 and drafted.token_ids == plain.token_ids and drafted.rescued_rows == plain.rescued_rows
+        assert stats.accepted == stats.drafted > 0 and stats.steps < len(plain.token_ids) - 1
+        torch.testing.assert_close(torch.tensor([lp.model for lp in drafted.logprobs]), torch.tensor([lp.model for lp in plain.logprobs]),
+                                   rtol=0, atol=1e-4)
+
+
+def test_a_draft_ends_before_the_token_that_would_trigger_a_rescue(fitted):
+    from kvforge.speculative.step import SpecRequest, _before_rescue
+    from kvforge.generation import SequenceState
+
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    filled = torch.ones(len(prompt), dtype=torch.bool)
+    rescue = DecodeRescue(prompt, torch.zeros(1, len(prompt), 4), filled, 2, RescueConfig(ngram=1, window=2, recent=1))
+    request = SpecRequest(0, SequenceState(0, len(prompt)), prompt + [3], GREEDY, None, rescue=rescue)
+    assert _before_rescue(request, [4, 2, 6, 11]) == [4, 2]  # 6 occurs in the prompt, rows 3 and 4 after it are pending
+    assert rescue.due(request.context + [4, 2, 6]) == [3, 4] and _before_rescue(request, [4, 2, 6, 11]) == [4, 2, 6, 11]
+
+
+def _serve(engine, prefillers, groups):
+    """Run request groups through one Scheduler batch; returns when every request is done."""
+    import threading
+
+    from kvforge.serve.scheduler import Scheduler
+
+    done = threading.Semaphore(0)
+    requests = [r for group in groups for r in group]
+    for r in requests:
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = Scheduler(engine, prefillers, max_batch=8)
+    for group in groups:
+        scheduler.submit(group)
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=120), "a request did not finish"
+    finally:
+        scheduler.stop()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+
+
+@pytest.mark.parametrize("generation", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_served_ridgefill_decodes_what_generate_does_plain_and_drafted_alone_and_batched(fitted, generation):
+    """The server's RidgeFill requests, each with its own rescue in the batch, decode the tokens
+    `generate --method ridgefill` decodes, beside exact and SPEED requests and each other."""
+    from kvforge.fill.speed import SpeedConfig, speed_plan
+    from kvforge.serve.app import planned_prefiller
+    from kvforge.serve.scheduler import ServeRequest
+
+    engine, maps = fitted
+    speed = SpeedConfig(cut=2, first=1, tail=3)
+    plans = {"exact": lambda ids: None, "ridgefill": lambda ids: ridgefill_plan(engine, ids, RESCUING, maps),
+             "speed": lambda ids: speed_plan(len(ids), speed, engine.num_layers)}
+    prefillers = {method: planned_prefiller(engine, make) for method, make in plans.items()}
+    prompts = {"ridgefill": [_every_id(7), _every_id(8, 120)], "exact": [_ids(9, 30)], "speed": [_ids(10, 36)]}
+    expected = {(m, i): engine.generate(p, generation, plan=plans[m](p))[0] for m, ps in prompts.items() for i, p in enumerate(ps)}
+    assert all(expected[("ridgefill", i)].rescued_rows > 0 for i in range(2))
+    for draft in ("none", "ngram"):
+        alone = [ServeRequest(prompts["ridgefill"][0], generation, prefill="ridgefill", draft=draft)]
+        _serve(engine, prefillers, [alone])
+        assert alone[0].seq.token_ids == expected[("ridgefill", 0)].token_ids, draft
+        batch = {(m, i): ServeRequest(p, generation, prefill=m, draft=draft) for m, ps in prompts.items() for i, p in enumerate(ps)}
+        _serve(engine, prefillers, [[r] for r in batch.values()])
+        for name, r in batch.items():
+            assert r.seq.token_ids == expected[name].token_ids, (draft, name)
+        assert batch[("ridgefill", 1)].state.rescue.rescued_rows == expected[("ridgefill", 1)].rescued_rows

@@ -18,8 +18,13 @@ With a `Prefetcher`, the next step's drafts are built on a worker thread while t
 verifies; after verification one probe per request finds the draft for its outcome (accept
 length, bonus), which the next step verifies; a miss falls back to the drafter's own lookup.
 
-The offline loop (`decode.speculative_generate`) and the server (`serve.scheduler`) are loops
-over `speculative_step`.
+RidgeFill's decode-time rescue rides with the step (`fill.rescue`): a request's pending token
+triggers the rows its n-gram calls for, which join the forward from the split on
+(`engine.RewrittenRows`), and its draft ends before a token that would trigger one, so each
+position sees the rows plain decoding shows it.
+
+Every decode path is a loop over `speculative_step`: offline decoding, plain or drafted
+(`decode.generate`, `decode.speculative_generate`), rollouts and the server (`serve.scheduler`).
 """
 
 from __future__ import annotations
@@ -350,7 +355,8 @@ def speculative_step(
     logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all", rewritten)  # (B, K+1, V)
     device_s = time.perf_counter() - t
     accepted, bonus = _verify_rows(logits, ids, lengths, requests)
-    cache.rollback([width - j for j in accepted])  # keep the pending row and the accepted drafts
+    if width:  # keep the pending row and the accepted drafts (a plain step has nothing to drop)
+        cache.rollback([width - j for j in accepted])
     branches = future.result() if future is not None else {}  # the n-gram caches change only after this
     now = time.perf_counter()
     outcomes = []
