@@ -534,10 +534,10 @@ def test_abort_finishes_running_and_queued_requests_with_what_they_have(dirs):
     engine = served[llama].engine
     forward = engine.forward
     engine.forward = lambda *args, **kwargs: time.sleep(0.005) or forward(*args, **kwargs)  # steps slow enough to catch one running
-    body = {"model": llama, "prompt": PROMPTS[1], "max_tokens": 100_000, "temperature": 0, "kvforge": {"draft": "none"}}
+    body = {"model": llama, "prompt": PROMPTS[1], "temperature": 0, "kvforge": {"draft": "none"}}
     results = []
     with TestClient(create_app(served)) as http:
-        threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json={**body, "max_tokens": 400}).json())) for _ in range(2)]
+        threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json={**body, "max_tokens": 200}).json())) for _ in range(2)]
         for t in threads:
             t.start()
         scheduler = served[llama].schedulers[0]

@@ -111,7 +111,7 @@ DERANDOMIZE = os.environ.get("KVFORGE_HYPOTHESIS_EXPLORE") != "1"
 # --- values inside every bound: each such request is served --------------------------------
 text = st.text(alphabet="abc xyz.", max_size=16).filter(str.strip)
 valid_fields = {
-    "max_tokens": st.one_of(st.none(), _edges(1, 2, 16, 10**6)),
+    "max_tokens": st.one_of(st.none(), _edges(1, 2, 16, 64)),  # the prompts leave more than 64 of the 256-token context
     "temperature": st.one_of(st.none(), _edges(0, 2, 1e-300, 5e-324), st.floats(0, 2)),
     "top_p": st.one_of(st.none(), _edges(1, 1e-300, 5e-324), st.floats(0, 1, exclude_min=True)),
     "seed": st.one_of(st.none(), _edges(-INT64, INT64 - 1), st.integers(-INT64, INT64 - 1)),
@@ -264,3 +264,34 @@ def test_serve_takes_the_key_from_the_flag_and_can_leave_metrics_public(model_di
         assert http.get("/v1/models", headers={"Authorization": "Bearer k-123"}).status_code == 200
     result = CliRunner().invoke(cli, ["serve", "--model", model_dir, "--api-key", " "])
     assert result.exit_code == 2 and "--api-key is empty" in result.stderr
+
+
+def test_requests_past_the_limits_are_refused_with_what_fits(http, model_dir, served):
+    """max_tokens past the context's end (as OpenAI and vLLM answer), too many or too long stop
+    strings and too many messages are 400s naming the field; a body over the limit is a 413, by
+    its declared length or by what it sends; the server serves the next request."""
+    context = served[model_dir].engine.model.context_length
+    prompt = [5, 6, 7, 8]
+    too_long = http.post("/v1/completions", json={"model": model_dir, "prompt": prompt, "max_tokens": context})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert f"at most {context - len(prompt)}" in too_long.json()["error"]["message"] and too_long.json()["error"]["param"] == "max_tokens"
+    fits = http.post("/v1/completions", json={"model": model_dir, "prompt": prompt, "max_tokens": context - len(prompt), "temperature": 0,
+                                              "kvforge": {"draft": "none"}})
+    assert fits.status_code == 200
+    chat = {"model": model_dir, "messages": [{"role": "user", "content": "abc"}]}
+    assert http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10 * context}).json()["error"]["param"] == "max_completion_tokens"
+    for stop in (["a"] * 17, "x" * 257, ["y" * 257]):
+        out = http.post("/v1/completions", json={"model": model_dir, "prompt": prompt, "max_tokens": 2, "stop": stop})
+        assert out.status_code == 400 and out.json()["error"]["param"].startswith("stop"), out.text
+    many = http.post("/v1/chat/completions", json={**chat, "messages": chat["messages"] * 4097, "max_tokens": 2})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "messages"
+
+    small = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4))
+    with TestClient(create_app(small, max_body_bytes=2048)) as limited:
+        body = json.dumps({"model": model_dir, "prompt": "a" * 4096, "max_tokens": 2}).encode()
+        declared = limited.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        chunked = limited.post("/v1/completions", content=iter([body[:1024], body[1024:]]), headers={"content-type": "application/json"})
+        for out in (declared, chunked):
+            assert out.status_code == 413 and "2048 bytes" in out.json()["error"]["message"]
+        assert limited.post("/v1/completions", json={"model": model_dir, "prompt": "abc", "max_tokens": 2}).status_code == 200
+    _next_request_is_served(http, model_dir)

@@ -48,6 +48,7 @@ def serve(
         help="Require `Authorization: Bearer KEY` on every route but /health (prefer the environment variable: a flag shows in ps).",
     ),
     metrics_public: bool = typer.Option(False, "--metrics-public", help="With --api-key: serve /metrics without the key."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", min=1, help="Larger request bodies answer 413 (default 16 MiB)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -77,7 +78,8 @@ def serve(
     guard = " (API key required)" if api_key else ""
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)
     # log_level warning: no access log lines (they would hold request paths, never headers or keys)
-    uvicorn.run(create_app(served, api_key, metrics_public), host=host, port=port, log_level="warning")
+    limits = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
+    uvicorn.run(create_app(served, api_key, metrics_public, **limits), host=host, port=port, log_level="warning")
 
 
 @bench_app.command("serve")

@@ -24,6 +24,11 @@ weights (RidgeFill maps, a SPEED adapter, a hand-off translator) are refused fro
 400 that says so. `POST /v1/abort` finishes every queued and running request with finish reason
 "abort". Every choice carries its `token_ids`, and the response its `prompt_token_ids`.
 
+Limits: a body over `--max-body-bytes` is a 413; `max_tokens` past the context's end, more than
+16 stop strings or one over 256 characters, and more than 4096 messages are 400s. Templating and
+tokenizing run off the event loop. A request that fails inside the server answers a 500 naming
+its request id; the error itself goes to the server's log (`kvforge.serve`), not to the client.
+
 With an API key every route but /health (and /metrics when it is public) needs
 `Authorization: Bearer KEY`; the key is compared in constant time and never logged or echoed.
 """
@@ -35,6 +40,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,6 +63,9 @@ from kvforge.serve.scheduler import QueueFull, Scheduler, ServeRequest
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.step import DraftConfig
 from kvforge.translate.align import Tokenized, tokenize
+
+log = logging.getLogger("kvforge.serve")
+MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt as text or as token ids fits several times over
 
 
 class ApiError(Exception):
@@ -212,10 +221,13 @@ def handoff_prefiller(translator, source, target, native_tail: int = 0):
     return prefill
 
 
-def create_app(served: dict[str, Served], api_key: str | None = None, metrics_public: bool = False) -> FastAPI:
+def create_app(served: dict[str, Served], api_key: str | None = None, metrics_public: bool = False,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app over `served`; with `api_key`, every route but /health (and /metrics when
-    `metrics_public`) answers 401 without `Authorization: Bearer <api_key>`."""
+    `metrics_public`) answers 401 without `Authorization: Bearer <api_key>`. A request body over
+    `max_body_bytes` answers 413."""
     app = FastAPI(title="kvforge", description="OpenAI-compatible server with forged KV caches.")
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
         open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
         app.middleware("http")(_require_key(api_key, open_paths))
@@ -293,7 +305,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
         s = served.get(body.model)
         if s is None:
             raise _unknown_model(body.model, served)
-        group = _make_group(s, body, chat)
+        group = await asyncio.to_thread(_make_group, s, body, chat)  # templating and tokenizing off the event loop
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         for r in group:
             r.emit = lambda kind, payload, i=r.index: loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
@@ -316,9 +328,9 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                     return Response(status_code=499)
                 continue
             finished += kind == "done"
-        failed = next((r.error for r in group if r.error is not None), None)
+        failed = next((r for r in group if r.error is not None), None)
         if failed is not None:
-            raise ApiError(500, f"generation failed: {failed}", kind="server_error")
+            raise ApiError(500, _failure(rid, failed), kind="server_error")
         choices = [choice_body(r.index, r.seq.text if r.seq else "", r.seq.finish_reason if r.seq else "abort", chat, reply.logprobs(r), reply.token_ids(r))
                    for r in group]
         return completion_body(rid, s.name, choices, chat, _extra(group))
@@ -338,7 +350,7 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                     continue
                 finished += 1
                 if r.error is not None:
-                    yield f"data: {json.dumps(error_body(f'generation failed: {r.error}', 'server_error'))}\n\n"
+                    yield f"data: {json.dumps(error_body(_failure(rid, r), 'server_error'))}\n\n"
                     break
                 last = _extra(group) if finished == len(group) else None
                 final = choice_body(i, "", r.seq.finish_reason if r.seq else "abort", reply.chat, reply.logprobs(r, new=True), reply.token_ids(r, new=True), stream=True)
@@ -349,6 +361,55 @@ def create_app(served: dict[str, Served], api_key: str | None = None, metrics_pu
                 r.cancelled.set()  # a no-op when finished; frees the slots when the client went away
 
     return app
+
+
+def _failure(rid: str, r: AppRequest) -> str:
+    """What a client is told of a request that failed inside the server: the request id, with the
+    error itself in the server's log (internal exception text is not sent)."""
+    if r.error == "cancelled":
+        return "generation failed: the request was cancelled"
+    log.error("request %s (choice %d) failed: %s", rid, r.index, r.error)
+    return f"generation failed (request {rid}): the server's log has the details"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes answers 413, by its Content-Length or,
+    when it is sent in chunks, once the chunks received pass the limit. The body is read here
+    (at most `limit` bytes held) and handed on whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                chunks.append(message)
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(send)
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+        replay = [{"type": "http.request", "body": body, "more_body": False}] + [m for m in chunks if m["type"] != "http.request"]
+
+        async def replayed():
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _refuse(self, send):
+        body = json.dumps(error_body(f"the request body is larger than this server takes ({self.limit} bytes)", code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _unknown_model(name: str, served: dict) -> ApiError:
@@ -441,8 +502,13 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     context = engine.model.context_length
     if len(ids) >= context:
         raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
-    max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
-    max_tokens = max_tokens or (context - len(ids) - 1 if chat else 16)
+    asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    room = context - len(ids)
+    max_tokens = asked or (room if chat else min(16, room))  # OpenAI's defaults: the context's rest (chat), 16 (completions)
+    if len(ids) + max_tokens > context:
+        field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)} tokens and {field} asks for "
+                            f"{max_tokens} more: ask for at most {room}", field, "context_length_exceeded")
     try:
         config = GenerationConfig(
             max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from itertools import accumulate
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,12 @@ from kvforge.sampling import TokenLogprob
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on chat top_logprobs; vLLM's default on completions logprobs
 INT64 = 2**63  # seeds are int64 in the schema, and torch takes no more
 NO_PROBABILITY = -9999.0
+# bounds on what one request may ask the server to hold and check per token (the body itself is
+# bounded by `ServeConfig.max_body_bytes`)
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class KvforgeOptions(BaseModel):
@@ -87,7 +93,7 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1, le=128)  # the server's --max-batch bounds it further
@@ -170,7 +176,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # what newer clients send for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
