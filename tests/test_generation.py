@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from conftest import tiny_loaded
 from kvforge.engine import Engine
@@ -128,3 +129,48 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
                 assert torch.equal(engine.forward(ids[b : b + 1], positions, own, "all")[0], batch_logits[b])
                 start += ids.shape[1]
     assert once.call_count > 0
+
+
+@pytest.fixture(scope="module")
+def real_tokenizers():
+    """The packaged models' tokenizers (byte-level BPE and SentencePiece), where they are installed."""
+    from transformers import AutoTokenizer
+
+    from kvforge.models.loading import hf_directory
+
+    found = []
+    for spec in ("smollm2-135m", "gemma3-270m"):
+        try:
+            found.append(AutoTokenizer.from_pretrained(str(hf_directory(spec))))
+        except Exception:  # a model package that is not installed: its tokenizer is not tested
+            continue
+    return found
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_incremental_text_is_the_whole_output_decoded_at_every_token(real_tokenizers, data):
+    """`detokenize` decodes a window of the last tokens per token, yet its text is the whole output
+    decoded at once after every token (multi-byte characters split across tokens included), and the
+    window it decodes does not grow with the output."""
+    from kvforge.generation import SequenceState, detokenize
+
+    from conftest import char_tokenizer
+
+    tokenizers = [char_tokenizer(), *real_tokenizers]
+    tokenizer = data.draw(st.sampled_from(tokenizers))
+    pieces = ["a", "b", " ", "c", ".", ",", "'", "\n", "  ", "é", "€", "✓", "日本", "🙂"]
+    text = "".join(data.draw(st.lists(st.sampled_from(pieces), min_size=1, max_size=40)))
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    decoded = []
+    original = tokenizer.decode
+    seq = SequenceState(0, 0)
+    try:
+        tokenizer.decode = lambda tokens, **kw: decoded.append(len(tokens)) or original(tokens, **kw)
+        for token in ids:
+            seq.token_ids.append(token)
+            detokenize(seq, tokenizer)
+            assert seq.text == original(seq.token_ids, skip_special_tokens=True)
+    finally:
+        tokenizer.decode = original
+    assert max(decoded, default=0) <= 8  # an emoji is at most 4 byte tokens, beside the window before it

@@ -745,3 +745,41 @@ def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngra
         return [r.seq.token_ids for r in choices]
 
     assert seeded() == seeded()
+
+
+def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
+    """One request's text callback raises mid-decode: it fails with the error, the requests
+    batched with it decode what they decode alone."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import Scheduler, ServeRequest
+
+    engine = tiny_engine
+    greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43], [11, 12, 13]]
+    done = threading.Semaphore(0)
+    requests = [ServeRequest(p, greedy, draft=draft) for p, draft in zip(prompts, ("ngram", "none", "ngram"))]
+    texts = []
+
+    def breaking(kind, payload):
+        if kind == "text":
+            texts.append(payload)
+            if len(texts) == 2:  # in a decode step (the first text comes with admission)
+                raise RuntimeError("the client's handler broke")
+        else:
+            done.release()
+
+    requests[1].emit = breaking
+    for r in (requests[0], requests[2]):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=4)
+    for r in requests:
+        scheduler.submit(r)
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    assert requests[1].error == "RuntimeError: the client's handler broke" and requests[1].seq.finish_reason == "error"
+    for r in (requests[0], requests[2]):
+        assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids

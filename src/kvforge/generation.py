@@ -95,6 +95,11 @@ class SequenceState:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id when recorded
+    # incremental detokenization (`detokenize`): text holds `settled` characters decoded for sure,
+    # then the text of the tokens from `prefix` on beyond the text of tokens [prefix, read)
+    settled: str = ""
+    prefix: int = 0
+    read: int = 0
 
     def result(self, start: float, prefill: PrefillReport | None = None) -> Generation:
         """The finished sequence; `start`: when its request started (for the time to first token)."""
@@ -151,7 +156,7 @@ def commit_token(
         seq.finish_reason = "stop"
         return
     seq.token_ids.append(token)
-    seq.text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+    detokenize(seq, tokenizer)
     for stop in config.stop:
         # A stop string can only newly appear in the text's tail.
         at = seq.text.find(stop, max(0, seq.streamed - len(stop)))
@@ -171,6 +176,27 @@ def commit_token(
         if safe > seq.streamed:
             on_text(seq.index, seq.text[seq.streamed : safe])
             seq.streamed = safe
+
+
+def detokenize(seq: SequenceState, tokenizer) -> None:
+    """Bring `seq.text` up to its token ids at a cost independent of the output's length: only the
+    tokens since the last settled point are decoded, once beside the window before them
+    (`prefix`..`read`), and the new text is what they add to it. A window whose text ends in an
+    incomplete UTF-8 character stays open until a later token completes it. The text equals the
+    whole output decoded at once wherever the tokenizer decodes a concatenation as the
+    concatenation of its parts past the first token of a window (byte-level BPE and SentencePiece
+    tokenizers do), as vLLM's incremental detokenizer assumes."""
+    before = tokenizer.decode(seq.token_ids[seq.prefix : seq.read], skip_special_tokens=True)
+    window = tokenizer.decode(seq.token_ids[seq.prefix :], skip_special_tokens=True)
+    if not window.startswith(before):  # a tokenizer that rewrites text across tokens: decode it all, once
+        seq.text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        if not seq.text.endswith("\ufffd"):
+            seq.settled, seq.prefix, seq.read = seq.text, len(seq.token_ids) - 1, len(seq.token_ids)
+        return
+    new = window[len(before) :]
+    seq.text = seq.settled + new
+    if new and not new.endswith("\ufffd"):
+        seq.settled, seq.prefix, seq.read = seq.text, seq.read, len(seq.token_ids)
 
 
 def flush_text(seq: SequenceState, on_text) -> None:

@@ -27,6 +27,10 @@ are marked `crossed`, and queued requests of a method whose artifacts no longer 
 finishes every queued and running request at once with finish reason "abort" and the tokens it
 has, as RL frameworks stop a rollout before an update.
 
+A request whose own share of a step raises (its drafter, committing or streaming its text) fails
+alone and the batch goes on; a failure of the batch's forward fails the batch. Errors are logged
+(`kvforge.serve`) with their traceback.
+
 Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
 sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -54,6 +59,8 @@ from kvforge.sampling import SampleKey, fresh_seed, prompt_key, sample
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit, new_drafters, speculative_step
+
+log = logging.getLogger("kvforge.serve")
 
 # prefill(request) -> (first-token logits (1, V), the request's cache, its RidgeFill rescue or None)
 Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache, DecodeRescue | None]]
@@ -168,7 +175,8 @@ class Scheduler:
                     if self.active:
                         with torch.inference_mode():
                             self._step()
-                except Exception as exc:  # never let one bad step kill the server: fail the batch
+                except Exception as exc:  # the batch's own forward failed (a request's share fails alone): fail the batch
+                    log.exception("a decode step failed: its %d requests fail", len(self.active))
                     for r in self.active:
                         self._finish(r, error=f"{type(exc).__name__}: {exc}")
                     self.active, self.cache = [], None
@@ -225,6 +233,7 @@ class Scheduler:
                 with torch.inference_mode():
                     self._start(group)
             except Exception as exc:
+                log.exception("a request's prefill failed")
                 for r in group:
                     self._finish(r, error=f"{type(exc).__name__}: {exc}")
 
@@ -271,7 +280,8 @@ class Scheduler:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        outcomes = speculative_step(self.engine, self.cache, [r.state for r in self.active], self.draft.k, self.gate, self.prefetcher, self.stats)
+        outcomes = speculative_step(self.engine, self.cache, [r.state for r in self.active], self.draft.k, self.gate, self.prefetcher, self.stats,
+                                    isolate=True)
         step_s = time.perf_counter() - start
         if self.metrics is not None:
             for outcome in outcomes:
@@ -280,7 +290,9 @@ class Scheduler:
                     self.metrics.observe_probe(outcome.prefetch_hit)
         keep = []
         for row, r in enumerate(self.active):
-            if r.state.finished or r.cancelled.is_set():
+            if r.state.error is not None:
+                self._finish(r, error=r.state.error)
+            elif r.state.finished or r.cancelled.is_set():
                 self._finish(r, error=None if r.state.finished else "cancelled")
             else:
                 keep.append(row)

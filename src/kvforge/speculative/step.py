@@ -29,6 +29,7 @@ Every decode path is a loop over `speculative_step`: offline decoding, plain or 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,6 +46,7 @@ from kvforge.speculative.prefetch import Prefetcher
 from kvforge.speculative.verify import verify
 
 DRAFTS = ("none", "prompt-lookup", "ngram")
+log = logging.getLogger("kvforge.decode")
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ class SpecRequest:
     rescue: DecodeRescue | None = None  # RidgeFill's rescue of filled prompt rows (`fill.rescue`); None: none
     offset: int = 0  # cached positions before the prompt (a prompt that continues a cache)
     acceptance: Acceptance = field(default_factory=Acceptance)  # what its proposals are worth, for the gate
+    error: str | None = None  # why its share of a step failed (`speculative_step(isolate=True)`); it is finished
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -303,12 +306,15 @@ def speculative_step(
     gate: DraftGate | None = None,
     prefetcher: Prefetcher | None = None,
     stats: SpecStats | None = None,
+    isolate: bool = False,
 ) -> list[StepOutcome]:
     """One step for the batch in `cache` (row b is requests[b]); the cache is rolled back in
     place. Drafts of up to `k` tokens come from the prefetch hit of the previous step, else the
     request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: verify
     every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache get their
-    next drafts built during the forward."""
+    next drafts built during the forward. `isolate`: a request whose own share of the step raises
+    (drafting, committing, streaming its text) fails alone (`SpecRequest.error`, finish reason
+    "error") and the others go on; else the exception propagates. The forward is the batch's."""
     limit = engine.rollback_rows
     if limit is not None and k + 1 > limit:
         raise ValueError(f"k {k} is too long for this model: its recurrent layers roll back steps of at most {limit} rows (k <= {limit - 1})")
@@ -322,20 +328,19 @@ def speculative_step(
         ready, r.ready = r.ready, None
         budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
         room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - r.offset - len(r.context) - 1)
-        if room <= 0:
-            proposals.append([])
-            prefetched.append(0)
-            sources.append(None)
-        elif ready is not None:
-            proposals.append(ready[:room])
-            prefetched.append(1)
-            sources.append("prefetch")
-        else:
+        proposal, flag, source = [], 0, None
+        if room > 0 and ready is not None:
+            proposal, flag, source = ready[:room], 1, "prefetch"
+        elif room > 0:
             t = time.perf_counter()
-            proposals.append(r.drafter.propose(r.context, room)[:room])
+            try:
+                proposal, source = r.drafter.propose(r.context, room)[:room], getattr(r.drafter, "source", None)
+            except Exception as exc:
+                _fail(r, exc, isolate)
             lookup_s += time.perf_counter() - t
-            prefetched.append(0)
-            sources.append(getattr(r.drafter, "source", None))
+        proposals.append(proposal)
+        prefetched.append(flag)
+        sources.append(source)
     # RidgeFill's rescue: the pending token triggers what its n-gram calls for; a draft ends before
     # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
@@ -365,6 +370,9 @@ def speculative_step(
         stats.drafting_steps += 1
         stats.k_sum += width
     for row, r in enumerate(requests):
+        if r.error is not None:  # failed while drafting: its rows go with it
+            outcomes.append(StepOutcome(0, 0, 0, None))
+            continue
         j, d = accepted[row], drafts[row]
         stats.request_steps += 1
         stats.accept_hist[j] += 1
@@ -377,12 +385,15 @@ def speculative_step(
             counts.drafted += len(d)
             counts.accepted += j
             counts.prefetched += prefetched[row]
-        committed = commit(r, d[:j] + [bonus[row]], tokenizer, context_limit, now, logits[row, : j + 1])
-        r.acceptance.observe(proposals[row], committed)
-        hit = None
-        if r.key in branches:
-            r.ready = prefetcher.probe(r.key, branches[r.key], j, bonus[row])
-            hit = r.ready is not None
+        committed, hit = [], None
+        try:
+            committed = commit(r, d[:j] + [bonus[row]], tokenizer, context_limit, now, logits[row, : j + 1])
+            r.acceptance.observe(proposals[row], committed)
+            if r.key in branches:
+                r.ready = prefetcher.probe(r.key, branches[r.key], j, bonus[row])
+                hit = r.ready is not None
+        except Exception as exc:
+            _fail(r, exc, isolate)
         outcomes.append(StepOutcome(len(d), j, len(committed), hit))
     host_s = time.perf_counter() - step_start - device_s
     if gate is not None:
@@ -412,6 +423,16 @@ def _verify_rows(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
         for row, j, token in zip(rows, a.tolist(), b.tolist()):
             accepted[row], bonus[row] = j, token
     return accepted, bonus
+
+
+def _fail(request: SpecRequest, exc: Exception, isolate: bool) -> None:
+    """Finish `request` with the error its share of a step raised (logged with its traceback), or
+    re-raise it when the step does not isolate requests."""
+    if not isolate:
+        raise exc
+    log.exception("request %s failed in a decode step", request.key)
+    request.error = f"{type(exc).__name__}: {exc}"
+    request.seq.finish_reason = "error"
 
 
 def _before_rescue(request: SpecRequest, draft: list[int]) -> list[int]:
