@@ -162,3 +162,77 @@ def test_sequences_that_roll_back_apart_keep_their_rows_packed():
     assert cache[0].ends is None and cache[0].length == 5 and (cache[0].row_positions() == torch.arange(5)).all()
     joined = KVCache.concat_batch([chosen, cache])  # a batch joining another keeps every end
     assert joined[0].ends == [5, 6, 5, 5, 5]
+
+
+class _CopiedBytes:
+    """Counts the bytes the tensor copies inside a `with` block write (copies, gathers,
+    concatenations, clones): what joining or leaving a batch costs in memory traffic."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        copies = {aten.copy_, aten.index_put_, aten.cat, aten.index_select, aten.clone, aten._to_copy, aten.index_copy_, aten.stack,
+                  aten.slice_scatter}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket in copies and isinstance(out, torch.Tensor):
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        self.bytes, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _sequence(length, seed, layers=3, capacity=None):
+    torch.manual_seed(seed)
+    cache = KVCache.empty(layers, 1, H, D, capacity=capacity or length)
+    for layer in cache.layers:
+        layer.append(*_rows(1, 0, length))
+    return cache
+
+
+def _row_bytes(cache):
+    """Bytes of one sequence's rows: keys, values, positions, kinds."""
+    layer = cache[0]
+    return len(cache) * layer.length * (2 * H * D * layer.k.element_size() + 8 + 1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=2, max_size=7), leaving=st.data())
+def test_joining_and_leaving_a_batch_copies_only_that_sequences_rows(lengths, leaving):
+    """`join` writes the joining sequence's rows into a free slot and `leave` moves the last
+    sequence into the leaving one's slot: each copies one sequence's rows, never the batch's
+    (in buffers with room for its rows: they grow geometrically, as a decode step's rows do), and
+    every sequence keeps exactly its rows (as `concat_batch` and `select_batch` give them)."""
+    sequences = [_sequence(n, seed) for seed, n in enumerate(lengths)]
+    batch = _sequence(lengths[0], 0, capacity=max(lengths))
+    batch.reserve_slots(len(lengths))
+    for seq in sequences[1:]:
+        with _CopiedBytes() as copied:
+            batch.join(seq)
+        assert copied.bytes <= _row_bytes(seq) * 1.01
+    order = list(range(len(lengths)))
+    while len(order) > 1:
+        b = leaving.draw(st.integers(0, len(order) - 1))
+        moved = sequences[order[-1]]
+        with _CopiedBytes() as copied:
+            batch.leave(b)
+        assert copied.bytes <= (_row_bytes(moved) * 1.01 if b != len(order) - 1 else 0)
+        order[b] = order[-1]
+        order.pop()
+        reference = KVCache.concat_batch([sequences[i] for i in order])
+        for mine, ref in zip(batch.layers, reference.layers):
+            for row, i in enumerate(order):
+                n = lengths[i]
+                assert torch.equal(mine.row_positions()[row, :n], ref.row_positions()[row, :n])
+                assert bool((mine.row_positions()[row, n:] == -1).all())
+                assert torch.equal(mine.keys()[row, :, :n], ref.keys()[row, :, :n]) and torch.equal(mine.values()[row, :, :n], ref.values()[row, :, :n])
+            assert mine.length == max(lengths[i] for i in order) and (mine.ends is None) == (len({lengths[i] for i in order}) == 1)

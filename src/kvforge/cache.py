@@ -63,6 +63,10 @@ class LayerCache:
     # Where each sequence's rows end when they differ (rows [ends[b], length) of sequence b are
     # padding slots, and its next rows go at ends[b]); None: every sequence ends at `length`.
     ends: list[int] | None = None
+    # Buffers with room for more sequences (k, v, positions, kinds), of which k, v, positions and
+    # kinds are views of the first B: a sequence joins by writing its rows into the next slot
+    # (`join`) and leaves by the last one moving into its slot (`leave`). None: no spare slots.
+    slots: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int, value_dim: int | None = None) -> "LayerCache":
@@ -97,10 +101,84 @@ class LayerCache:
         # Grow by an eighth (at least 256 rows): amortised O(1) per appended row without
         # doubling a long prompt's cache on its first decode step.
         capacity = max(needed, self.capacity + max(256, self.capacity // 8))
+        if self.slots is not None:
+            k, v, positions, kinds = self.slots
+            self.slots = (_grow(k, capacity, dim=2, fill=0), _grow(v, capacity, dim=2, fill=0),
+                          _grow(positions, capacity, dim=1, fill=-1), _grow(kinds, capacity, dim=1, fill=int(RowKind.PADDING)))
+            self._view(self.k.shape[0])
+            return
         self.k = _grow(self.k, capacity, dim=2, fill=0)
         self.v = _grow(self.v, capacity, dim=2, fill=0)
         self.positions = _grow(self.positions, capacity, dim=1, fill=-1)
         self.kinds = _grow(self.kinds, capacity, dim=1, fill=int(RowKind.PADDING))
+
+    def _view(self, batch: int) -> None:
+        """k, v, positions and kinds: the first `batch` sequences of the slot buffers."""
+        k, v, positions, kinds = self.slots
+        self.k, self.v, self.positions, self.kinds = k[:batch], v[:batch], positions[:batch], kinds[:batch]
+
+    def reserve_slots(self, sequences: int) -> None:
+        """Buffers with room for `sequences` sequences (the batch is copied once into them, when
+        they grow); later joins write only the joining sequences' rows."""
+        held = self.slots[0].shape[0] if self.slots is not None else self.k.shape[0]
+        if self.slots is not None and held >= sequences:
+            return
+        b = self.k.shape[0]
+        grown = []
+        for t, fill in ((self.k, 0), (self.v, 0), (self.positions, -1), (self.kinds, int(RowKind.PADDING))):
+            out = t.new_full((max(sequences, b), *t.shape[1:]), fill)
+            out[:b] = t
+            grown.append(out)
+        self.slots = tuple(grown)
+        self._view(b)
+
+    def join(self, other: "LayerCache", slots: int = 0) -> None:
+        """Add `other`'s sequences after this layer's, in place: their rows are written into free
+        slots (grown to at least `slots` sequences, or twice the batch, when there are too few),
+        and no other sequence's rows move. Rows past a sequence's end are padding slots."""
+        b, n = self.k.shape[0], other.k.shape[0]
+        if other.length > self.capacity:
+            self._reserve(other.length - self.length)
+        if self.slots is None or self.slots[0].shape[0] < b + n:
+            self.reserve_slots(max(slots, b + n, 2 * b))
+        k, v, positions, kinds = self.slots
+        rows = other.length
+        k[b : b + n, :, :rows] = other.keys()
+        v[b : b + n, :, :rows] = other.values()
+        positions[b : b + n] = -1  # the slot may hold a sequence that left
+        positions[b : b + n, :rows] = other.row_positions()
+        kinds[b : b + n] = int(RowKind.PADDING)
+        kinds[b : b + n, :rows] = other.row_kinds()
+        ends = (self.ends or [self.length] * b) + (other.ends or [rows] * n)
+        self._view(b + n)
+        self.length = max(ends)
+        self.ends = None if min(ends) == max(ends) else ends
+        self.shared = min(self.shared, other.shared) if b else other.shared
+        self.contiguous = _is_contiguous(self.row_positions())
+
+    def leave(self, b: int) -> None:
+        """Remove sequence `b` in place: the batch's last sequence moves into its slot (its rows
+        alone are copied), so sequence order changes the same way (`KVCache.leave`)."""
+        last = self.k.shape[0] - 1
+        ends = list(self.ends or [self.length] * (last + 1))
+        if self.slots is None:  # the buffers as they are become the slots: nothing is copied
+            self.slots = (self.k, self.v, self.positions, self.kinds)
+        if b != last:
+            end = ends[last]
+            self.k[b, :, :end] = self.k[last, :, :end]
+            self.v[b, :, :end] = self.v[last, :, :end]
+            self.positions[b] = -1
+            self.positions[b, :end] = self.positions[last, :end]
+            self.kinds[b] = int(RowKind.PADDING)
+            self.kinds[b, :end] = self.kinds[last, :end]
+            ends[b] = end
+        ends.pop()
+        self._view(last)
+        length = max(ends, default=0)
+        if length < self.length:
+            self._trim_rows(self.length - length)
+        self.ends = None if not ends or min(ends) == max(ends) else ends
+        self.contiguous = _is_contiguous(self.row_positions())
 
     def append(
         self,
@@ -312,6 +390,21 @@ class RecurrentLayerCache(LayerCache):
             conv=torch.cat([p.conv for p in parts]), state=torch.cat([p.state for p in parts]),
         )
 
+    def join(self, other: "RecurrentLayerCache", slots: int = 0) -> None:
+        """`LayerCache.join` for the row log; the states (a fixed size per sequence) are stacked.
+        The last step's rollback record is dropped: the batch changed."""
+        LayerCache.join(self, other, slots)
+        self.conv, self.state = torch.cat([self.conv, other.conv]), torch.cat([self.state, other.state])
+        self.step_tokens, self.step_window, self.step_states = 0, None, None
+
+    def leave(self, b: int) -> None:
+        last = self.conv.shape[0] - 1
+        LayerCache.leave(self, b)
+        order = [last if i == b else i for i in range(last)]
+        index = torch.tensor(order, dtype=torch.long, device=self.conv.device)
+        self.conv, self.state = self.conv.index_select(0, index), self.state.index_select(0, index)
+        self.step_tokens, self.step_window, self.step_states = 0, None, None
+
     def nbytes(self) -> int:
         """Bytes of the conv and recurrent states (fixed, whatever the length) and of the last
         step's rollback record (after a k-token verification: k + 1 more states until the next step)."""
@@ -422,6 +515,23 @@ class KVCache:
             out.ends = None if min(ends) == max(ends) else ends  # each sequence continues after its own rows
             layers.append(RecurrentLayerCache.joined(out, parts) if isinstance(first, RecurrentLayerCache) else out)
         return cls(layers)
+
+    def join(self, other: "KVCache", slots: int = 0) -> None:
+        """Add `other`'s sequences after this cache's, in place (`LayerCache.join`: only their rows
+        are written); `slots`: room for that many sequences when the buffers grow."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.join(theirs, slots)
+
+    def reserve_slots(self, sequences: int) -> None:
+        """Room for `sequences` sequences in every layer's buffers (`LayerCache.reserve_slots`)."""
+        for layer in self.layers:
+            if not isinstance(layer, RecurrentLayerCache):  # its states are stacked per join
+                layer.reserve_slots(sequences)
+
+    def leave(self, b: int) -> None:
+        """Remove sequence `b` in place: the last sequence moves into its slot (`LayerCache.leave`)."""
+        for layer in self.layers:
+            layer.leave(b)
 
     @property
     def nbytes(self) -> int:

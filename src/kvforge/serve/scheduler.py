@@ -3,7 +3,10 @@
 One thread owns the engine. Each loop iteration it admits queued requests (up to `max_batch`
 running): a new request is prefilled alone, by its own method's plan (exact, RidgeFill, SPEED,
 or a KV-Lingo hand-off that fills the cache from another model's), commits its first token and
-joins the batch cache (`KVCache.concat_batch`). Then one `speculative_step` runs for the whole
+joins the batch cache: its rows are written into a free slot of the batch's buffers
+(`KVCache.join`), and a request that finishes leaves by the batch's last request moving into its
+slot (`KVCache.leave`), so no admission or finish copies the running requests' rows. Then one
+`speculative_step` runs for the whole
 batch, the same step as offline decoding: each request's pending token plus its draft (empty
 without a drafter, or the prefetch hit of its last step) in one forward, verified with the
 request's own sampling settings and sample key, committed (EOS, stop strings, max tokens,
@@ -267,9 +270,12 @@ class Scheduler:
             if not r.state.finished:
                 running.append(r)
         if running:
-            if len(running) > 1:  # one copy of the prompt's rows per choice
-                cache = cache.select_batch(torch.zeros(len(running), dtype=torch.long))
-            self.cache = cache if self.cache is None else KVCache.concat_batch([self.cache, cache])
+            if self.cache is None:  # the first: one copy of the prompt's rows per choice, in slots for the whole batch
+                self.cache = cache.select_batch(torch.zeros(len(running), dtype=torch.long)) if len(running) > 1 else cache
+                self.cache.reserve_slots(self.max_batch)
+            else:  # each choice's rows written into a free slot: the running sequences' rows stay where they are
+                for _ in running:
+                    self.cache.join(cache, self.max_batch)
             self.active.extend(running)
         for r in group:
             if r.state.finished:
@@ -288,17 +294,26 @@ class Scheduler:
                 self.metrics.observe_step(outcome.committed, step_s, outcome.accepted if outcome.drafted else None)
                 if outcome.prefetch_hit is not None:
                     self.metrics.observe_probe(outcome.prefetch_hit)
-        keep = []
-        for row, r in enumerate(self.active):
+        for row in reversed(range(len(self.active))):  # from the end: a leaving row's slot takes the last row
+            r = self.active[row]
             if r.state.error is not None:
                 self._finish(r, error=r.state.error)
             elif r.state.finished or r.cancelled.is_set():
                 self._finish(r, error=None if r.state.finished else "cancelled")
             else:
-                keep.append(row)
-        if len(keep) < len(self.active):
-            self.active = [self.active[row] for row in keep]
-            self.cache = self.cache.select_batch(torch.tensor(keep, device=self.engine.device)) if keep else None
+                continue
+            self._leave(row)
+
+    def _leave(self, row: int) -> None:
+        """Drop a running request from the batch: the last one takes its slot, in the cache (only
+        that request's rows are copied) and in `active`."""
+        last = self.active.pop()
+        if row < len(self.active):
+            self.active[row] = last
+        if self.active:
+            self.cache.leave(row)
+        else:
+            self.cache = None
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
         r.error = None if r.aborted else error

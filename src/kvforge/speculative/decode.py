@@ -1,7 +1,8 @@
 """The decode loop every offline path runs: prefill a batch of prompts, then `speculative_step`
 until every request finishes (the step states the mechanism and its invariant: committed tokens
 are plain decoding's). Plain decoding (`generate`) is the same loop with no drafter: each step
-verifies an empty draft. A finished request leaves the batch and its cache rows are dropped.
+verifies an empty draft. A finished request leaves the batch: the batch's last request moves into
+its slot (`KVCache.leave`).
 
 A planned prefill returns what decoding needs beside the cache: RidgeFill's rescue
 (`fill.rescue.DecodeRescue`) rides with the steps of the request it was started for.
@@ -97,8 +98,14 @@ def speculative_generate(
 
 
 def _drop_finished(requests: list[SpecRequest], cache):
-    """The requests still running, and the cache restricted to their rows."""
-    keep = [row for row, r in enumerate(requests) if not r.finished]
-    if len(keep) < len(requests) and keep:
-        cache = cache.select_batch(torch.tensor(keep, device=cache[0].k.device))
-    return [requests[row] for row in keep], cache
+    """The requests still running, and the cache holding their rows: a finished request's slot
+    takes the last request's rows (`KVCache.leave`), so the others' rows are not copied."""
+    active = list(requests)
+    for row in reversed(range(len(active))):
+        if active[row].finished:
+            last = active.pop()
+            if row < len(active):
+                active[row] = last
+            if active:
+                cache.leave(row)
+    return active, cache
