@@ -783,3 +783,52 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
     assert requests[1].error == "RuntimeError: the client's handler broke" and requests[1].seq.finish_reason == "error"
     for r in (requests[0], requests[2]):
         assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch):
+    """Each loop iteration runs one chunk of the prompt being prefilled and one step of the
+    running batch: the running stream commits a token between every two chunks, and both decode
+    what they decode alone (the prompt as `generate` with the same chunk size prefills it)."""
+    from dataclasses import replace
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.app import planned_prefiller
+    from kvforge.serve.scheduler import Scheduler, ServeRequest
+
+    engine = tiny_engine
+    running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    long_prompt = [3 + (i * 7) % 90 for i in range(100)]
+    arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    events, forward = [], engine.forward
+
+    def spy(ids, positions, cache, logits="last", rewritten=None):
+        at = int(positions[0, 0])
+        if logits == "all":
+            events.append("step")
+        elif ids.shape[0] == 1 and at >= 0 and ids[0].tolist() == long_prompt[at : at + ids.shape[1]]:
+            events.append("chunk")  # not the gate's timing forwards
+        return forward(ids, positions, cache, logits, rewritten)
+
+    monkeypatch.setattr(engine, "forward", spy)
+    done = threading.Semaphore(0)
+    for r in (running, arriving):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4)
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        while running.steps < 3:  # decoding before the long prompt arrives
+            time.sleep(0.001)
+        with scheduler.paused():
+            before = len(events)
+            scheduler.submit(arriving)
+        for _ in range(2):
+            assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
+    assert len(chunks) == 13  # 100 tokens in chunks of 8
+    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
+    monkeypatch.setattr(engine, "forward", forward)
+    assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids
+    assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids

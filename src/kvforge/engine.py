@@ -207,11 +207,25 @@ class Engine:
     ) -> tuple[torch.Tensor, KVCache, torch.Tensor | None]:
         """`prefill`, and what decoding may need of it beside the cache: a planned prefill's
         per-row residual streams entering their depths (`run_plan`; None for an exact prefill)."""
+        return run_to_end(self.prefill_steps(prompts, cache, chunk_size, logits, plan, exact_shortcut))
+
+    def prefill_steps(
+        self,
+        prompts: list[list[int]] | torch.Tensor,
+        cache: KVCache | None = None,
+        chunk_size: int | None = None,
+        logits: str = "last",
+        plan: PrefillPlan | None = None,
+        exact_shortcut: bool = True,
+    ):
+        """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
+        (where a server runs its running requests' decode step: chunked prefill that shares the
+        time with decoding) and returns its result. A planned prefill runs whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
             # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
             # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
             # is that prompt's own, bit for bit
-            last, one = self.prefill([list(prompts[0])], chunk_size=chunk_size, logits=logits)
+            last, one, _ = yield from self.prefill_steps([list(prompts[0])], chunk_size=chunk_size, logits=logits)
             copies = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
             return (None if last is None else last.index_select(0, copies)), one.select_batch(copies), None
         ids, positions = self.pad_batch(prompts, cache)
@@ -228,6 +242,8 @@ class Engine:
         chunk = chunk_size or self.chunk_size or ids.shape[1]
         outputs = []
         for start in range(0, ids.shape[1], chunk):
+            if start:
+                yield
             end = min(start + chunk, ids.shape[1])
             want = logits if (end == ids.shape[1] or logits == "all") else "none"
             outputs.append(self.forward(ids[:, start:end], positions[:, start:end], cache, want))
@@ -335,6 +351,15 @@ class Engine:
         from kvforge.speculative.decode import generate  # the decode loop builds on the engine
 
         return generate(self, prompts, config, on_text, plan, cache)
+
+
+def run_to_end(steps):
+    """Drive a generator such as `Engine.prefill_steps` to its end; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _copies_of_one(prompts) -> bool:

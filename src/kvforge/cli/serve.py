@@ -17,6 +17,9 @@ from kvforge.cli.common import (
 
 RidgeTailOpt = typer.Option(None, "--tail", help="RidgeFill full-depth tail tokens (overrides the preset).")
 SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 64, or the adapter's).")
+BatchedTokensOpt = typer.Option(
+    512, "--max-num-batched-tokens", min=0,
+    help="Exact prompts longer than this are prefilled in chunks of it, each beside a decode step of the running requests (0: whole prompts).")
 
 
 @app.command()
@@ -49,6 +52,7 @@ def serve(
     ),
     metrics_public: bool = typer.Option(False, "--metrics-public", help="With --api-key: serve /metrics without the key."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", min=1, help="Larger request bodies answer 413 (default 16 MiB)."),
+    max_num_batched_tokens: int = BatchedTokensOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -73,7 +77,7 @@ def serve(
         served = build_served(ServeConfig(
             model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
             attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail, history_entries=history_entries,
-            handoff_native_tail=handoff_native_tail,
+            handoff_native_tail=handoff_native_tail, max_num_batched_tokens=max_num_batched_tokens or None,
         ))
     guard = " (API key required)" if api_key else ""
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)

@@ -96,6 +96,9 @@ class ServeConfig:
     speed_tail: int | None = None
     history_entries: int = DEFAULT_MAX_ENTRIES  # per scheduler, (n-gram, successor) pairs; 0: no history
     handoff_native_tail: int = 0  # a hand-off's last prompt tokens the target prefills itself (`translate_cache`)
+    # an exact prompt longer than this is prefilled in chunks of it, each beside a step of the
+    # running requests (vLLM's name; None: whole prompts)
+    max_num_batched_tokens: int | None = 512
 
 
 @dataclass
@@ -141,10 +144,11 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         raise ValueError("--translator and --target go together")
     load = lambda spec: Engine(load_model(spec, device=config.device, dtype=config.dtype))  # noqa: E731
     engine = load(config.model)
-    base = {"exact": planned_prefiller(engine, lambda ids: None)}
+    chunk = config.max_num_batched_tokens
+    base = {"exact": planned_prefiller(engine, lambda ids: None, chunk)}
     groups = [(engine, base)]
     spd = speed.resolve(engine, config.cut, config.anchors, config.speed_tail, config.adapter)
-    speed_prefill = planned_prefiller(spd.engine, lambda ids: spd.plan(len(ids)))
+    speed_prefill = planned_prefiller(spd.engine, lambda ids: spd.plan(len(ids)), chunk)
     fitted = {}
     if spd.engine is engine:
         base["speed"] = speed_prefill
@@ -153,7 +157,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         fitted["speed"] = [engine]
     if config.maps is not None:
         rf, maps = ridgefill.resolve(engine, config.maps, config.preset, config.split, config.tail, config.attended_rows)
-        base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps))
+        base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps), chunk)
         fitted["ridgefill"] = [engine]
     served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted)}
     if config.translator is not None:
@@ -162,7 +166,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         translator = Translator.load(config.translator)
         target = load(config.target)
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
-        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
+        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
                                        {"handoff": [engine, target]})
     return served
@@ -193,13 +197,14 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
     return {"model": model, "kind": kind, "weights_version": s.engine.model.weights_version, "crossed_requests": len(crossed), "refused": refused}
 
 
-def planned_prefiller(engine, make_plan):
+def planned_prefiller(engine, make_plan, chunk_size: int | None = None):
     """Prefill a request by `make_plan(prompt_ids)` (None: exact) and record what ran; the
-    request decodes with the rescue its plan asks for (RidgeFill)."""
+    request decodes with the rescue its plan asks for (RidgeFill). An exact prefill runs in chunks
+    of `chunk_size` tokens (None: whole), and the scheduler decodes between them."""
 
     def prefill(r: AppRequest):
         plan = make_plan(r.prompt_ids)
-        logits, cache, states = engine.prefill_with_states([r.prompt_ids], plan=plan)
+        logits, cache, states = yield from engine.prefill_steps([r.prompt_ids], chunk_size=chunk_size, plan=plan)
         r.report = PrefillReport.of(plan, cache, len(r.prompt_ids))
         return logits, cache, DecodeRescue.start(engine, r.prompt_ids, cache, states, plan)
 

@@ -34,7 +34,11 @@ A request whose own share of a step raises (its drafter, committing or streaming
 alone and the batch goes on; a failure of the batch's forward fails the batch. Errors are logged
 (`kvforge.serve`) with their traceback.
 
-Limits: a long prompt's prefill holds up the running batch (no chunked prefill interleaving).
+Chunked prefill: a prefiller may prefill in chunks (the app's exact prefill does, in chunks of
+`--max-num-batched-tokens`): each loop iteration runs one chunk of the prompt being prefilled and
+then one step of the running batch, so streams keep flowing while a long prompt arrives. The chunk
+runs in its own forward: a decode row's bits do not depend on a prompt prefilled beside it. One
+prompt is prefilled at a time. RidgeFill, SPEED and hand-off prompts prefill whole.
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
 sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
 of one request differ by seed, `app.choice_seed`), and drafting commits the tokens plain decoding
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import queue
 import threading
@@ -65,7 +70,8 @@ from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit
 
 log = logging.getLogger("kvforge.serve")
 
-# prefill(request) -> (first-token logits (1, V), the request's cache, its RidgeFill rescue or None)
+# prefill(request) -> (first-token logits (1, V), the request's cache, its RidgeFill rescue or None),
+# or a generator that yields between chunks of the prefill and returns that (`Engine.prefill_steps`)
 Prefiller = Callable[["ServeRequest"], tuple[torch.Tensor, KVCache, DecodeRescue | None]]
 
 
@@ -107,6 +113,19 @@ class ServeRequest:
         return self.state.mean_accept_len if self.state is not None else 0.0
 
 
+def _as_steps(prefilled):
+    """A prefiller's result as steps to drive: its generator, or one that returns what a plain
+    prefiller returned at once."""
+    if inspect.isgenerator(prefilled):
+        return prefilled
+
+    def done():
+        return prefilled
+        yield  # unreachable: it makes `done` a generator that returns at once
+
+    return done()
+
+
 class QueueFull(Exception):
     pass
 
@@ -137,6 +156,7 @@ class Scheduler:
         self.step_lock = threading.RLock()  # held through each admission and step: a weight swap waits for it
         self._pausing = 0  # callers waiting in `paused`: the loop lets them take the lock first
         self.refused: dict[str, str] = {}  # prefill methods no longer served (artifacts fitted for old weights): the reason
+        self._prefilling: tuple[list[ServeRequest], object] | None = None  # the group being prefilled, and its prefill's steps
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def start(self) -> "Scheduler":
@@ -174,6 +194,7 @@ class Scheduler:
                 time.sleep(0.001)
             with self.step_lock:
                 try:
+                    self._prefill_chunk()
                     self._admit()
                     if self.active:
                         with torch.inference_mode():
@@ -205,6 +226,10 @@ class Scheduler:
                     groups.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
+            if self._prefilling is not None:
+                groups.append(self._prefilling[0])
+                self._prefilling[1].close()
+                self._prefilling = None
             stopped = [r for group in groups for r in group] + self.active
             for r in stopped:
                 r.aborted = True
@@ -214,7 +239,7 @@ class Scheduler:
         return len(stopped)
 
     def _admit(self) -> None:
-        while True:
+        while self._prefilling is None:  # one prompt is prefilled at a time: a long one holds the queue
             if self._next is None:
                 try:  # idle: wait a little for work (an update or an abort waits as long at most)
                     self._next = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
@@ -232,19 +257,39 @@ class Scheduler:
                 for r in group:
                     self._finish(r, error="cancelled")
                 continue
-            try:
-                with torch.inference_mode():
-                    self._start(group)
-            except Exception as exc:
-                log.exception("a request's prefill failed")
-                for r in group:
-                    self._finish(r, error=f"{type(exc).__name__}: {exc}")
+            self._prefilling = (group, _as_steps(self.prefillers[group[0].prefill](group[0])))  # a hand-off may re-tokenize the prompt
+            self._prefill_chunk()
 
-    def _start(self, group: list[ServeRequest]) -> None:
-        """Prefill the group's prompt once, commit each choice's first token, and join the batch
-        with the choices still running (all or none of them: an error leaves the batch as it was)."""
+    def _prefill_chunk(self) -> None:
+        """The next chunk of the prompt being prefilled (a prefiller that is a generator yields
+        between chunks: `Engine.prefill_steps`); when its prefill is done, its group joins."""
+        if self._prefilling is None:
+            return
+        group, steps = self._prefilling
+        if any(r.cancelled.is_set() for r in group):
+            steps.close()
+            self._prefilling = None
+            for r in group:
+                self._finish(r, error="cancelled")
+            return
+        try:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                    return  # more chunks: the running requests' step goes first
+                except StopIteration as done:
+                    self._prefilling = None
+                    self._start(group, *done.value)
+        except Exception as exc:
+            log.exception("a request's prefill failed")
+            self._prefilling = None
+            for r in group:
+                self._finish(r, error=f"{type(exc).__name__}: {exc}")
+
+    def _start(self, group: list[ServeRequest], logits: torch.Tensor, cache: KVCache, rescue: DecodeRescue | None) -> None:
+        """Commit each choice's first token from its prompt's prefill, and join the batch with the
+        choices still running (all or none of them: an error leaves the batch as it was)."""
         first = group[0]
-        logits, cache, rescue = self.prefillers[first.prefill](first)  # a hand-off may re-tokenize the prompt
         prompt = first.prompt_ids
         drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
         kept, previous = None, None
