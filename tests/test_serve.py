@@ -832,3 +832,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     monkeypatch.setattr(engine, "forward", forward)
     assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids
     assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
+
+
+def test_the_arrival_bench_measures_streams_while_a_long_prompt_is_prefilled(dirs):
+    """`bench serve --arrival-tokens`: streams decode, a long prompt arrives, and the streams'
+    inter-token latencies during its prefill are reported beside their median."""
+    from kvforge.bench.serve import run_arrival, start_server, stop_server
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    llama = str(dirs[0])
+    served = build_served(ServeConfig(llama, max_batch=4, queue_size=8, max_num_batched_tokens=16))
+    server, url = start_server(create_app(served))
+    try:
+        out = run_arrival(url, llama, PROMPTS[:3], [3 + (i * 11) % 90 for i in range(180)], max_tokens=60)
+    finally:
+        stop_server(server)
+    assert out["streams"] == 3 and out["arrival_tokens"] == 180 and out["failed"] == 0 and out["arrival_ttft_s"] > 0
+    assert out["chunks_during_prefill"] > 0 and out["median_itl_ms"] > 0 and out["p99_itl_ms_during_prefill"] >= out["median_itl_ms"] / 10

@@ -131,12 +131,70 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
     }
 
 
+def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int) -> dict:
+    """Streams decoding when a long prompt arrives: each stream's inter-token latencies (the time
+    between two streamed chunks), their median over the run and their 99th percentile over the
+    chunks that arrived while the long prompt was being prefilled (from its request's sending to
+    its first token). The streams are closed once the long prompt has its first token."""
+    arrivals: list[list[float]] = [[] for _ in stream_prompts]
+    started = threading.Barrier(len(stream_prompts) + 1)
+    stop = threading.Event()
+
+    def stream(index: int) -> None:
+        body = {"model": model, "prompt": stream_prompts[index], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "kvforge": {"draft": "none"}}
+        waiting = True
+        with httpx.Client() as http, http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                    arrivals[index].append(time.perf_counter())
+                    if waiting and len(arrivals[index]) >= 8:  # decoding steadily
+                        waiting = False
+                        started.wait()
+                if stop.is_set():
+                    break
+        if waiting:
+            started.wait()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(stream_prompts))]
+    for t in threads:
+        t.start()
+    started.wait()
+    sent = time.perf_counter()
+    with httpx.Client() as http:
+        long = stream_completion(http, url, {"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+    first = sent + (long["ttft_s"] or 0.0)
+    time.sleep(0.5)  # a few steps after it joins
+    stop.set()
+    for t in threads:
+        t.join()
+    gaps, during = [], []
+    for times in arrivals:
+        for before, after in zip(times, times[1:]):
+            gaps.append(after - before)
+            if after > sent and before < first:
+                during.append(after - before)
+    gaps.sort()
+    during.sort()
+    pick = lambda values, q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else None  # noqa: E731
+    median, p99 = pick(gaps, 0.5), pick(during, 0.99)
+    return {
+        "streams": len(stream_prompts), "arrival_tokens": len(long_prompt), "arrival_ttft_s": long["ttft_s"],
+        "median_itl_ms": 1000 * median if median else None, "p99_itl_ms_during_prefill": 1000 * p99 if p99 else None,
+        "max_itl_ms_during_prefill": 1000 * during[-1] if during else None, "chunks_during_prefill": len(during),
+        "p99_over_median": p99 / median if median and p99 else None, "failed": int(not long["complete"]),
+    }
+
+
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
-                attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None) -> dict:
+                attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None,
+                arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None) -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
-    `speed_tail`: SPEED's full-depth tail (default 64)."""
+    `speed_tail`: SPEED's full-depth tail (default 64). `arrival_tokens` > 0: also a prompt of
+    that many tokens arriving while `streams` streams decode (`run_arrival`), once per server
+    chunk size in `chunks` (`--max-num-batched-tokens`; None: whole prompts)."""
     from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
@@ -145,11 +203,30 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
     if "ridgefill" in methods and maps is None:
         maps = find_artifact("maps", model)
-    served = build_served(ServeConfig(model, maps=maps, max_batch=max(levels), queue_size=max(levels) * per_client + 4, device=device, dtype=dtype,
-                                      preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail))
+    chunks = chunks or [512]
+    levels = levels or [1]
+    config = lambda chunk: ServeConfig(  # noqa: E731
+        model, maps=maps, max_batch=max(*levels, streams + 1), queue_size=max(levels) * per_client + streams + 4, device=device, dtype=dtype,
+        preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail, max_num_batched_tokens=chunk)
+    served = build_served(config(chunks[0]))
     tokenizer = served[model].engine.model.tokenizer
-    texts = plain_texts("held_out", max(levels) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
+    texts = plain_texts("held_out", max(*levels, streams) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
     prompts = [tokenizer.decode(tokenizer(t).input_ids[:prompt_tokens]) for t in texts]
+    arrivals = []
+    if arrival_tokens:
+        from kvforge.data.prompts import held_out_text_tokens
+
+        long_prompt = held_out_text_tokens(tokenizer, arrival_tokens)
+        for chunk in chunks:  # a server per chunk size (a server's scheduler threads start once)
+            server, url = start_server(create_app(build_served(config(chunk))))
+            try:
+                if progress:
+                    progress(f"a {arrival_tokens}-token prompt arriving while {streams} streams decode, chunks of {chunk or 'the whole prompt'}")
+                with httpx.Client() as http:  # warm-up
+                    stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
+                arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], long_prompt, 400)})
+            finally:
+                stop_server(server)
     server, url = start_server(create_app(served))
     results = []
     try:
@@ -169,5 +246,5 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     return {
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
         "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
-        "ridgefill_attended_rows": attended_rows, **environment(served[model].engine), "results": results,
+        "ridgefill_attended_rows": attended_rows, **environment(served[model].engine), "results": results, "arrival": arrivals,
     }

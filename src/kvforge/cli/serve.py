@@ -99,21 +99,28 @@ def bench_serve_cmd(
     requests: int = typer.Option(2, "--requests", help="Requests per client."),
     max_tokens: int = typer.Option(64, "--max-tokens"),
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
+    arrival_tokens: int = typer.Option(0, "--arrival-tokens", min=0, help="Also: a prompt of this many tokens arriving while --streams streams decode (their inter-token latency during its prefill against their median)."),
+    streams: int = typer.Option(15, "--streams", min=1, help="Streams decoding when the --arrival-tokens prompt arrives."),
+    batched_tokens: str = typer.Option("512", "--max-num-batched-tokens", help="The server's prefill chunk, comma-separated: one --arrival-tokens run each (0: whole prompts); the first serves the concurrency levels."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Throughput and TTFT percentiles of a live server at several concurrencies, exact vs each method."""
+    """Throughput and TTFT percentiles of a live server at several concurrencies, exact vs each
+    method; with --arrival-tokens, streams' inter-token latency while a long prompt is prefilled."""
     from kvforge.bench.serve import bench_serve
 
     setup_threads(threads)
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    chunks = [int(c) or None for c in batched_tokens.split(",") if c.strip()]
     if not levels or min(levels) < 1 or requests < 1 or max_tokens < 1:
         raise ValueError("--concurrency, --requests and --max-tokens must be >= 1")
+    if not chunks or any(c is not None and c < 0 for c in chunks):
+        raise ValueError("--max-num-batched-tokens takes token counts >= 0 (0: whole prompts)")
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
                          device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows,
-                         dtype=dtype)
+                         dtype=dtype, arrival_tokens=arrival_tokens, streams=streams, chunks=chunks)
     if json_out:
         emit_json(report)
         return
@@ -123,3 +130,10 @@ def bench_serve_cmd(
                       f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{100 * r['filled_share']:.0f}", f"{100 * r['shallow_share']:.0f}",
                       str(r["ran_exact"]), str(r["failed"]))
     Console().print(table)
+    if report["arrival"]:
+        arrival = Table("prefill chunk", "streams", "arrival tokens", "its TTFT s", "median ITL ms", "p99 ITL during its prefill ms", "× median")
+        for a in report["arrival"]:
+            shown = lambda value, digits: "—" if value is None else f"{value:.{digits}f}"  # noqa: E731
+            arrival.add_row(str(a["max_num_batched_tokens"] or "whole"), str(a["streams"]), str(a["arrival_tokens"]), shown(a["arrival_ttft_s"], 2),
+                            shown(a["median_itl_ms"], 1), shown(a["p99_itl_ms_during_prefill"], 1), shown(a["p99_over_median"], 2))
+        Console().print(arrival)
