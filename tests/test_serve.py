@@ -849,3 +849,37 @@ def test_the_arrival_bench_measures_streams_while_a_long_prompt_is_prefilled(dir
         stop_server(server)
     assert out["streams"] == 3 and out["arrival_tokens"] == 180 and out["failed"] == 0 and out["arrival_ttft_s"] > 0
     assert out["chunks_during_prefill"] > 0 and out["median_itl_ms"] > 0 and out["p99_itl_ms_during_prefill"] >= out["median_itl_ms"] / 10
+
+
+def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engine):
+    """`kv_cache_bytes`: the buffers take the budget at the first admission, split evenly across
+    `max_batch` slots, and never grow; a sequence stops at its share ("length"), a prompt that
+    does not fit its share fails, and the buffers stay allocated when the batch is idle."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import Scheduler, ServeRequest
+
+    engine = tiny_engine
+    row = engine.new_cache(1, capacity=1).row_bytes()
+    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=2, kv_cache_bytes=2 * 40 * row + row // 2)
+    assert scheduler.rows_per_sequence == 40
+    with pytest.raises(ValueError, match="rows per sequence"):
+        Scheduler(engine, {}, max_batch=2, kv_cache_bytes=row)
+    long = GenerationConfig(max_new_tokens=100, ignore_eos=True)
+    requests = [ServeRequest([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], long), ServeRequest([20, 21, 22], long), ServeRequest(list(range(3, 43)), long)]
+    done = threading.Semaphore(0)
+    for r in requests:
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+        scheduler.submit(r)
+    scheduler.start()
+    try:
+        for _ in requests:
+            assert done.acquire(timeout=120)
+        held = scheduler.cache
+    finally:
+        scheduler.stop()
+    for r, tokens in zip(requests[:2], (30, 37)):
+        assert r.error is None and r.seq.finish_reason == "length" and len(r.seq.token_ids) == tokens
+        assert r.seq.token_ids == engine.generate(r.prompt_ids, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))[0].token_ids
+    assert "do not fit" in requests[2].error
+    assert held is not None and held.batch_size == 0
+    assert all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 for layer in held.layers)

@@ -94,13 +94,13 @@ class LayerCache:
     def row_kinds(self) -> torch.Tensor:
         return self.kinds[:, : self.length]
 
-    def _reserve(self, rows: int) -> None:
+    def _reserve(self, rows: int, exact: bool = False) -> None:
         needed = self.length + rows
         if needed <= self.capacity:
             return
         # Grow by an eighth (at least 256 rows): amortised O(1) per appended row without
-        # doubling a long prompt's cache on its first decode step.
-        capacity = max(needed, self.capacity + max(256, self.capacity // 8))
+        # doubling a long prompt's cache on its first decode step. `exact`: to `needed` rows.
+        capacity = needed if exact else max(needed, self.capacity + max(256, self.capacity // 8))
         if self.slots is not None:
             k, v, positions, kinds = self.slots
             self.slots = (_grow(k, capacity, dim=2, fill=0), _grow(v, capacity, dim=2, fill=0),
@@ -521,6 +521,17 @@ class KVCache:
         are written); `slots`: room for that many sequences when the buffers grow."""
         for mine, theirs in zip(self.layers, other.layers):
             mine.join(theirs, slots)
+
+    def row_bytes(self) -> int:
+        """Bytes of one row of one sequence across the attention layers (keys and values)."""
+        return sum(layer.k.shape[1] * (layer.k.shape[3] + layer.v.shape[3]) * layer.k.element_size()
+                   for layer in self.layers if not isinstance(layer, RecurrentLayerCache))
+
+    def reserve_rows(self, rows: int) -> None:
+        """Room for `rows` rows per sequence in every layer's buffers, allocated now."""
+        for layer in self.layers:
+            if rows > layer.capacity:
+                layer._reserve(rows - layer.length, exact=True)
 
     def reserve_slots(self, sequences: int) -> None:
         """Room for `sequences` sequences in every layer's buffers (`LayerCache.reserve_slots`)."""

@@ -88,8 +88,12 @@ def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
     return out
 
 
-def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, options: dict, max_tokens: int) -> dict:
+def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, options: dict, max_tokens: int,
+              schedulers: list | None = None) -> dict:
+    """One concurrency level. `schedulers`: the server's, in this process: their decode steps'
+    time and tokens give the decode-only throughput (prefills excluded)."""
     results: list[dict] = []
+    before = [(s.decode_s, s.prefill_s, s.decoded_tokens) for s in schedulers or []]
     lock = threading.Lock()
 
     def client(index: int) -> None:
@@ -108,6 +112,8 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    spent = [(s.decode_s - d, s.prefill_s - p, s.decoded_tokens - n) for s, (d, p, n) in zip(schedulers or [], before)]
+    decode_s, prefill_s, decoded = (sum(x[i] for x in spent) for i in range(3))
     ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     served = [r for r in results if r.get("prompt_tokens")]
     prompt_rows = sum(r["prompt_tokens"] for r in served)
@@ -121,6 +127,8 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
         "completion_tokens": sum(r["tokens"] for r in results),
         "wall_s": wall,
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "decode_tokens_per_s": decoded / decode_s if decode_s else None,  # tokens the decode steps committed over their time
+        "prefill_share": prefill_s / wall if schedulers else None,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))] if ttfts else None,
         "prompt_tokens": prompt_rows,
@@ -131,35 +139,38 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
     }
 
 
-def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int) -> dict:
+def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int, steady: int = 8) -> dict:
     """Streams decoding when a long prompt arrives: each stream's inter-token latencies (the time
-    between two streamed chunks), their median over the run and their 99th percentile over the
-    chunks that arrived while the long prompt was being prefilled (from its request's sending to
-    its first token). The streams are closed once the long prompt has its first token."""
+    between two streamed chunks as the client reads them; a reader never blocks). Their median
+    over a steady stretch before the arrival (every stream running, `steady` chunks each), and
+    their 99th percentile over the gaps that overlap the long prompt's prefill (from its request's
+    sending to its first token). The streams are closed once the long prompt has its first token."""
     arrivals: list[list[float]] = [[] for _ in stream_prompts]
-    started = threading.Barrier(len(stream_prompts) + 1)
+    ended = [False] * len(stream_prompts)
     stop = threading.Event()
 
     def stream(index: int) -> None:
         body = {"model": model, "prompt": stream_prompts[index], "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "kvforge": {"draft": "none"}}
-        waiting = True
         with httpx.Client() as http, http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
                     arrivals[index].append(time.perf_counter())
-                    if waiting and len(arrivals[index]) >= 8:  # decoding steadily
-                        waiting = False
-                        started.wait()
                 if stop.is_set():
                     break
-        if waiting:
-            started.wait()
+        ended[index] = True
+
+    def wait_until(condition) -> None:
+        while not condition():
+            time.sleep(0.01)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(stream_prompts))]
     for t in threads:
         t.start()
-    started.wait()
+    wait_until(lambda: all(times or done for times, done in zip(arrivals, ended)))  # every stream admitted and decoding
+    steady_from = time.perf_counter()
+    counts = [len(times) for times in arrivals]
+    wait_until(lambda: all(len(times) >= n + steady or done for times, n, done in zip(arrivals, counts, ended)))
     sent = time.perf_counter()
     with httpx.Client() as http:
         long = stream_completion(http, url, {"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
@@ -168,16 +179,17 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     stop.set()
     for t in threads:
         t.join()
-    gaps, during = [], []
+    steady_gaps, during = [], []
     for times in arrivals:
         for before, after in zip(times, times[1:]):
-            gaps.append(after - before)
+            if before >= steady_from and after <= sent:
+                steady_gaps.append(after - before)
             if after > sent and before < first:
                 during.append(after - before)
-    gaps.sort()
+    steady_gaps.sort()
     during.sort()
     pick = lambda values, q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else None  # noqa: E731
-    median, p99 = pick(gaps, 0.5), pick(during, 0.99)
+    median, p99 = pick(steady_gaps, 0.5), pick(during, 0.99)
     return {
         "streams": len(stream_prompts), "arrival_tokens": len(long_prompt), "arrival_ttft_s": long["ttft_s"],
         "median_itl_ms": 1000 * median if median else None, "p99_itl_ms_during_prefill": 1000 * p99 if p99 else None,
@@ -237,9 +249,11 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
             for level in levels:
                 if progress:
                     progress(f"{method}: {level} concurrent client(s) × {per_client}")
-                row = {"method": method, "tokens": prompt_tokens, **run_level(url, model, prompts, level, per_client, METHOD_OPTIONS[method], max_tokens)}
-                base = base or row["tokens_per_s"]
-                row["scaling"] = row["tokens_per_s"] / base if base else 0.0
+                row = {"method": method, "tokens": prompt_tokens,
+                       **run_level(url, model, prompts, level, per_client, METHOD_OPTIONS[method], max_tokens, served[model].schedulers)}
+                base = base or row
+                row["scaling"] = row["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+                row["decode_scaling"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base["decode_tokens_per_s"] else None
                 results.append(row)
     finally:
         stop_server(server)

@@ -53,6 +53,9 @@ def serve(
     metrics_public: bool = typer.Option(False, "--metrics-public", help="With --api-key: serve /metrics without the key."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", min=1, help="Larger request bodies answer 413 (default 16 MiB)."),
     max_num_batched_tokens: int = BatchedTokensOpt,
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, "--kv-cache-memory", help="KV-cache memory per weight set (bytes, or with KiB/MiB/GiB), allocated at the first request and split "
+                                        "evenly across --max-batch sequences; a request gets at most its share of rows. Default: buffers that grow."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -78,12 +81,27 @@ def serve(
             model, maps, adapter, translator, target, max_batch, queue_size, device, dtype, preset=preset, split=split, tail=tail,
             attended_rows=attended_rows, cut=cut, anchors=anchors, speed_tail=speed_tail, history_entries=history_entries,
             handoff_native_tail=handoff_native_tail, max_num_batched_tokens=max_num_batched_tokens or None,
+            kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None,
         ))
     guard = " (API key required)" if api_key else ""
     err.print(f"serving {', '.join(served)} on http://{host}:{port}/v1{guard}", highlight=False)
     # log_level warning: no access log lines (they would hold request paths, never headers or keys)
     limits = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}
     uvicorn.run(create_app(served, api_key, metrics_public, **limits), host=host, port=port, log_level="warning")
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '64KiB' or a byte count -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    value = text.strip().lower()
+    unit = next((u for u in units if value.endswith(u)), "")
+    try:
+        amount = float(value[: len(value) - len(unit)] if unit else value)
+    except ValueError:
+        raise ValueError(f"--kv-cache-memory {text!r}: give bytes, or a number with KiB, MiB or GiB") from None
+    if amount <= 0:
+        raise ValueError(f"--kv-cache-memory {text!r} must be positive")
+    return int(amount * units.get(unit, 1))
 
 
 @bench_app.command("serve")
@@ -124,9 +142,12 @@ def bench_serve_cmd(
     if json_out:
         emit_json(report)
         return
-    table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s", "filled %", "shallow %", "ran exact", "failed")
+    table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "decode tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s",
+                  "filled %", "shallow %", "ran exact", "failed")
     for r in report["results"]:
-        table.add_row(r["method"], str(r["concurrency"]), str(r["requests"]), f"{r['tokens_per_s']:.1f}", f"{r['scaling']:.2f}",
+        decode = "—" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
+        table.add_row(r["method"], str(r["concurrency"]), str(r["requests"]), f"{r['tokens_per_s']:.1f}", f"{r['scaling']:.2f}", decode,
+                      "—" if r["decode_scaling"] is None else f"{r['decode_scaling']:.2f}",
                       f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{100 * r['filled_share']:.0f}", f"{100 * r['shallow_share']:.0f}",
                       str(r["ran_exact"]), str(r["failed"]))
     Console().print(table)

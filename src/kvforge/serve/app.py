@@ -99,6 +99,9 @@ class ServeConfig:
     # an exact prompt longer than this is prefilled in chunks of it, each beside a step of the
     # running requests (vLLM's name; None: whole prompts)
     max_num_batched_tokens: int | None = 512
+    # bytes of KV cache per weight set, allocated at the first request and split evenly across
+    # --max-batch sequences; None: buffers that grow with the sequences
+    kv_cache_memory: int | None = None
 
 
 @dataclass
@@ -117,13 +120,14 @@ class Served:
     scheduler keeps what it refuses since an update: `Scheduler.refused`)."""
 
     def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES,
-                 fitted: dict[str, list] | None = None):
+                 fitted: dict[str, list] | None = None, kv_cache_bytes: int | None = None):
         self.name, self.engine = name, groups[0][0]
         self.fitted = fitted or {}
         draft = DraftConfig()
         history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
         # one history per scheduler: read and written under its scheduler's step lock only
-        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history()) for engine, prefillers in groups]
+        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history(), kv_cache_bytes=kv_cache_bytes)
+                           for engine, prefillers in groups]
         self.routes = {method: s for s in self.schedulers for method in s.prefillers}
         every = self.schedulers
         self.metrics = ServerMetrics(
@@ -159,7 +163,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         rf, maps = ridgefill.resolve(engine, config.maps, config.preset, config.split, config.tail, config.attended_rows)
         base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps), chunk)
         fitted["ridgefill"] = [engine]
-    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted)}
+    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted, config.kv_cache_memory)}
     if config.translator is not None:
         from kvforge.translate.translator import ModelSide, Translator
 
@@ -168,7 +172,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
         target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
-                                       {"handoff": [engine, target]})
+                                       {"handoff": [engine, target]}, config.kv_cache_memory)
     return served
 
 
@@ -507,12 +511,19 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     context = engine.model.context_length
     if len(ids) >= context:
         raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
+    rows, limit = s.routes[options.prefill].rows_per_sequence, f"this model's maximum context length is {context} tokens"
+    if rows is not None and rows < context:  # the KV-cache budget's room per sequence is the context a request gets
+        limit = f"this server's KV cache holds {rows} tokens per sequence (--kv-cache-memory)"
+        if len(ids) >= rows:
+            raise ApiError(400, f"prompt has {len(ids)} tokens but this server's KV cache holds {rows} per sequence (--kv-cache-memory)",
+                           "prompt", "context_length_exceeded")
+        context = rows
     asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     room = context - len(ids)
     max_tokens = asked or (room if chat else min(16, room))  # OpenAI's defaults: the context's rest (chat), 16 (completions)
     if len(ids) + max_tokens > context:
         field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
-        raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)} tokens and {field} asks for "
+        raise ApiError(400, f"{limit}; the prompt has {len(ids)} tokens and {field} asks for "
                             f"{max_tokens} more: ask for at most {room}", field, "context_length_exceeded")
     try:
         config = GenerationConfig(

@@ -132,11 +132,13 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine, prefillers: dict[str, Prefiller], max_batch: int = 16, queue_size: int = 64,
-                 draft: DraftConfig | None = None, metrics=None, history: RolloutHistory | None = None):
+                 draft: DraftConfig | None = None, metrics=None, history: RolloutHistory | None = None, kv_cache_bytes: int | None = None):
         """`prefillers`: prefill method name -> how a request's cache is made. `draft`: k, the
         prefetch budget, the n-gram sizes and the gate for every request; each request picks
         its drafter and whether it is prefetched. `history`: the per-prompt n-gram store that
-        n-gram requests draft from (its n-gram sizes are `draft`'s); None: each request's own."""
+        n-gram requests draft from (its n-gram sizes are `draft`'s); None: each request's own.
+        `kv_cache_bytes`: the batch cache's memory, allocated at the first admission and split
+        evenly across `max_batch` slots (`rows_per_sequence` rows each); None: buffers that grow."""
         self.engine, self.prefillers, self.max_batch = engine, prefillers, max_batch
         self.draft = draft or DraftConfig()
         self.history = history
@@ -146,6 +148,13 @@ class Scheduler:
         self.tokenizer = engine.model.tokenizer
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
+        self.rows_per_sequence = None
+        if kv_cache_bytes is not None:
+            row = engine.new_cache(1, capacity=1).row_bytes()
+            self.rows_per_sequence = min(self.context, kv_cache_bytes // (max_batch * row)) if row else self.context
+            if self.rows_per_sequence < 16:
+                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {self.rows_per_sequence} rows per sequence for {max_batch} sequences "
+                                 f"({row} bytes a row): give more memory or a smaller --max-batch")
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
         self.gate = self.draft.new_gate(engine)
         self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
@@ -157,6 +166,8 @@ class Scheduler:
         self._pausing = 0  # callers waiting in `paused`: the loop lets them take the lock first
         self.refused: dict[str, str] = {}  # prefill methods no longer served (artifacts fitted for old weights): the reason
         self._prefilling: tuple[list[ServeRequest], object] | None = None  # the group being prefilled, and its prefill's steps
+        # since the start: seconds in decode steps and in prefills, and the tokens the steps committed
+        self.decode_s, self.prefill_s, self.decoded_tokens = 0.0, 0.0, 0
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def start(self) -> "Scheduler":
@@ -249,6 +260,11 @@ class Scheduler:
             if len(self.active) + len(group) > self.max_batch:
                 return  # the group joins when there is room for all of it
             self._next = None
+            rows = self.rows_per_sequence
+            if rows is not None and len(group[0].prompt_ids) >= rows:
+                for r in group:
+                    self._finish(r, error=f"the prompt's {len(group[0].prompt_ids)} tokens do not fit the KV cache's {rows} rows per sequence")
+                continue
             if group[0].prefill in self.refused:  # queued before its method's artifacts went stale
                 for r in group:
                     self._finish(r, error=self.refused[group[0].prefill])
@@ -272,6 +288,7 @@ class Scheduler:
             for r in group:
                 self._finish(r, error="cancelled")
             return
+        start = time.perf_counter()
         try:
             with torch.inference_mode():
                 try:
@@ -285,6 +302,8 @@ class Scheduler:
             self._prefilling = None
             for r in group:
                 self._finish(r, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.prefill_s += time.perf_counter() - start
 
     def _start(self, group: list[ServeRequest], logits: torch.Tensor, cache: KVCache, rescue: DecodeRescue | None) -> None:
         """Commit each choice's first token from its prompt's prefill, and join the batch with the
@@ -304,7 +323,7 @@ class Scheduler:
             r.state = SpecRequest(
                 r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, key,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
-                k_for=drafting.k_for, rescue=rescue,
+                k_for=drafting.k_for, rescue=rescue, rows=self.rows_per_sequence,
             )
             if self.gate is not None:
                 r.state.acceptance = self.gate.new_acceptance()
@@ -318,6 +337,8 @@ class Scheduler:
             if self.cache is None:  # the first: one copy of the prompt's rows per choice, in slots for the whole batch
                 self.cache = cache.select_batch(torch.zeros(len(running), dtype=torch.long)) if len(running) > 1 else cache
                 self.cache.reserve_slots(self.max_batch)
+                if self.rows_per_sequence is not None:  # the budget, allocated once and kept
+                    self.cache.reserve_rows(self.rows_per_sequence)
             else:  # each choice's rows written into a free slot: the running sequences' rows stay where they are
                 for _ in running:
                     self.cache.join(cache, self.max_batch)
@@ -334,6 +355,8 @@ class Scheduler:
         outcomes = speculative_step(self.engine, self.cache, [r.state for r in self.active], self.draft.k, self.gate, self.prefetcher, self.stats,
                                     isolate=True)
         step_s = time.perf_counter() - start
+        self.decode_s += step_s
+        self.decoded_tokens += sum(outcome.committed for outcome in outcomes)
         if self.metrics is not None:
             for outcome in outcomes:
                 self.metrics.observe_step(outcome.committed, step_s, outcome.accepted if outcome.drafted else None)
@@ -355,7 +378,7 @@ class Scheduler:
         last = self.active.pop()
         if row < len(self.active):
             self.active[row] = last
-        if self.active:
+        if self.active or self.rows_per_sequence is not None:  # a budgeted cache keeps its buffers when idle
             self.cache.leave(row)
         else:
             self.cache = None
