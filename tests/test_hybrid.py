@@ -119,19 +119,23 @@ def test_a_recurrent_layer_costs_the_same_bytes_at_any_length():
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_continuous_batching_joins_and_drops_recurrent_states(family):
-    """What the server does: a request prefilled alone joins the running batch (concat_batch), a
-    finished one leaves it (select_batch); each sequence decodes as it would alone."""
+    """What the server does: a request prefilled alone joins the running batch (`join`: its rows
+    and states into a free slot), a finished one leaves it (`leave`: the last sequence moves into
+    its slot); each sequence decodes as it would alone."""
     engine = Engine(tiny_loaded(family))
     a, b = _prompts()[:2]
-    la, ca = engine.prefill([a])
+    la, batch = engine.prefill([a])
     lb, cb = engine.prefill([b])
-    batch = KVCache.concat_batch([ca, cb])
+    with torch.inference_mode():  # the cache's tensors are inference tensors, written in place
+        batch.join(cb)
     tokens = torch.cat([la.argmax(-1), lb.argmax(-1)])
     step = engine.decode_step(tokens, batch)
     alone = [engine.decode_step(tokens[i : i + 1], c) for i, c in enumerate((engine.prefill([a])[1], engine.prefill([b])[1]))]
     for i in range(2):
         assert (step[i] - alone[i][0]).abs().max() < 1e-4
-    kept = batch.select_batch(torch.tensor([1]))
+    with torch.inference_mode():
+        batch.leave(0)
+    kept = batch
     nxt = step[1:].argmax(-1)
     _, cb2 = engine.prefill([b + [int(tokens[1])]])
     assert (engine.decode_step(nxt, kept)[0] - engine.decode_step(nxt, cb2)[0]).abs().max() < 1e-4

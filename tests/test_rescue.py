@@ -131,28 +131,6 @@ def test_a_hybrid_with_a_recurrent_late_layer_turns_the_rescue_off():
     assert out.rescued_rows is None and len(out.token_ids) == 4
 
 
-def test_a_step_with_rescued_rows_equals_the_rescue_then_the_plain_step(fitted):
-    engine, maps = fitted
-    ids = _ids(11)
-    config = RidgeFillConfig(split=2, tail=6, sinks=2)
-    caches, logits = [], []
-    for merged in (False, True):
-        plan = ridgefill_plan(engine, ids, config, maps)
-        _, cache, states = engine.prefill_with_states([ids], plan=plan)
-        rescue = DecodeRescue.start(engine, ids, cache, states, plan)
-        if merged:
-            logits.append(rescue.late_layers(engine, cache, [8, 9, 15], 42, len(ids)))
-        else:
-            rescue.late_layers(engine, cache, [8, 9, 15])
-            logits.append(engine.decode_step(torch.tensor([42]), cache, torch.tensor([len(ids)])))
-        caches.append(cache)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    for a, b in zip(*[c.layers for c in caches]):
-        assert a.length == b.length == len(ids) + 1
-        torch.testing.assert_close(a.keys(), b.keys(), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(a.values(), b.values(), rtol=1e-4, atol=1e-5)
-
-
 # --- one decode loop: the rescue in every path ------------------------------------------------
 RESCUING = RidgeFillConfig(split=2, tail=1, sinks=2, rescue=RescueConfig(ngram=1, window=4, recent=2))
 GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)

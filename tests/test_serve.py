@@ -661,10 +661,10 @@ def test_the_scheduler_verifies_prefetch_hits_as_the_next_drafts(tiny_engine, mo
     events = []  # ("hit", draft) and ("verify", draft), in order
     forward = engine.forward
 
-    def spy_forward(ids, positions, cache, logits="last", rewritten=None):
+    def spy_forward(ids, positions, cache, logits="last"):
         if logits == "all":  # a verification forward (prefill asks for 'last')
             events.append(("verify", ids[0, 1:].tolist()))
-        return forward(ids, positions, cache, logits, rewritten)
+        return forward(ids, positions, cache, logits)
 
     def spy_probe(scheduler):
         probe = scheduler.prefetcher.probe
@@ -721,10 +721,10 @@ def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngra
     prefills, widths = [], []
     forward = engine.forward
 
-    def spy_forward(ids, positions, cache, logits="last", rewritten=None):
+    def spy_forward(ids, positions, cache, logits="last"):
         if logits == "all":
             widths.append(ids.shape[0])
-        return forward(ids, positions, cache, logits, rewritten)
+        return forward(ids, positions, cache, logits)
 
     def prefill(r):
         prefills.append(r)
@@ -801,13 +801,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
     events, forward = [], engine.forward
 
-    def spy(ids, positions, cache, logits="last", rewritten=None):
+    def spy(ids, positions, cache, logits="last"):
         at = int(positions[0, 0])
         if logits == "all":
             events.append("step")
         elif ids.shape[0] == 1 and at >= 0 and ids[0].tolist() == long_prompt[at : at + ids.shape[1]]:
             events.append("chunk")  # not the gate's timing forwards
-        return forward(ids, positions, cache, logits, rewritten)
+        return forward(ids, positions, cache, logits)
 
     monkeypatch.setattr(engine, "forward", spy)
     done = threading.Semaphore(0)
@@ -852,16 +852,21 @@ def test_the_arrival_bench_measures_streams_while_a_long_prompt_is_prefilled(dir
 
 
 def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engine):
-    """`kv_cache_bytes`: the buffers take the budget at the first admission, split evenly across
-    `max_batch` slots, and never grow; a sequence stops at its share ("length"), a prompt that
-    does not fit its share fails, and the buffers stay allocated when the batch is idle."""
+    """`kv_cache_bytes`: the buffers take the budget at the start, split evenly across `max_batch`
+    slots (with a draft's spare rows), and never grow; a sequence stops at its share ("length"), a
+    prompt that does not fit its share fails, and the buffers stay allocated when the batch is idle."""
     from kvforge.generation import GenerationConfig
     from kvforge.serve.scheduler import Scheduler, ServeRequest
+    from kvforge.speculative.step import DraftConfig
 
     engine = tiny_engine
     row = engine.new_cache(1, capacity=1).row_bytes()
-    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=2, kv_cache_bytes=2 * 40 * row + row // 2)
+    spare = DraftConfig().k + 1  # a verification step's rows past a sequence's own
+    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=2,
+                          kv_cache_bytes=2 * (40 + spare) * row + row // 2)
     assert scheduler.rows_per_sequence == 40
+    budget = scheduler.cache
+    assert budget.batch_size == 0 and all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 + spare for layer in budget.layers)
     with pytest.raises(ValueError, match="rows per sequence"):
         Scheduler(engine, {}, max_batch=2, kv_cache_bytes=row)
     long = GenerationConfig(max_new_tokens=100, ignore_eos=True)
@@ -881,5 +886,5 @@ def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engin
         assert r.error is None and r.seq.finish_reason == "length" and len(r.seq.token_ids) == tokens
         assert r.seq.token_ids == engine.generate(r.prompt_ids, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))[0].token_ids
     assert "do not fit" in requests[2].error
-    assert held is not None and held.batch_size == 0
-    assert all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 for layer in held.layers)
+    assert held is budget and held.batch_size == 0
+    assert all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 + spare for layer in held.layers)

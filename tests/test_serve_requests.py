@@ -306,7 +306,7 @@ def test_a_kv_cache_budget_is_the_context_a_request_gets(model_dir):
             parse_bytes(bad)
     probe = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4))[model_dir].engine
     row = probe.new_cache(1, capacity=1).row_bytes()
-    served = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4, kv_cache_memory=2 * 32 * row))
+    served = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4, kv_cache_memory=2 * (32 + 9) * row))  # 9: a draft's spare rows
     with TestClient(create_app(served)) as http:
         body = {"model": model_dir, "prompt": [5, 6, 7, 8], "temperature": 0}
         over = http.post("/v1/completions", json={**body, "max_tokens": 29}).json()["error"]

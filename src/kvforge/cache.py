@@ -153,7 +153,7 @@ class LayerCache:
         self._view(b + n)
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
-        self.shared = min(self.shared, other.shared) if b else other.shared
+        self.shared = 0 if b else other.shared  # another prompt's rows: nothing is the same in every sequence
         self.contiguous = _is_contiguous(self.row_positions())
 
     def leave(self, b: int) -> None:
@@ -241,6 +241,7 @@ class LayerCache:
         self.length -= n
         self.shared = min(self.shared, self.length)
         self.positions[:, self.length :] = -1
+        self.kinds[:, self.length :] = int(RowKind.PADDING)
 
     def rollback(self, drop: list[int]) -> None:
         """Drop the last drop[b] rows of sequence b (from its own end); the layer's length becomes
@@ -532,6 +533,22 @@ class KVCache:
         for layer in self.layers:
             if rows > layer.capacity:
                 layer._reserve(rows - layer.length, exact=True)
+
+    def sequence(self, b: int) -> "KVCache":
+        """Sequence `b` as a cache of one sequence whose tensors are views into this one's: rows
+        rewritten through it are rewritten here (nothing may be appended through it)."""
+        layers = []
+        for layer in self.layers:
+            end = layer.ends[b] if layer.ends is not None else layer.length
+            view = LayerCache(layer.k[b : b + 1], layer.v[b : b + 1], layer.positions[b : b + 1], layer.kinds[b : b + 1], length=end)
+            view.contiguous = _is_contiguous(view.row_positions())
+            layers.append(view)
+        return KVCache(layers)
+
+    def unshare(self, row: int) -> None:
+        """Rows from `row` on were rewritten in one sequence: no longer the same in every sequence."""
+        for layer in self.layers:
+            layer.shared = min(layer.shared, row)
 
     def reserve_slots(self, sequences: int) -> None:
         """Room for `sequences` sequences in every layer's buffers (`LayerCache.reserve_slots`)."""

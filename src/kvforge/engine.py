@@ -25,12 +25,12 @@ from kvforge.plan import PrefillPlan, filled_key_value
 
 @dataclass(frozen=True)
 class RewrittenRows:
-    """Rows the cache holds already, recomputed from `layer` on inside a forward (RidgeFill's
-    rescue rides with a decode or verification step this way): their residual stream entering
-    `layer` h (B, R, E), their positions (B, R) and their row indices in the cache (B, R), -1 in
-    both for a padding slot. From `layer` on they run with the forward's rows (before them), their
-    keys and values replace the held ones in place, and every row attends to the cache as it
-    stands: a held row up to its own position, rewritten ones included."""
+    """Rows the cache holds already, recomputed from `layer` on (`run_layers`; RidgeFill's rescue):
+    their residual stream entering `layer` h (B, R, E), their positions (B, R) and their row
+    indices in the cache (B, R), -1 in both for a padding slot. From `layer` on they run with the
+    pass's own rows (before them), their keys and values replace the held ones in place, and every
+    row attends to the cache as it stands: a held row up to its own position, rewritten ones
+    included."""
 
     layer: int
     h: torch.Tensor
@@ -162,13 +162,10 @@ class Engine:
         return h if index is None else h[:, index.shape[1] :]
 
     @torch.inference_mode()
-    def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last", rewritten: RewrittenRows | None = None
-    ) -> torch.Tensor | None:
-        """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or
-        'none'. `rewritten`: held rows recomputed from a layer on in the same forward."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last") -> torch.Tensor | None:
+        """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or 'none'."""
         h = self.adapter.embed(ids)
-        h = self.run_layers(h, positions, cache, rewritten=rewritten)
+        h = self.run_layers(h, positions, cache)
         if logits == "none":
             return None
         if logits == "last":

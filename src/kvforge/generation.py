@@ -10,6 +10,7 @@ recorded from the logits it was chosen from (`sampling.token_logprobs`).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -185,7 +186,10 @@ def detokenize(seq: SequenceState, tokenizer) -> None:
     incomplete UTF-8 character stays open until a later token completes it. The text equals the
     whole output decoded at once wherever the tokenizer decodes a concatenation as the
     concatenation of its parts past the first token of a window (byte-level BPE and SentencePiece
-    tokenizers do), as vLLM's incremental detokenizer assumes."""
+    tokenizers do), as vLLM's incremental detokenizer assumes. A special token adds no text (it is
+    skipped, as the whole decode skips it) and opens no window of its own."""
+    if seq.token_ids[-1] in _special_ids(tokenizer):
+        return
     before = tokenizer.decode(seq.token_ids[seq.prefix : seq.read], skip_special_tokens=True)
     window = tokenizer.decode(seq.token_ids[seq.prefix :], skip_special_tokens=True)
     if not window.startswith(before):  # a tokenizer that rewrites text across tokens: decode it all, once
@@ -197,6 +201,17 @@ def detokenize(seq: SequenceState, tokenizer) -> None:
     seq.text = seq.settled + new
     if new and not new.endswith("\ufffd"):
         seq.settled, seq.prefix, seq.read = seq.text, seq.read, len(seq.token_ids)
+
+
+_SPECIAL_IDS: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special token ids, read once per tokenizer (transformers builds the list anew at each read)."""
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+    return ids
 
 
 def flush_text(seq: SequenceState, on_text) -> None:

@@ -152,13 +152,15 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     def stream(index: int) -> None:
         body = {"model": model, "prompt": stream_prompts[index], "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "kvforge": {"draft": "none"}}
-        with httpx.Client() as http, http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
-                    arrivals[index].append(time.perf_counter())
-                if stop.is_set():
-                    break
-        ended[index] = True
+        try:
+            with httpx.Client() as http, http.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                        arrivals[index].append(time.perf_counter())
+                    if stop.is_set():
+                        break
+        finally:
+            ended[index] = True
 
     def wait_until(condition) -> None:
         while not condition():
@@ -218,7 +220,8 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     chunks = chunks or [512]
     levels = levels or [1]
     config = lambda chunk: ServeConfig(  # noqa: E731
-        model, maps=maps, max_batch=max(*levels, streams + 1), queue_size=max(levels) * per_client + streams + 4, device=device, dtype=dtype,
+        model, maps=maps, max_batch=max(*levels, streams + 1 if arrival_tokens else 1), queue_size=max(levels) * per_client + streams + 4,
+        device=device, dtype=dtype,
         preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail, max_num_batched_tokens=chunk)
     served = build_served(config(chunks[0]))
     tokenizer = served[model].engine.model.tokenizer

@@ -146,10 +146,11 @@ def _continuation_logits(engine: Engine, seq: list[int], prompt_tokens: int, cac
     parts, start = [], prompt_tokens - 1
     for t in range(prompt_tokens, len(seq) - 1):
         rows = between.observe(seq[t])
-        if rows:  # rows before t in one chunk, then row t as generation runs it: in one step with the rescued rows
+        if rows:  # rows before t in one chunk, then the rescue, then row t as decoding runs it: a step of its own
             if t > start:
                 parts.append(continuation_logits(engine, seq[: t + 1], start + 1, cache))
-            parts.append(between.late_layers(engine, cache, rows, seq[t], t))
+            between.late_layers(engine, cache, rows)
+            parts.append(engine.decode_step(torch.tensor([seq[t]]), cache, torch.tensor([t])))
             start = t + 1
     if start < len(seq) - 1:
         parts.append(continuation_logits(engine, seq, start + 1, cache))

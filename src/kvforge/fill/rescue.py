@@ -5,20 +5,21 @@ from the prompt: a copy matches the token before and reads the row after (docs/r
 exact keys under filled values remove most of the gap). So when the text being decoded ends in an
 n-gram that also occurs in the prompt, the filled rows after its most recent occurrences are what
 a copy reads next, and they are recomputed: their exact split-layer states (what the planned
-prefill returned beside the cache) join the step's forward from the split on, through layers
-[split, L), each row attending to the cache as it stands up to itself, as the prefill's
-tail-attended rows do (one forward: the late layers' weights are read once for the step and its
-rescue; `engine.RewrittenRows`). Their row kind stays FILLED: kinds record what the prefill ran
-(`PrefillReport`), and `DecodeRescue` counts what decoding rescued. TTFT does not change; the
-cost is the rescued rows' share of a late-layer forward, paid while decoding and only when the
+prefill returned beside the cache) run layers [split, L), each row attending to the cache as it
+stands up to itself, as the prefill's tail-attended rows do (`engine.RewrittenRows`), and their
+keys and values replace the filled ones in place. Their row kind stays FILLED: kinds record what
+the prefill ran (`PrefillReport`), and `DecodeRescue` counts what decoding rescued. TTFT does not
+change; the cost is a late-layer pass over the rescued rows, paid while decoding and only when the
 text copies.
 
 The schedule, the same for every decode path (plain, drafted, batched, served, scored): the
 token a step feeds first (its pending token) triggers the rescue its n-gram calls for, and the
-rows ride with that step, so every position of the step sees them. A drafted token never
-triggers one: a draft ends before a token that would (`would_rescue`), which then triggers it as
-the next step's pending token. So each position sees the rows as plain decoding does, one token a
-step, and drafted RidgeFill commits plain RidgeFill's tokens.
+rows are recomputed just before that step's forward (in a pass of their own, one sequence at a
+time: the step's rows keep the shapes, and bits, of a step without a rescue), so every position
+of the step sees them. A drafted token never triggers one: a draft ends before a token that would
+(`would_rescue`), which then triggers it as the next step's pending token. So each position sees
+the rows as plain decoding does, one token a step, and drafted RidgeFill commits plain
+RidgeFill's tokens.
 
 The rescue needs every late layer to hold every prompt row at its own position: a sliding-window
 layer that skipped filled rows no exact row could see, or a recurrent layer (its state cannot
@@ -49,8 +50,8 @@ class RescueConfig:
 
 class DecodeRescue:
     """One sequence's rescue: the prompt's n-gram occurrences, the rows still filled and their
-    split-layer states. `due` names the rows a step's pending token calls for, `rewritten` makes
-    them rows of that step's forward; `late_layers` rewrites rows, with or without a token."""
+    split-layer states. `due` names the rows a step's pending token calls for; `late_layers`
+    recomputes them."""
 
     def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
         self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
@@ -146,19 +147,11 @@ class DecodeRescue:
         self.tokens.append(token)
         return self.due(self.tokens)
 
-    def rewritten(self, rows: list[int], device) -> RewrittenRows:
-        """`rows` as rows of a forward of this one sequence, rewritten from the split on."""
-        index = torch.tensor(rows, dtype=torch.long, device=device).view(1, -1)
-        return RewrittenRows(self.split, self.states[:, index[0]], index, index)
-
     @torch.inference_mode()
-    def late_layers(self, engine, cache: KVCache, rows: list[int], token: int | None = None, position: int | None = None):
-        """Layers [split, L) for `rows` from their split-layer states, with the forward of `token`
-        at `position` (its logits (1, V)) when given, else alone (None)."""
-        rewritten = self.rewritten(rows, engine.device)
-        if token is not None:
-            at = lambda value: torch.tensor([[value]], device=engine.device)  # noqa: E731
-            return engine.forward(at(token), at(position), cache, "last", rewritten)
+    def late_layers(self, engine, cache: KVCache, rows: list[int]) -> None:
+        """Layers [split, L) for `rows` of the one sequence in `cache`, from their split-layer
+        states: layer by layer their keys and values replace the filled ones in place, and each
+        row attends to the cache as it stands up to its own position (rescued rows included)."""
+        index = torch.tensor(rows, dtype=torch.long, device=engine.device).view(1, -1)
         empty = torch.zeros(1, 0, dtype=torch.long, device=engine.device)
-        engine.run_layers(self.states[:, :0], empty, cache, self.split, rewritten=rewritten)
-        return None
+        engine.run_layers(self.states[:, :0], empty, cache, self.split, rewritten=RewrittenRows(self.split, self.states[:, index[0]], index, index))

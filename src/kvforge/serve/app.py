@@ -187,7 +187,7 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
         for scheduler in (sch for each in served.values() for sch in each.schedulers):
             paused.enter_context(scheduler.paused())
         kind = s.engine.update_weights(tensors, lora_scale)
-        crossed = [r for scheduler in s.schedulers for r in scheduler.active]
+        crossed = [r for scheduler in s.schedulers for r in scheduler.started]  # a prompt mid-prefill has rows from both weights too
         for r in crossed:
             r.crossed = True
         refused = []
@@ -398,17 +398,15 @@ class BodyLimit:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client went away: let the app see it
-                chunks.append(message)
-                break
+            if message["type"] != "http.request":  # the client went away before its body was whole: nothing to serve
+                return
             size += len(message.get("body", b""))
             if size > self.limit:
                 return await self._refuse(send)
             chunks.append(message)
             if not message.get("more_body", False):
                 break
-        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
-        replay = [{"type": "http.request", "body": body, "more_body": False}] + [m for m in chunks if m["type"] != "http.request"]
+        replay = [{"type": "http.request", "body": b"".join(m.get("body", b"") for m in chunks), "more_body": False}]
 
         async def replayed():
             return replay.pop(0) if replay else await receive()

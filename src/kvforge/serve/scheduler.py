@@ -5,19 +5,26 @@ running): a new request is prefilled alone, by its own method's plan (exact, Rid
 or a KV-Lingo hand-off that fills the cache from another model's), commits its first token and
 joins the batch cache: its rows are written into a free slot of the batch's buffers
 (`KVCache.join`), and a request that finishes leaves by the batch's last request moving into its
-slot (`KVCache.leave`), so no admission or finish copies the running requests' rows. Then one
-`speculative_step` runs for the whole
-batch, the same step as offline decoding: each request's pending token plus its draft (empty
-without a drafter, or the prefetch hit of its last step) in one forward, verified with the
-request's own sampling settings and sample key, committed (EOS, stop strings, max tokens,
-streaming), the cache rolled back per request. A plain request is a speculative request with no
-draft: one mechanism. Finished or cancelled requests (a client that disconnected) leave the
-batch and free their cache rows.
+slot (`KVCache.leave`), so no admission or finish copies the running requests' rows (the buffers
+themselves grow, and copy, only without a KV-cache budget: `kv_cache_bytes` allocates them once).
+Then one `speculative_step` runs for the whole batch, the same step as offline decoding: each
+request's pending token plus its draft (empty without a drafter, or the prefetch hit of its last
+step) in one forward, verified with the request's own sampling settings and sample key, committed
+(EOS, stop strings, max tokens, streaming), the cache rolled back per request; a RidgeFill
+request's rescue runs in it. A plain request is a speculative request with no draft: one
+mechanism. Finished or cancelled requests (a client that disconnected) leave the batch.
+
+Chunked prefill: a prefiller may prefill in chunks (the app's exact prefill does, in chunks of
+`--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
+short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
+long prompt arrives. The chunk runs in its own forward: a decode row's bits do not depend on a
+prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill, SPEED and hand-off
+prompts prefill whole.
 
 The `n` choices of one API request are a group: queued as one item, admitted together when the
-batch has room for all of them, prefilled once (the cache copied per choice), and drafting from
-one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the default in the app)
-that cache is the prompt's history: a later request with the same prompt tokens (or the same
+batch has room for all of them, prefilled once (its rows joined once per choice), and drafting
+from one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the default in the
+app) that cache is the prompt's history: a later request with the same prompt tokens (or the same
 `rollout_key`) drafts from every earlier request's choices too, choice i from the last request's
 choice i first (`previous.py`), and requests with the same prompt running at once share it. A
 choice that finishes is recorded as its index's latest rollout and the history settled (its bound
@@ -25,20 +32,15 @@ enforced); a request opts out with `history=False`.
 
 Between steps the loop holds no lock (`step_lock` is held for each admission and step), so a
 weight update (`app.update_weights`) pauses every scheduler (`paused`: the loop yields the lock to
-it) and swaps the weights between two steps; requests running then finish on the new weights and
-are marked `crossed`, and queued requests of a method whose artifacts no longer fit fail. `abort()`
-finishes every queued and running request at once with finish reason "abort" and the tokens it
-has, as RL frameworks stop a rollout before an update.
+it) and swaps the weights between two steps; requests running or mid-prefill then finish on the
+new weights and are marked `crossed`, and queued requests of a method whose artifacts no longer
+fit fail. `abort()` finishes every queued, prefilling and running request at once with finish
+reason "abort" and the tokens it has, as RL frameworks stop a rollout before an update.
 
-A request whose own share of a step raises (its drafter, committing or streaming its text) fails
-alone and the batch goes on; a failure of the batch's forward fails the batch. Errors are logged
-(`kvforge.serve`) with their traceback.
+A request whose prefill or own share of a step raises (its drafter, committing or streaming its
+text) fails alone and the batch goes on; a failure of the batch's forward fails the batch. Errors
+are logged (`kvforge.serve`) with their traceback.
 
-Chunked prefill: a prefiller may prefill in chunks (the app's exact prefill does, in chunks of
-`--max-num-batched-tokens`): each loop iteration runs one chunk of the prompt being prefilled and
-then one step of the running batch, so streams keep flowing while a long prompt arrives. The chunk
-runs in its own forward: a decode row's bits do not depend on a prompt prefilled beside it. One
-prompt is prefilled at a time. RidgeFill, SPEED and hand-off prompts prefill whole.
 Sampling with a seed is reproducible per request, batched with anything, drafted or not: a
 sampled token is a function of its logits and its key (the seed and the prompt's tokens; choices
 of one request differ by seed, `app.choice_seed`), and drafting commits the tokens plain decoding
@@ -92,6 +94,7 @@ class ServeRequest:
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     aborted: bool = False  # stopped by `Scheduler.abort`: finishes with what it has, reason "abort"
+    done: bool = False  # finished: its "done" was emitted
     crossed: bool = False  # running when the weights were updated: its tokens come from both
     # filled in by the scheduler
     id: int = 0
@@ -113,17 +116,14 @@ class ServeRequest:
         return self.state.mean_accept_len if self.state is not None else 0.0
 
 
-def _as_steps(prefilled):
-    """A prefiller's result as steps to drive: its generator, or one that returns what a plain
-    prefiller returned at once."""
+def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
+    """A prefill as steps to drive (`Scheduler._prefill_chunk`), run from the first step on, so
+    that whatever it raises is raised there: a prefiller that is a generator yields between its
+    chunks; a plain one runs whole."""
+    prefilled = prefill(request)
     if inspect.isgenerator(prefilled):
-        return prefilled
-
-    def done():
-        return prefilled
-        yield  # unreachable: it makes `done` a generator that returns at once
-
-    return done()
+        return (yield from prefilled)
+    return prefilled
 
 
 class QueueFull(Exception):
@@ -149,26 +149,45 @@ class Scheduler:
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
         self.rows_per_sequence = None
+        self.cache: KVCache | None = None
         if kv_cache_bytes is not None:
+            # a verification step writes every sequence's rows to the batch's widest draft: k + 1 spare rows each
+            spare = self.draft.k + 1
             row = engine.new_cache(1, capacity=1).row_bytes()
-            self.rows_per_sequence = min(self.context, kv_cache_bytes // (max_batch * row)) if row else self.context
+            held = kv_cache_bytes // (max_batch * row) if row else self.context + spare
+            self.rows_per_sequence = min(self.context, held - spare)
             if self.rows_per_sequence < 16:
-                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {self.rows_per_sequence} rows per sequence for {max_batch} sequences "
-                                 f"({row} bytes a row): give more memory or a smaller --max-batch")
+                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {held} rows per sequence for {max_batch} sequences "
+                                 f"({row} bytes a row, {spare} of them spare for drafts): give more memory or a smaller --max-batch")
+            self.cache = self._budget_cache()
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
         self.gate = self.draft.new_gate(engine)
         self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
         self.active: list[ServeRequest] = []
-        self.cache: KVCache | None = None
         self._ids = 0
         self._stop = threading.Event()
         self.step_lock = threading.RLock()  # held through each admission and step: a weight swap waits for it
         self._pausing = 0  # callers waiting in `paused`: the loop lets them take the lock first
         self.refused: dict[str, str] = {}  # prefill methods no longer served (artifacts fitted for old weights): the reason
         self._prefilling: tuple[list[ServeRequest], object] | None = None  # the group being prefilled, and its prefill's steps
+        self._chunk_ran = False  # a prefill chunk ran in this loop iteration
         # since the start: seconds in decode steps and in prefills, and the tokens the steps committed
         self.decode_s, self.prefill_s, self.decoded_tokens = 0.0, 0.0, 0
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
+
+    def _budget_cache(self) -> KVCache:
+        """An empty batch whose buffers hold the KV-cache budget: `max_batch` slots of
+        `rows_per_sequence` rows and the spare rows of a draft."""
+        cache = self.engine.new_cache(1, capacity=1)
+        cache.reserve_slots(self.max_batch)
+        cache.reserve_rows(self.rows_per_sequence + self.draft.k + 1)
+        cache.leave(0)
+        return cache
+
+    def _drop_batch(self) -> None:
+        """No request runs any more (aborted or failed): a budget's buffers are kept, empty."""
+        self.active = []
+        self.cache = self._budget_cache() if self.rows_per_sequence is not None else None
 
     def start(self) -> "Scheduler":
         self.thread.start()
@@ -194,6 +213,11 @@ class Scheduler:
             raise QueueFull(f"the request queue is full ({self.queue.maxsize} waiting)") from exc
 
     @property
+    def started(self) -> list[ServeRequest]:
+        """The requests running and those whose prompt is being prefilled."""
+        return self.active + (self._prefilling[0] if self._prefilling is not None else [])
+
+    @property
     def kv_bytes(self) -> int:
         cache = self.cache
         return cache.nbytes if cache is not None else 0
@@ -205,6 +229,7 @@ class Scheduler:
                 time.sleep(0.001)
             with self.step_lock:
                 try:
+                    self._chunk_ran = False
                     self._prefill_chunk()
                     self._admit()
                     if self.active:
@@ -214,7 +239,7 @@ class Scheduler:
                     log.exception("a decode step failed: its %d requests fail", len(self.active))
                     for r in self.active:
                         self._finish(r, error=f"{type(exc).__name__}: {exc}")
-                    self.active, self.cache = [], None
+                    self._drop_batch()
 
     @contextlib.contextmanager
     def paused(self):
@@ -246,11 +271,13 @@ class Scheduler:
                 r.aborted = True
                 r.cancelled.set()
                 self._finish(r)
-            self.active, self.cache = [], None
+            self._drop_batch()
         return len(stopped)
 
     def _admit(self) -> None:
-        while self._prefilling is None:  # one prompt is prefilled at a time: a long one holds the queue
+        # one prompt is prefilled at a time (a long one holds the queue), and while requests run,
+        # one chunk of prefill goes between two of their steps (a short prompt is one chunk)
+        while self._prefilling is None and not (self.active and self._chunk_ran):
             if self._next is None:
                 try:  # idle: wait a little for work (an update or an abort waits as long at most)
                     self._next = self.queue.get(timeout=0.05) if not self.active else self.queue.get_nowait()
@@ -273,7 +300,7 @@ class Scheduler:
                 for r in group:
                     self._finish(r, error="cancelled")
                 continue
-            self._prefilling = (group, _as_steps(self.prefillers[group[0].prefill](group[0])))  # a hand-off may re-tokenize the prompt
+            self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
             self._prefill_chunk()
 
     def _prefill_chunk(self) -> None:
@@ -282,6 +309,7 @@ class Scheduler:
         if self._prefilling is None:
             return
         group, steps = self._prefilling
+        self._chunk_ran = True
         if any(r.cancelled.is_set() for r in group):
             steps.close()
             self._prefilling = None
@@ -334,18 +362,26 @@ class Scheduler:
             if not r.state.finished:
                 running.append(r)
         if running:
-            if self.cache is None:  # the first: one copy of the prompt's rows per choice, in slots for the whole batch
-                self.cache = cache.select_batch(torch.zeros(len(running), dtype=torch.long)) if len(running) > 1 else cache
-                self.cache.reserve_slots(self.max_batch)
-                if self.rows_per_sequence is not None:  # the budget, allocated once and kept
-                    self.cache.reserve_rows(self.rows_per_sequence)
-            else:  # each choice's rows written into a free slot: the running sequences' rows stay where they are
-                for _ in running:
-                    self.cache.join(cache, self.max_batch)
+            self._join(cache, len(running))
             self.active.extend(running)
         for r in group:
             if r.state.finished:
                 self._finish(r)
+
+    def _join(self, cache: KVCache, copies: int) -> None:
+        """`copies` copies of the one sequence in `cache` join the batch cache, all or none."""
+        if self.cache is None:  # the first: one copy of the prompt's rows per choice (their shared rows read once)
+            self.cache = cache.select_batch(torch.zeros(copies, dtype=torch.long)) if copies > 1 else cache
+            return
+        joined = 0
+        try:
+            for _ in range(copies):  # each into a free slot: the running sequences' rows stay where they are
+                self.cache.join(cache, self.max_batch)
+                joined += 1
+        except Exception:
+            for _ in range(joined):  # the batch as it was: the last sequences leave without a copy
+                self.cache.leave(self.cache.batch_size - 1)
+            raise
 
     def _keeps_history(self, r: ServeRequest) -> bool:
         return self.history is not None and r.history and r.draft == "ngram"
@@ -384,6 +420,17 @@ class Scheduler:
             self.cache = None
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
+        """Finish a request once (its "done" is emitted once); what goes wrong while finishing it is
+        logged, never raised into the loop."""
+        if r.done:
+            return
+        r.done = True
+        try:
+            self._finish_request(r, error)
+        except Exception:
+            log.exception("finishing request %s failed", r.id)
+
+    def _finish_request(self, r: ServeRequest, error: str | None) -> None:
         r.error = None if r.aborted else error
         if r.state is not None:
             if r.aborted and r.state.seq.finish_reason is None:

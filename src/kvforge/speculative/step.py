@@ -18,10 +18,10 @@ With a `Prefetcher`, the next step's drafts are built on a worker thread while t
 verifies; after verification one probe per request finds the draft for its outcome (accept
 length, bonus), which the next step verifies; a miss falls back to the drafter's own lookup.
 
-RidgeFill's decode-time rescue rides with the step (`fill.rescue`): a request's pending token
-triggers the rows its n-gram calls for, which join the forward from the split on
-(`engine.RewrittenRows`), and its draft ends before a token that would trigger one, so each
-position sees the rows plain decoding shows it.
+RidgeFill's decode-time rescue runs in the step (`fill.rescue`): a request's pending token
+triggers the rows its n-gram calls for, which are recomputed through the late layers just before
+the step's forward, and its draft ends before a token that would trigger one, so each position
+sees the rows plain decoding shows it.
 
 Every decode path is a loop over `speculative_step`: offline decoding, plain or drafted
 (`decode.generate`, `decode.speculative_generate`), rollouts and the server (`serve.scheduler`).
@@ -36,7 +36,6 @@ from typing import Callable
 
 import torch
 
-from kvforge.engine import RewrittenRows
 from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, commit_token
 from kvforge.sampling import SampleKey
@@ -358,8 +357,13 @@ def speculative_step(
         prefetching = {r.key: (r.ngram, r.context[:], d) for r, d in zip(requests, drafts) if r.ngram is not None}
         future = prefetcher.start(prefetching) if prefetching else None
     t = time.perf_counter()
-    rewritten = rescued_rows(requests, rescued, engine.device)
-    logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all", rewritten)  # (B, K+1, V)
+    for row, (r, rows) in enumerate(zip(requests, rescued)):
+        if rows:  # before the forward, in a pass of their own: the step's rows keep the shapes (and bits) of a step without them
+            r.rescue.late_layers(engine, cache.sequence(row), rows)
+            cache.unshare(rows[0])
+    rescue_s = time.perf_counter() - t
+    t = time.perf_counter()
+    logits = engine.forward(ids.to(engine.device), positions.to(engine.device), cache, "all")  # (B, K+1, V)
     device_s = time.perf_counter() - t
     accepted, bonus = _verify_rows(logits, ids, lengths, requests)
     if width:  # keep the pending row and the accepted drafts (a plain step has nothing to drop)
@@ -397,10 +401,10 @@ def speculative_step(
         except Exception as exc:
             _fail(r, exc, isolate)
         outcomes.append(StepOutcome(len(d), j, len(committed), hit))
-    host_s = time.perf_counter() - step_start - device_s
-    if gate is not None:
+    host_s = time.perf_counter() - step_start - device_s - rescue_s
+    if gate is not None:  # the step's own forward and host work: a rescue pass is RidgeFill's, not the draft width's
         gate.record(len(requests), width + 1, context, device_s, host_s)
-    stats.device_s += device_s
+    stats.device_s += device_s + rescue_s
     stats.lookup_s += lookup_s
     stats.host_s += host_s - lookup_s
     return outcomes
@@ -443,24 +447,3 @@ def _before_rescue(request: SpecRequest, draft: list[int]) -> list[int]:
         if request.rescue.would_rescue(request.context + draft[: i + 1]):
             return draft[:i]
     return draft
-
-
-def rescued_rows(requests: list[SpecRequest], rescued: list[list[int]], device) -> RewrittenRows | None:
-    """The rows each request's rescue recomputes this step as one batch of rewritten rows (padded
-    to the most rows with slots at -1), or None when no request rescues any. Every rescue starts
-    at its plan's split; one step rewrites from one layer."""
-    if not any(rescued):
-        return None
-    splits = {r.rescue.split for r, rows in zip(requests, rescued) if rows}
-    if len(splits) > 1:
-        raise ValueError(f"requests rescuing rows from different splits ({sorted(splits)}) share a step")
-    parts = [r.rescue.rewritten(rows, device) if rows else None for r, rows in zip(requests, rescued)]
-    width = max(p.index.shape[1] for p in parts if p is not None)
-    sample = next(p for p in parts if p is not None)
-    h = sample.h.new_zeros(len(requests), width, sample.h.shape[-1])
-    index = torch.full((len(requests), width), -1, dtype=torch.long, device=device)
-    for row, p in enumerate(parts):
-        if p is not None:
-            n = p.index.shape[1]
-            h[row, :n], index[row, :n] = p.h[0], p.index[0]
-    return RewrittenRows(splits.pop(), h, index.clone(), index)
