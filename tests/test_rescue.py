@@ -12,6 +12,7 @@ from kvforge.fill.rescue import DecodeRescue, RescueConfig
 from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
 from kvforge.generation import GenerationConfig
 from test_ridgefill import _fit, _ids
+from test_serve import _schedule
 
 
 @pytest.fixture(scope="module")
@@ -191,28 +192,6 @@ def test_a_draft_ends_before_the_token_that_would_trigger_a_rescue(fitted):
     assert rescue.due(request.context + [4, 2, 6]) == [3, 4] and _before_rescue(request, [4, 2, 6, 11]) == [4, 2, 6, 11]
 
 
-def _serve(engine, prefillers, groups):
-    """Run request groups through one Scheduler batch; returns when every request is done."""
-    import threading
-
-    from kvforge.serve.scheduler import Scheduler
-
-    done = threading.Semaphore(0)
-    requests = [r for group in groups for r in group]
-    for r in requests:
-        r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(engine, prefillers, max_batch=8)
-    for group in groups:
-        scheduler.submit(group)
-    scheduler.start()
-    try:
-        for _ in requests:
-            assert done.acquire(timeout=120), "a request did not finish"
-    finally:
-        scheduler.stop()
-    assert all(r.error is None for r in requests), [r.error for r in requests]
-
-
 @pytest.mark.parametrize("generation", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_served_ridgefill_decodes_what_generate_does_plain_and_drafted_alone_and_batched(fitted, generation):
     """The server's RidgeFill requests, each with its own rescue in the batch, decode the tokens
@@ -231,10 +210,10 @@ def test_served_ridgefill_decodes_what_generate_does_plain_and_drafted_alone_and
     assert all(expected[("ridgefill", i)].rescued_rows > 0 for i in range(2))
     for draft in ("none", "ngram"):
         alone = [ServeRequest(prompts["ridgefill"][0], generation, prefill="ridgefill", draft=draft)]
-        _serve(engine, prefillers, [alone])
+        _schedule(engine, [alone], prefillers=prefillers)
         assert alone[0].seq.token_ids == expected[("ridgefill", 0)].token_ids, draft
         batch = {(m, i): ServeRequest(p, generation, prefill=m, draft=draft) for m, ps in prompts.items() for i, p in enumerate(ps)}
-        _serve(engine, prefillers, [[r] for r in batch.values()])
+        _schedule(engine, list(batch.values()), prefillers=prefillers)
         for name, r in batch.items():
             assert r.seq.token_ids == expected[name].token_ids, (draft, name)
         assert batch[("ridgefill", 1)].state.rescue.rescued_rows == expected[("ridgefill", 1)].rescued_rows

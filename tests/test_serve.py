@@ -623,16 +623,18 @@ def tiny_engine():
     return Engine(tiny_loaded("llama"))
 
 
-def _schedule(engine, items, draft=None, setup=lambda scheduler: None, prefill=None):
+def _schedule(engine, items, draft=None, setup=lambda scheduler: None, prefill=None, prefillers=None):
     """Run `items` (requests, or groups of them: the choices of one request) through a
-    Scheduler, admitted into one batch; returns the scheduler."""
+    Scheduler, admitted into one batch; returns the scheduler. `prefillers`: by method (default:
+    `prefill`, else the engine's exact prefill, for "exact")."""
     from kvforge.serve.scheduler import Scheduler
 
     done = threading.Semaphore(0)
     requests = [r for item in items for r in (item if isinstance(item, list) else [item])]
     for r in requests:
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(engine, {"exact": prefill or (lambda r: (*engine.prefill([r.prompt_ids]), None))}, max_batch=8, draft=draft)
+    prefillers = prefillers or {"exact": prefill or (lambda r: (*engine.prefill([r.prompt_ids]), None))}
+    scheduler = Scheduler(engine, prefillers, max_batch=8, draft=draft)
     setup(scheduler)
     for item in items:
         scheduler.submit(item)

@@ -529,7 +529,7 @@ class KVCache:
                    for layer in self.layers if not isinstance(layer, RecurrentLayerCache))
 
     def reserve_rows(self, rows: int) -> None:
-        """Room for `rows` rows per sequence in every layer's buffers, allocated now."""
+        """Room for `rows` rows per sequence in every layer's buffers, allocated at once."""
         for layer in self.layers:
             if rows > layer.capacity:
                 layer._reserve(rows - layer.length, exact=True)

@@ -190,21 +190,14 @@ class Engine:
         chunked); exact_shortcut=False runs it through `run_plan` all the same, so tests can hold
         the plan path to its invariant.
         """
-        logits, cache, _ = self.prefill_with_states(prompts, cache, chunk_size, logits, plan, exact_shortcut)
+        logits, cache, _ = run_to_end(self.prefill_steps(prompts, cache, chunk_size, logits, plan, exact_shortcut))
         return logits, cache
 
-    def prefill_with_states(
-        self,
-        prompts: list[list[int]] | torch.Tensor,
-        cache: KVCache | None = None,
-        chunk_size: int | None = None,
-        logits: str = "last",
-        plan: PrefillPlan | None = None,
-        exact_shortcut: bool = True,
-    ) -> tuple[torch.Tensor, KVCache, torch.Tensor | None]:
-        """`prefill`, and what decoding may need of it beside the cache: a planned prefill's
-        per-row residual streams entering their depths (`run_plan`; None for an exact prefill)."""
-        return run_to_end(self.prefill_steps(prompts, cache, chunk_size, logits, plan, exact_shortcut))
+    def prefill_with_states(self, *args, **kwargs) -> tuple[torch.Tensor, KVCache, torch.Tensor | None]:
+        """`prefill` (the same arguments), and what decoding may need of it beside the cache: a
+        planned prefill's per-row residual streams entering their depths (`run_plan`; None for an
+        exact prefill). `prefill_steps` run to its end."""
+        return run_to_end(self.prefill_steps(*args, **kwargs))
 
     def prefill_steps(
         self,

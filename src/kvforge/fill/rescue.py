@@ -134,7 +134,7 @@ class DecodeRescue:
 
     def due(self, context: list[int]) -> list[int]:
         """`context`'s last token (the step's pending token) is about to be fed: the filled rows
-        its n-gram calls for (sorted), now counted as rescued."""
+        its n-gram calls for (sorted), from here on counted as rescued."""
         rows = self._rows_after(context)
         if rows:
             self.pending[rows] = False
