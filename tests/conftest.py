@@ -138,4 +138,4 @@ def real_model():
     """The packaged smollm2-135m (slow tests only)."""
     from kvforge.models import load_model
 
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", dtype="fp32")

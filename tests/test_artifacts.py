@@ -120,7 +120,7 @@ def test_every_shipped_artifact_loads_against_the_packaged_weights(real_model):
             LoraAdapter.load(path).check_model(entry["model"], engine.model.fingerprint, engine.num_layers)
         else:
             for name in (entry["source"], entry["target"]):
-                engines.setdefault(name, Engine(load_model(name)))
+                engines.setdefault(name, Engine(load_model(name, dtype="fp32")))
             Translator.load(path).check_pair(ModelSide.of(engines[entry["source"]]), ModelSide.of(engines[entry["target"]]))
 
 

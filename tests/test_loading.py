@@ -1,5 +1,7 @@
 """Model resolution, the GGUF conversion cache, fingerprints and device checks."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from kvforge.models.registry import PackagedModel
 
 
 def test_load_local_directory_gives_the_same_model(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir))
+    loaded = load_model(str(tiny_model_dir), dtype="fp32")
     reference = tiny_hf_model("llama")
     ids = torch.randint(3, 97, (1, 12))
     with torch.inference_mode():
@@ -55,15 +57,33 @@ def test_parse_dtype_names():
 
 
 def test_bf16_on_a_cpu_without_it_warns_once(monkeypatch, capsys, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("flags : fpu sse2 avx2\n")
-    monkeypatch.setattr(loading, "_CPUINFO", cpuinfo)
+    monkeypatch.setattr(loading, "multiplies_natively", lambda name: False)
     monkeypatch.setattr(loading, "_warned", set())
     for _ in range(2):
         loading._warn_if_emulated(torch.device("cpu"), torch.bfloat16)
     assert capsys.readouterr().err.count("no native bfloat16 support") == 1
     loading._warn_if_emulated(torch.device("cpu"), torch.float32)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32), (None, torch.float32)])
+def test_auto_is_bf16_where_the_cpu_multiplies_it(monkeypatch, tiny_model_dir, native, expected):
+    monkeypatch.setattr(loading, "multiplies_natively", lambda name: native)
+    assert loading.default_dtype(torch.device("cpu")) is expected
+    assert load_model(str(tiny_model_dir)).dtype is load_model(str(tiny_model_dir), dtype="auto").dtype is expected
+
+
+def test_cpu_flags_decide_native_bf16(monkeypatch, tmp_path):
+    from kvforge import cpu
+
+    for flags, native in (("fpu sse2 avx2", False), ("avx2 avx512f avx512_bf16", True), ("avx2 amx_bf16 amx_tile", True)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"model name : X\nflags : {flags}\n")
+        monkeypatch.setattr(cpu, "CPUINFO", info)
+        cpu.cpuinfo.cache_clear()
+        assert cpu.multiplies_natively("bfloat16") is native
+    cpu.cpuinfo.cache_clear()
+    assert 1 <= cpu.all_cores() <= (os.cpu_count() or 1)
 
 
 def test_fingerprint_tells_models_apart():

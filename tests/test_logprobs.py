@@ -123,7 +123,7 @@ def test_rollout_writes_sampling_and_model_logprobs(tiny_model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 4
-    engine = Engine(load_model(str(tiny_model_dir)))
+    engine = Engine(load_model(str(tiny_model_dir), dtype="fp32"))
     params = SamplingParams(temperature=0.7, top_p=0.9)
     for line in lines:
         ids = engine.model.tokenizer(["abcabcabc", "hello hello"][line["prompt_index"]]).input_ids

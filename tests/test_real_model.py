@@ -47,7 +47,7 @@ def test_chat_answer_is_sensible(engine):
 def test_cached_conversion_loads_again(real_model):
     from kvforge.models import load_model
 
-    again = load_model("smollm2-135m")
+    again = load_model("smollm2-135m", dtype="fp32")
     assert again.fingerprint == real_model.fingerprint
 
 

@@ -47,7 +47,7 @@ def _speed_adapter(model_dir, path):
     from kvforge.fill.lora import LoraAdapter
     from kvforge.models import load_model
 
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     lora = LoraAdapter.new(engine.adapter, 2, 2.0, str(model_dir), engine.model.fingerprint, seed=1)
     g = torch.Generator().manual_seed(2)
     for key, value in lora.tensors.items():
@@ -296,7 +296,7 @@ def test_logprobs_in_openai_shapes_streamed_or_not(client, dirs):
     from kvforge.models import load_model
 
     model = str(dirs[0])
-    engine = Engine(load_model(model))
+    engine = Engine(load_model(model, dtype="fp32"))
     ids = engine.model.tokenizer(PROMPTS[0]).input_ids
     expected = engine.generate(ids, GenerationConfig(max_new_tokens=8, logprobs=True))[0].logprobs
     out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)

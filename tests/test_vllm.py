@@ -144,7 +144,7 @@ def test_a_sampled_group_shares_one_ngram_cache(drafting):
 
 def test_injected_exact_cache_gives_vllms_own_logits_and_tokens(model_dir, plain):
     prompt = prompts()[1] + prompts()[0]
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     _, cache = engine.prefill([prompt[:-1]], logits="none")
     key = CacheStore("memory").put(prompt, cache, prompt[:-1], config_id(model_dir))
     try:
@@ -164,7 +164,7 @@ def test_injected_exact_cache_gives_vllms_own_logits_and_tokens(model_dir, plain
 def test_an_injected_cache_of_a_shorter_prefix_leaves_vllm_to_prefill_the_rest(model_dir, plain):
     # what `bench vllm-handoff --native-tail N` relies on: vLLM loads the rows before the tail and prefills the tail itself
     prompt = prompts()[1] + prompts()[0]
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     loaded = len(prompt) - 17
     _, cache = engine.prefill([prompt[:loaded]], logits="none")
     key = CacheStore("memory").put(prompt, cache, prompt[:loaded], config_id(model_dir))
@@ -181,7 +181,7 @@ def test_an_injected_cache_of_a_shorter_prefix_leaves_vllm_to_prefill_the_rest(m
 
 def test_a_bad_injection_fails_its_request_and_the_engine_stays_up(model_dir, plain, tmp_path):
     prompt = prompts()[1]
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     _, cache = engine.prefill([prompt[:-1]], logits="none")
     store = CacheStore("memory")
     longer = prompt + [5]
@@ -201,7 +201,7 @@ def test_directory_store_round_trip_and_a_corrupt_entry(model_dir, tmp_path):
     from kvforge.errors import KvforgeError
 
     prompt = prompts()[2]
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     _, cache = engine.prefill([prompt[:-1]], logits="none")
     store = CacheStore(tmp_path / "store")
     key = store.put(prompt, cache, prompt[:-1], config_id(model_dir))
@@ -223,7 +223,7 @@ def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
         entry = CacheStore("memory").get("read-out")
     finally:
         MEMORY.pop("read-out", None)
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     _, exact = engine.prefill([prompt], logits="none")
     assert entry.tokens == prompt and len(entry.cache) == len(exact)
     for saved, own in zip(entry.cache.layers, exact.layers):

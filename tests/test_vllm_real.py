@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_injected_exact_cache_matches_vllms_own_prefill(name):
-    engine = Engine(load_model(name))
+    engine = Engine(load_model(name, dtype="fp32"))
     directory = hf_directory(name)
     ids = tokenize(engine.model.tokenizer, text_of_tokens(engine.model.tokenizer, 700)).ids  # > gemma3's 512-token window
     _, cache = engine.prefill([ids[:-1]], logits="none")
@@ -60,7 +60,7 @@ def test_vllm_ridgefill_matches_kvforges_on_smollm2(tmp_path):
     from kvforge.plan import final_depth
     from kvforge.vllm.ridgefill import engine_args, ridgefill_stats
 
-    engine = Engine(load_model("smollm2-135m"))
+    engine = Engine(load_model("smollm2-135m", dtype="fp32"))
     fit = token_sequences(engine.model.tokenizer, 512, "fit")
     maps = fit_ridgefill(engine, CalibrationConfig(splits=(15,), tokens=12 * 508, seq_len=512), engine.model.name,
                          sequences=[next(fit) for _ in range(12)])

@@ -36,7 +36,7 @@ SETTING = {"split": 2, "tail": 32, "attended_rows": 4}
 
 
 def fit_maps(model_dir, path):
-    engine = Engine(load_model(str(model_dir)))
+    engine = Engine(load_model(str(model_dir), dtype="fp32"))
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(3, 90, (64,), generator=g).tolist() for _ in range(40)]
     maps = fit_ridgefill(engine, CalibrationConfig(splits=(2,), tokens=40 * 60, seq_len=64, lam=1e-3, normed_target=True), engine.model.name, sequences=sequences)

@@ -96,7 +96,7 @@ def complete(client, model: str, prompt: list[int], **extra):
 def test_served_drafting_and_injection_through_the_openai_client(server):
     client, model, model_dir, store, _ = server
     prompt = prompts()[1] + prompts()[0]
-    engine = Engine(load_model(model))
+    engine = Engine(load_model(model, dtype="fp32"))
     _, cache = engine.prefill([prompt[:-1]], logits="none")
     key = CacheStore(store).put(prompt, cache, prompt[:-1], config_id(model_dir))
     drafted = complete(client, model, prompt)  # every request runs through kvforge's proposer on this server
@@ -127,7 +127,7 @@ def test_a_long_served_prompt_is_answered_from_a_ridgefill_prefill(server):
     from kvforge.generation import GenerationConfig
 
     client, model, _, _, maps = server
-    engine = Engine(load_model(model))
+    engine = Engine(load_model(model, dtype="fp32"))
     config, loaded = resolve(engine, maps, **RIDGEFILL)
     prompt = long_prompt(400, 8)
     logits, _ = engine.prefill([prompt], plan=ridgefill_plan(engine, prompt, config, loaded))

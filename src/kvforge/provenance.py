@@ -14,7 +14,6 @@ No torch import at module level: the CLI's common module imports this at start-u
 from __future__ import annotations
 
 import os
-import platform
 import re
 import subprocess
 import tempfile
@@ -23,37 +22,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvforge.cpu import cpu_class, cpuinfo
 from kvforge.paths import kvforge_home
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-
-
-@lru_cache(maxsize=1)
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) from /proc/cpuinfo; the platform's processor string elsewhere. A virtual
-    machine may hide the model's number ("AMD EPYC"): the family and model ids then say which."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), frozenset()
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    model = fields.get("model name", platform.machine())
-    if "cpu family" in fields and "model" in fields:
-        model += f" (family {fields['cpu family']}, model {fields['model']})"
-    return model, frozenset(fields.get("flags", fields.get("Features", "")).split())
-
-
-def cpu_class() -> str:
-    """The class figures are grouped by: "AMX-BF16", "AVX512-BF16", "AVX2" or "other"."""
-    _, flags = _cpuinfo()
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return "other"
 
 
 def _version(package: str) -> str | None:
@@ -82,7 +55,7 @@ def machine() -> dict[str, Any]:
     """What a figure depends on besides the code: CPU, cores, flags, threads, versions, commit."""
     import torch
 
-    model, flags = _cpuinfo()
+    model, flags = cpuinfo()
     return {
         "cpu": model,
         "cpu_class": cpu_class(),

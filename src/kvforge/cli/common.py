@@ -34,9 +34,14 @@ ModelOpt = typer.Option("smollm2-135m", "--model", "-m", help="Alias, HF directo
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option(
     "auto", "--dtype",
-    help="Weights and KV cache: auto (fp32 on CPU, the parity default; bf16 on GPU), fp32, bf16 or fp16. Maps and adapters fitted in fp32 load in any.",
+    help="Weights and KV cache: auto (bf16 on GPUs and on CPUs that multiply it natively: AMX, AVX512-BF16; else fp32), "
+         "fp32 (the exact reference), bf16 or fp16. Maps and adapters fitted in fp32 load in any.",
 )
-ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice).")
+# Fits and evaluations measure against exact: fp32 unless told otherwise.
+ReferenceDtypeOpt = typer.Option(
+    "fp32", "--dtype", help="Weights and KV cache: fp32 (the exact reference), bf16, fp16 or auto (as `generate`'s).",
+)
+ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads (default: every physical core this process may use).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on the last line of stdout.")
 MapsOpt = typer.Option(None, "--maps", help="RidgeFill maps (from `kvforge fit ridgefill`; default: your own fit in $KVFORGE_HOME, else the shipped ones).")
 PresetOpt = typer.Option("fast", "--preset", help="RidgeFill setting: fast or quality.")
@@ -74,14 +79,17 @@ def user_errors(fn):
     return wrapper
 
 
-def setup_threads(threads: Optional[int]) -> None:
-    """Apply `--threads` to torch (None: leave torch's choice)."""
+def setup_threads(threads: Optional[int]) -> int:
+    """Apply `--threads` to torch (None: every physical core the process may use) and return it."""
     import torch
 
-    if threads is not None:
-        if threads < 1:
-            raise KvforgeError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    from kvforge.cpu import all_cores
+
+    if threads is not None and threads < 1:
+        raise KvforgeError(f"--threads must be >= 1, got {threads}")
+    threads = all_cores() if threads is None else threads
+    torch.set_num_threads(threads)
+    return threads
 
 
 def load_engine(model: str, device: str, dtype: str = "auto"):

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err, eval_app, load_engine, parse_lengths,
+    DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err, eval_app, load_engine, parse_lengths,
     setup_threads,
     user_errors,
 )
@@ -63,7 +63,7 @@ def eval_exact_cmd(
     prompts: int = typer.Option(5, "--prompts", help="Held-out prompts to compare."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, DtypeOpt, JsonOpt, ThreadsOpt, app, bench_app, dtype_of, emit_json, err, eval_app, fit_app, load_engine, parse_lengths,
+    DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, ThreadsOpt, app, bench_app, dtype_of, emit_json, err, eval_app, fit_app, load_engine, parse_lengths,
     read_prompt, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -62,7 +62,7 @@ def fit_lingo_cmd(
     lr_sweep: bool = typer.Option(False, "--lr-sweep", help="Stage 2: short runs (--steps each) at five rates half a decade apart around --lr, extended at the edges; picks the rate, writes no translator."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/translators/<source>-to-<target>.safetensors)."),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -340,7 +340,7 @@ def eval_lingo_cmd(
     back_translator: Optional[Path] = typer.Option(None, "--back-translator", help="Multi-turn: the TARGET → SOURCE translator (default: the cached one)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="CKA PNG (default: benchmarks/results/lingo-cka-<source>-to-<target>.png)."),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):

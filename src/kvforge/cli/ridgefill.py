@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    DeviceOpt, DtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, RescueOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
+    DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, RescueOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
     eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -30,7 +30,7 @@ def fit_ridgefill_cmd(
     normed_target: bool = typer.Option(False, "--normed-target/--no-normed-target", help="Maps predict each late layer's normed input, folded into its K/V projection: half the fill MACs (2K TTFT 1.55x vs 1.41x), all-token gap +9.1 % vs +7.0 % on smollm2-135m. Default: the input, through the layer's norm."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/maps/<model>-ridgefill.safetensors)."),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -150,7 +150,7 @@ def eval_ridgefill_cmd(
     rescue: bool = RescueOpt,
     serving: str = typer.Option("kvforge", "--engine", help="kvforge (its own engine) or vllm (RidgeFill in vLLM's model, beside kvforge's figures on the same samples)."),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):

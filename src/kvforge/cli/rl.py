@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli.common import DeviceOpt, JsonOpt, KOpt, ModelOpt, bench_app, cell, emit_json, err, load_engine, safe_name, user_errors
+from kvforge.cli.common import DeviceOpt, JsonOpt, KOpt, ModelOpt, bench_app, cell, emit_json, err, load_engine, safe_name, setup_threads, user_errors
 from kvforge.errors import KvforgeError
 
 
@@ -29,7 +29,7 @@ def bench_rl_cmd(
     k: int = KOpt,
     heldout: int = typer.Option(8, "--heldout", help="Held-out problems answered greedily before the first update and after the last."),
     seed: int = typer.Option(0, "--seed"),
-    threads: int = typer.Option(1, "--threads", help="Threads of the rollouts (the update uses torch's default)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the rollouts (default: every physical core; the update uses every core too)."),
     dtype: str = typer.Option("bf16", "--dtype", help="The rollout engine's dtype; the trainer runs float32."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rl-<task>-<model>-<noise>.png)."),
     also: Optional[Path] = typer.Option(None, "--plot-with", help="Another noise mode's JSON report, drawn beside this one."),
@@ -44,6 +44,7 @@ def bench_rl_cmd(
     from kvforge.bench.rl import bench_rl, check_settings, plot as plot_report
     from kvforge.models.loading import hf_directory
 
+    threads = setup_threads(None) if threads is None else threads  # the update's threads: every core
     check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr)
     other = None
     if also is not None:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
+    AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
     eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -35,7 +35,7 @@ def fit_speed_cmd(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output .safetensors (default: $KVFORGE_HOME/adapters/<model>-speed-cut<C>.safetensors)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint file, written every 25 steps; a run with the same settings resumes from it."),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -137,7 +137,7 @@ def eval_speed_cmd(
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     needle_tokens: int = typer.Option(1024, "--needle-tokens"),
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):

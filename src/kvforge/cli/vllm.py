@@ -28,9 +28,12 @@ def _need_vllm() -> None:
 
 
 def _vllm_dtype(dtype: str):
-    from kvforge.models.loading import parse_dtype
+    """`--dtype` for vLLM's CPU engine: "auto" as kvforge resolves it on the CPU (`default_dtype`)."""
+    import torch
 
-    return parse_dtype(dtype if dtype != "auto" else "fp32")
+    from kvforge.models.loading import default_dtype, parse_dtype
+
+    return parse_dtype(dtype) or default_dtype(torch.device("cpu"))
 
 
 @bench_app.command("vllm-ngram")

