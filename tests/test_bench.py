@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_loaded
+from conftest import tiny_hf_model, tiny_loaded
 from kvforge.bench.exact import _logit_diff, bench_exact
 from kvforge.bench.flops import _keys_seen, decode_macs, decode_span_macs, exact_macs, prefill_macs
 from kvforge.bench.harness import interleaved_metric_medians, interleaved_samples
@@ -221,3 +221,17 @@ def test_bench_peers_rejects_a_bad_dtype_with_one_line():
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--dtypes" in lines[0] and "'fp8'" in lines[0], result.stderr
+
+
+def test_bench_load_measures_a_load_in_a_fresh_process(tiny_model_dir):
+    from kvforge.bench.loading import bench_load
+    from kvforge.models.loading import model_fingerprint
+
+    report = bench_load(str(tiny_model_dir), ["bf16", "fp32"], threads=1)
+    bf16, fp32 = report["results"]
+    assert (bf16["dtype"], fp32["dtype"]) == ("bfloat16", "float32")
+    assert fp32["weight_bytes"] == 2 * bf16["weight_bytes"] > 0 and fp32["parameters"] == bf16["parameters"]
+    assert bf16["fingerprint"] == fp32["fingerprint"] == model_fingerprint(tiny_hf_model("llama"))
+    assert bf16["peak_above_import_bytes"] >= bf16["tokenizer_peak_bytes"] > 0
+    with pytest.raises(ValueError, match="failed"):
+        bench_load(str(tiny_model_dir) + "-missing", ["bf16"], threads=1)

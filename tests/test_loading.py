@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_hf_model, tiny_loaded
+from conftest import char_tokenizer, tiny_hf_model, tiny_loaded
 from kvforge.errors import DeviceError, KvforgeError, MissingPackageError, UnknownModelError
 from kvforge.models import load_model, parse_dtype, resolve_device
 from kvforge.models import loading
@@ -42,6 +42,48 @@ def test_bf16_load_keeps_the_fp32_fingerprint(tiny_model_dir):
     assert {n for n, _ in bf16.hf.named_buffers()} == set(buffers)
     for name, b in bf16.hf.named_buffers():
         assert b.dtype == buffers[name].dtype and torch.equal(b, buffers[name]), name
+
+
+def test_a_directory_fingerprint_is_the_loaded_models_without_loading_it(tmp_path, monkeypatch):
+    """Streamed from the safetensors files, equal to hashing the fp32 model, cached by the files'
+    sizes and mtimes; a rewritten weight file is hashed again."""
+    from kvforge.models import streamed
+
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+    model = tiny_hf_model("llama", seed=3)
+    model.save_pretrained(tmp_path / "m")
+    assert streamed.directory_fingerprint(tmp_path / "m") == model_fingerprint(model)
+    monkeypatch.setattr(streamed, "read_parameters", lambda *args: pytest.fail("the cached id was not used"))
+    assert streamed.directory_fingerprint(tmp_path / "m") == model_fingerprint(model)
+    monkeypatch.undo()
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.view(-1)[-1] += 1e-3
+    model.save_pretrained(tmp_path / "m")
+    assert streamed.directory_fingerprint(tmp_path / "m") == model_fingerprint(model)
+
+
+def test_a_bf16_load_reads_the_weights_once_in_bf16(tiny_model_dir, monkeypatch, tmp_path):
+    """No fp32 model is built on the way (it would double a large model's memory): each tensor
+    goes from its file into a bf16 parameter, and the id comes from the same pass."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))  # no cached id: the load's pass computes it
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded by from_pretrained"))
+    monkeypatch.setattr(loading, "model_fingerprint", lambda model: pytest.fail("hashed the loaded weights"))
+    bf16 = load_model(str(tiny_model_dir), dtype="bf16")
+    assert {p.dtype for p in bf16.hf.parameters()} == {torch.bfloat16}
+    assert bf16.fingerprint == model_fingerprint(tiny_hf_model("llama"))
+
+
+def test_a_checkpoint_of_another_layout_loads_through_transformers(tmp_path):
+    """Files that do not name every parameter (here a .bin checkpoint) take from_pretrained."""
+    model = tiny_hf_model("llama", seed=4)
+    model.save_pretrained(tmp_path / "m", safe_serialization=False)
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"), dtype="bf16")
+    assert loaded.fingerprint == model_fingerprint(model)
+    assert torch.equal(loaded.hf.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight.bfloat16())
 
 
 def test_parse_dtype_names():

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from kvforge.errors import KvforgeError
 from kvforge.cli.common import DeviceOpt, JsonOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, parse_lengths, setup_threads, user_errors
 
 
@@ -42,3 +43,28 @@ def bench_peers_cmd(
         return
     print(markdown_table(report))
     err.print(f"[dim]{report['threads']} thread(s), median of {runs} runs after a warm-up; ratios are kvforge's rate over the peer's (prefill / decode)[/dim]")
+
+
+@bench_app.command("load")
+@user_errors
+def bench_load_cmd(
+    model: str = ModelOpt,
+    dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes, each loaded in a fresh process."),
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """Loading's cost: peak resident memory above `import torch, transformers` against the weights' bytes, load and fingerprint seconds."""
+    from kvforge.bench.loading import bench_load
+    from kvforge.models.loading import DTYPES
+
+    names = [d.strip() for d in dtypes.split(",") if d.strip()]
+    if not names or any(d not in DTYPES for d in names):
+        raise KvforgeError(f"--dtypes: comma-separated fp32, bf16 or fp16, got {dtypes!r}")
+    report = bench_load(model, names, setup_threads(threads), progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if json_out:
+        emit_json(report)
+        return
+    for r in report["results"]:
+        print(f"{r['dtype']}: {r['parameters'] / 1e6:.0f}M parameters, weights {r['weight_bytes'] / 1e9:.2f} GB, peak "
+              f"{r['peak_above_import_bytes'] / 1e9:.2f} GB above the import ({r['peak_over_weights']:.2f}x), load {r['load_s']:.1f} s, "
+              f"fingerprint {r['fingerprint_s']:.1f} s; the tokenizer's share {r['tokenizer_peak_bytes'] / 1e9:.2f} GB")

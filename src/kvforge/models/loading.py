@@ -25,6 +25,8 @@ from kvforge.cpu import multiplies_natively
 from kvforge.errors import DeviceError, KvforgeError, UnknownModelError
 from kvforge.paths import kvforge_home
 from kvforge.models.adapters import ModelAdapter, adapter_for
+from kvforge.models.fingerprint import model_fingerprint  # noqa: F401  (re-exported)
+from kvforge.models.streamed import directory_fingerprint, load_streamed
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
 
 MANIFEST = "kvforge-conversion.json"
@@ -44,6 +46,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights_version: int = 0  # in-place weight updates applied (`weights.update_weights`)
     lora_base: dict = field(default_factory=dict)  # a LoRA update's base values, by parameter name
+    directory: Path | None = None  # the Hugging Face directory the weights were read from
 
     @property
     def config(self):
@@ -55,9 +58,12 @@ class LoadedModel:
 
     @cached_property
     def fingerprint(self) -> str:
-        """`model_fingerprint` of the weights, computed on first use and kept (hashing every value
-        of a 135M model takes 0.3-1 s); `weights.update_weights` drops it, other in-place edits
-        keep the old id."""
+        """The weights' `model_fingerprint` (their fp32 values' id, whatever dtype they were loaded
+        in): from the directory's files while the weights are the files', else from the weights
+        as they are. Computed on first use and kept; `weights.update_weights` drops it, other
+        in-place edits keep the old id."""
+        if self.directory is not None and self.weights_version == 0:
+            return directory_fingerprint(self.directory)
         return model_fingerprint(self.hf)
 
 
@@ -132,9 +138,9 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype | None =
     """Load `spec` (alias, HF directory, .gguf file or hub id) on `device` in `dtype` (a torch
     dtype or a `parse_dtype` name; None or "auto": `default_dtype`).
 
-    A lower-precision model is loaded in fp32, fingerprinted, then cast, so its fingerprint is
-    the fp32 model's and artifacts fitted in fp32 load on it. The cast comes before the family
-    adapter is built: the adapter fuses weight tensors at construction.
+    The weights are read straight into `dtype`, one tensor at a time (`streamed`: a bf16 load
+    never holds the fp32 model, nor the mapped file). The fingerprint comes from the files, so it
+    is the fp32 model's and artifacts fitted in fp32 load on a bf16 model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -144,25 +150,35 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype | None =
     dev = resolve_device(device)
     dtype = parse_dtype(dtype) or default_dtype(dev)
     _warn_if_emulated(dev, dtype)
-    lower = torch.finfo(dtype).bits < 32
     hf_dir, source = _resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-        model = AutoModelForCausalLM.from_pretrained(
-            str(hf_dir), dtype=torch.float32 if lower else dtype, attn_implementation="sdpa"
-        )
+        streamed = load_streamed(Path(hf_dir), dtype) if Path(hf_dir).is_dir() else None
+        if streamed is None:  # a hub id, or files of another layout
+            model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="sdpa")
     except OSError as exc:
         raise UnknownModelError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
-    fingerprint = None
-    if lower:
-        fingerprint = model_fingerprint(model)
-        cast_model(model, dtype)
+    if streamed is not None:
+        model = streamed[0]
     model.to(dev).eval()
     model.requires_grad_(False)
-    loaded = LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype)
-    if fingerprint is not None:
-        vars(loaded)["fingerprint"] = fingerprint  # the cached_property's slot
+    loaded = LoadedModel(spec, source, model, tokenizer, adapter_for(model), dev, dtype, directory=_local_directory(hf_dir))
+    if streamed is not None:
+        vars(loaded)["fingerprint"] = streamed[1]  # the cached_property's slot: hashed in the same pass
     return loaded
+
+
+def _local_directory(hf_dir: str | Path) -> Path | None:
+    """The directory a model's files were read from: `hf_dir` itself, or a hub id's snapshot in
+    the Hugging Face cache; None where there is none (the fingerprint then hashes the weights)."""
+    if Path(hf_dir).is_dir():
+        return Path(hf_dir)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(hf_dir), local_files_only=True))
+    except Exception:  # noqa: BLE001 (any failure to find a local snapshot: hash the weights instead)
+        return None
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -310,29 +326,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def directory_fingerprint(directory: str | Path) -> str:
-    """`model_fingerprint` of the weights in a Hugging Face directory (loaded in fp32, as kvforge
-    fingerprints every model), for engines that load the directory themselves (vLLM)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    return model_fingerprint(model)
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short id of architecture and weights, stored in artifacts to refuse the wrong model.
-
-    Built from the parameters' names, shapes and every value (as float32) plus the config fields
-    that change the computation, so re-saving or converting the same weights keeps the id and a
-    fine-tune that moves any weight changes it.
-    """
-    c = model.config
-    h = hashlib.sha256(c.model_type.encode())
-    for key in ("rope_parameters", "rope_theta", "rope_scaling", "sliding_window", "layer_types", "rms_norm_eps"):
-        h.update(f"{key}={getattr(c, key, None)!r};".encode())
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)};".encode())
-        h.update(p.detach().float().cpu().contiguous().numpy())  # hashed in place: no bytes copy
-    return h.hexdigest()[:16]

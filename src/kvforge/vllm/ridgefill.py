@@ -143,7 +143,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         their weight tensors once packed for oneDNN, so the fused QKV weight is sliced now)."""
         from transformers import AutoTokenizer
 
-        from kvforge.models.loading import directory_fingerprint
+        from kvforge.models.streamed import directory_fingerprint
 
         maps = RidgeMaps.load(self.maps_path)
         layers, split = len(self.model.layers), self.config_ridgefill.split
