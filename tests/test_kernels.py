@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvforge import kernels
 from kvforge.attention import PREFILL_CHUNK, grouped_attention, visibility_mask
 
-pytestmark = pytest.mark.skipif(not kernels.available(64), reason="no AVX-512 or no C compiler here")
+pytestmark = pytest.mark.skipif(not kernels.available(64), reason=f"no kernels here: {kernels.status()['why_not']}")
 
 
 def _buffer(batch, heads, capacity, dim, seed):
@@ -69,12 +69,12 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch_and_on_the_mask_path():
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    kernels._library.cache_clear()
+    kernels.reload()
     monkeypatch.setenv("KVFORGE_KERNELS", "0")
     try:
-        assert not kernels.available(64)
+        assert not kernels.available(64) and kernels.status() == {"kernels": "none", "why_not": "disabled by KVFORGE_KERNELS=0"}
     finally:
-        kernels._library.cache_clear()
+        kernels.reload()
         monkeypatch.delenv("KVFORGE_KERNELS")
     assert kernels.available(64)
     assert not kernels.available(24)  # widths that are not a multiple of 16 keep torch's ops

