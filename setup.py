@@ -1,4 +1,4 @@
-"""Builds kvforge's C kernels (src/kvforge/kernels/*.c) into one shared library when kvforge is
+"""Builds kvforge's C kernels (src/kvforge/ops/kernels/*.c) into one shared library when kvforge is
 installed; everything else is in pyproject.toml.
 
 The library needs no Python or torch headers (kvforge calls it through ctypes with raw pointers),
@@ -10,17 +10,29 @@ compiler, one too old) does not fail the install: kvforge then runs torch's ops 
 
 from __future__ import annotations
 
+import hashlib
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-KERNELS = "kvforge.kernels._kvforge_kernels"
-DIR = "src/kvforge/kernels/"
+KERNELS = "kvforge.ops.kernels._kvforge_kernels"
+DIR = "src/kvforge/ops/kernels/"
 SOURCES = [DIR + name for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c")]
 AVX512 = ["-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 # The AMX build first; a compiler without AMX intrinsics (gcc < 11) builds the rest alone.
 BUILDS = [(SOURCES + [DIR + "small_linear_amx.c"], ["-mamx-tile", "-mamx-bf16"]), (SOURCES, ["-DKVFORGE_NO_AMX"])]
+
+
+def sources_hash(directory: Path) -> str:
+    """The kernels' sources, hashed; the library carries it (`kvforge_sources`) and
+    `kvforge.ops.kernels` refuses a library built from other sources (an editable install whose
+    `.c` files changed since)."""
+    h = hashlib.sha256()
+    for path in sorted(directory.glob("*.c")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class BuildKernels(build_ext):
@@ -31,7 +43,8 @@ class BuildKernels(build_ext):
         errors = []
         for sources, extra in BUILDS:
             try:
-                check = self.compiler.compile([DIR + "cpu_check.c"], output_dir=self.build_temp, extra_postargs=["-O2", "-fPIC"])
+                check = self.compiler.compile([DIR + "cpu_check.c"], output_dir=self.build_temp, extra_postargs=["-O2", "-fPIC"],
+                                              macros=[("KVFORGE_SOURCES", f'"{sources_hash(Path(DIR))}"')])
                 objects = self.compiler.compile(sources, output_dir=self.build_temp, extra_postargs=[*AVX512, *extra])
                 self.compiler.link_shared_object(check + objects, target)
                 return

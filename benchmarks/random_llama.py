@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-from kvforge.models.loading import _resolve
+from tiny_hybrid import write_random  # the same writer: random weights, SmolLM2's tokenizer
+from transformers import LlamaConfig
 
 
 def config(vocab_size: int, bos: int, eos: int) -> LlamaConfig:
@@ -28,12 +27,7 @@ def config(vocab_size: int, bos: int, eos: int) -> LlamaConfig:
 
 
 def main(out: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(_resolve("smollm2-135m")[0]))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id), dtype=torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    model = write_random(config, out, torch.bfloat16)
     print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, bf16")
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvforge import kernels
+from kvforge.ops import kernels
 from kvforge import provenance
 
 # smollm2-135m: fused q/k/v (576 + 2 x 192 outputs), o, fused gate/up, down

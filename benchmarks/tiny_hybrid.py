@@ -32,13 +32,20 @@ def config(vocab_size: int, bos: int, eos: int) -> Qwen3_5TextConfig:
     )
 
 
-def main(out: Path) -> None:
+def write_random(make_config, out: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """A model of `make_config(vocab_size, bos, eos)` with random weights (seed 0) and SmolLM2's
+    tokenizer, saved in `dtype` as a Hugging Face directory at `out`."""
     tokenizer = AutoTokenizer.from_pretrained(str(_resolve("smollm2-135m")[0]))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(make_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id), dtype=dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return model
+
+
+def main(out: Path) -> None:
+    model = write_random(config, out, torch.float32)
     print(f"{out}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {LAYERS} layers")
 
 

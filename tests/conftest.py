@@ -17,6 +17,14 @@ from kvforge.models.loading import LoadedModel, cast_model, model_fingerprint
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test starts at one thread: a CLI command run in-process sets torch's threads to every
+    core (its default), and some paths (bf16 norms) choose by the thread count."""
+    yield
+    torch.set_num_threads(1)
+
 COMMON = dict(
     vocab_size=97,
     hidden_size=64,

@@ -37,7 +37,7 @@ def test_grouped_attention_bf16_close_to_fp32():
 
 def test_low_precision_linear_rows_do_not_depend_on_the_row_count():
     # The shape where oneDNN's one-row bf16 kernel rounded apart from the batched one here.
-    from kvforge.models.adapters import linear
+    from kvforge.ops.linear import linear
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(576, 1536, generator=g) * 0.05).bfloat16()
@@ -51,7 +51,7 @@ def test_low_precision_linear_rows_do_not_depend_on_the_row_count():
 def test_low_precision_linear_is_row_stable_from_1_to_32_rows_packed_or_not(inputs):
     """Decode (1 row), verification (k + 1 rows) and batched steps (up to 32 rows) give every row
     the same bits, through the prepacked oneDNN path and through F.linear (a weight view)."""
-    from kvforge.models.adapters import linear
+    from kvforge.ops.linear import linear
 
     g = torch.Generator().manual_seed(inputs)
     w = (torch.randn(640, inputs, generator=g) * 0.05).bfloat16()
@@ -132,7 +132,7 @@ def test_low_precision_attention_over_a_layer_with_missing_positions_uses_the_po
 
 
 def test_a_weight_changed_in_place_is_packed_again():
-    from kvforge.models.adapters import linear
+    from kvforge.ops.linear import linear
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 32, generator=g).bfloat16()
@@ -148,22 +148,22 @@ def test_a_weight_changed_in_place_is_packed_again():
 def test_fp32_one_row_through_a_streamed_weight_is_packed_and_within_rounding_of_f_linear():
     """fp32 keeps F.linear, except one row through a weight larger than the caches (an LM head):
     MKL's packed GEMM, within fp32 rounding of F.linear's GEMV; under autograd, plain F.linear."""
-    from kvforge.models import adapters
+    from kvforge.ops import linear as ops_linear, torch_private
 
-    if not adapters._mkl_packable():
+    if not torch_private.mkl():
         pytest.skip("torch built without MKL")
     g = torch.Generator().manual_seed(2)
     w = torch.randn(8192, 576, generator=g) * 0.05  # 18.9 MB: above the streamed-weight size
-    assert w.numel() * 4 >= adapters._STREAMED_BYTES
+    assert w.numel() * 4 >= ops_linear._STREAMED_BYTES
     x = torch.randn(1, 1, 576, generator=g)
     with torch.inference_mode():
-        head = adapters.linear(x, w)
+        head = ops_linear.linear(x, w)
         assert getattr(w, "_kvforge_packed", None) is not None
         assert torch.allclose(head, F.linear(x, w), atol=1e-5, rtol=1e-5)
-        two = adapters.linear(x.expand(1, 2, 576), w)  # more than one row: F.linear itself
+        two = ops_linear.linear(x.expand(1, 2, 576), w)  # more than one row: F.linear itself
         assert torch.equal(two, F.linear(x.expand(1, 2, 576), w))
     trained = w.clone().requires_grad_()
-    assert torch.equal(adapters.linear(x, trained), F.linear(x, trained))
+    assert torch.equal(ops_linear.linear(x, trained), F.linear(x, trained))
 
 
 def test_freed_memory_is_kept_once_per_process(monkeypatch):
@@ -191,7 +191,8 @@ def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_
     every sequence: the same result, to the bit, as each sequence reading its own copy."""
     from unittest import mock
 
-    from kvforge import attention, kernels
+    from kvforge import attention
+    from kvforge.ops import kernels
 
     if not kernels.available(dim):
         pytest.skip("no AVX512-BF16 or no C compiler here")

@@ -102,7 +102,8 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
     the compiled kernels round a row alike at any batch)."""
     from unittest import mock
 
-    from kvforge import attention, kernels
+    from kvforge import attention
+    from kvforge.ops import kernels
 
     if not kernels.available(16):
         pytest.skip("no AVX512-BF16 or no C compiler here")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvforge import kernels
+from kvforge.ops import kernels
 from kvforge.attention import PREFILL_CHUNK, grouped_attention, visibility_mask
 
 pytestmark = pytest.mark.skipif(not kernels.available(64), reason=f"no kernels here: {kernels.status()['why_not']}")
@@ -257,7 +257,7 @@ def test_small_linear_takes_amx_tiles_where_the_cpu_has_them():
 def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the_rest():
     from unittest import mock
 
-    from kvforge.models.adapters import linear
+    from kvforge.ops.linear import linear
 
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
@@ -299,7 +299,7 @@ def test_rms_norm_kernel_matches_torch_and_a_row_alone(family, dim):
     squares runs in another order), each row's bits the same alone as in a batch of 9-token steps."""
     from unittest import mock
 
-    from kvforge.models.adapters import rms_norm
+    from kvforge.ops.norms import rms_norm
 
     g = torch.Generator().manual_seed(dim)
     norm = family(dim, g)

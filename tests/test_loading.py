@@ -76,6 +76,34 @@ def test_a_bf16_load_reads_the_weights_once_in_bf16(tiny_model_dir, monkeypatch,
     assert bf16.fingerprint == model_fingerprint(tiny_hf_model("llama"))
 
 
+def test_a_tensor_read_in_parts_loads_and_hashes_as_one(tmp_path, monkeypatch):
+    """Rows read a few at a time land where they belong and hash as the whole tensor does."""
+    from kvforge.models import streamed
+
+    monkeypatch.setenv("KVFORGE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(streamed, "CHUNK_BYTES", 1000)  # a few rows of every matrix per part
+    model = tiny_hf_model("llama", seed=5)
+    model.save_pretrained(tmp_path / "m")
+    loaded, fingerprint = streamed.load_streamed(tmp_path / "m", torch.float32)
+    assert fingerprint == model_fingerprint(model)
+    for (name, p), q in zip(loaded.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_saved_buffers_and_fp32_modules_take_from_pretrained(tmp_path):
+    """What `from_pretrained` does beyond the parameters (a saved buffer; a module kept in fp32)
+    is not the streamed load's to redo: it declines."""
+    from kvforge.models import streamed
+
+    model = tiny_hf_model("llama", seed=6)
+    model.model.register_buffer("saved_scale", torch.ones(3))  # persistent: in state_dict, not a parameter
+    assert not streamed._parameters_only(model)
+    plain = tiny_hf_model("llama", seed=6)
+    assert streamed._parameters_only(plain)
+    plain._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    assert not streamed._parameters_only(plain)
+
+
 def test_a_checkpoint_of_another_layout_loads_through_transformers(tmp_path):
     """Files that do not name every parameter (here a .bin checkpoint) take from_pretrained."""
     model = tiny_hf_model("llama", seed=4)

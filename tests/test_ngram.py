@@ -216,7 +216,7 @@ def test_greedy_speculative_decoding_runs_in_bf16(family):
 
 @pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "T=1"])
 def test_speculative_decoding_in_bf16_commits_exactly_the_plain_bf16_tokens(family, sampling):
-    # Verification rows round exactly as one-row decode steps do (models.adapters.linear), so
+    # Verification rows round exactly as one-row decode steps do (ops.linear.linear), so
     # bf16 drafting is token-identical, greedy and seeded sampling alike, not only up to near-ties.
     engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
     g = torch.Generator().manual_seed(5)

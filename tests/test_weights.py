@@ -71,17 +71,17 @@ def test_a_packed_weight_copy_is_remade_after_an_update():
     """Linears keep a packed copy of their weight on the tensor. An inference tensor (a merged
     LoRA weight, say) has no version counter to show an in-place write, so an update marks every
     packed copy stale."""
-    from kvforge.models import adapters
+    from kvforge.ops import linear as ops_linear
 
     packs = []
     pack = lambda w: packs.append(w.clone()) or packs[-1]  # noqa: E731
     with torch.inference_mode():
         weight = torch.ones(4, 4)
-    assert adapters._packed(weight, pack) is adapters._packed(weight, pack) and len(packs) == 1
+    assert ops_linear._packed(weight, pack) is ops_linear._packed(weight, pack) and len(packs) == 1
     with torch.inference_mode():
         weight.fill_(2.0)
-    adapters.invalidate_packed()
-    assert torch.equal(adapters._packed(weight, pack), weight) and len(packs) == 2
+    ops_linear.invalidate_packed()
+    assert torch.equal(ops_linear._packed(weight, pack), weight) and len(packs) == 2
 
 
 def test_read_update_takes_the_peft_scale_and_names_a_damaged_file(tmp_path):

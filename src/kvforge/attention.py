@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvforge import kernels
+from kvforge.ops import kernels
 from kvforge.cache import LayerCache
 
 

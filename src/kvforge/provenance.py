@@ -55,7 +55,7 @@ def machine() -> dict[str, Any]:
     """What a figure depends on besides the code: CPU, cores, flags, threads, versions, commit."""
     import torch
 
-    from kvforge import kernels
+    from kvforge.ops import kernels
 
     model, flags = cpuinfo()
     return {

@@ -77,7 +77,7 @@ def interleaved_samples(
 
 def environment(engine=None) -> dict:
     """What a timing depends on, reported beside it (with an engine: the dtype it runs in)."""
-    from kvforge import kernels
+    from kvforge.ops import kernels
 
     # machines differ between runs (AMX or not, AVX-512 or not): the kernels a run used go with it
     env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels.kind()}

@@ -29,7 +29,7 @@ def bench_rl_cmd(
     k: int = KOpt,
     heldout: int = typer.Option(8, "--heldout", help="Held-out problems answered greedily before the first update and after the last."),
     seed: int = typer.Option(0, "--seed"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the rollouts (default: every physical core; the update uses every core too)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the rollouts (default: every physical core); the update runs on every physical core."),
     dtype: str = typer.Option("bf16", "--dtype", help="The rollout engine's dtype; the trainer runs float32."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rl-<task>-<model>-<noise>.png)."),
     also: Optional[Path] = typer.Option(None, "--plot-with", help="Another noise mode's JSON report, drawn beside this one."),

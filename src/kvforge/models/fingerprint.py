@@ -54,7 +54,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def cached_fingerprint(directory: Path) -> str | None:
-    """The id cached for `directory` as its files are now, or None."""
+    """The id cached for `directory` with its files as they are (same sizes and mtimes), or None."""
     try:
         return str(json.loads(_cache_entry(directory.resolve()).read_text())["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -74,10 +74,14 @@ def cache_fingerprint(directory: Path, fingerprint: str) -> None:
 
 
 def _cache_entry(directory: Path) -> Path:
-    """Where a directory's id is cached: named by its path and its files' sizes and mtimes, so a
-    rewritten weight file is hashed again."""
-    stamp = [str(directory), str(FINGERPRINT_VERSION)]
-    for path in [directory / "config.json", *sorted(directory.glob("*.safetensors"))]:
+    """Where a directory's id is cached: named by its path and its weight and JSON files' sizes and
+    mtimes, so a rewritten file is hashed again."""
+    import transformers
+
+    # transformers' version too: it names the parameters, orders them and renders the config
+    stamp = [str(directory), str(FINGERPRINT_VERSION), transformers.__version__]
+    weights = [p for p in sorted(directory.iterdir()) if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".json")]
+    for path in weights:
         try:
             stat = path.stat()
         except OSError:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvforge.models import deltanet
-from kvforge.models.adapters import Qwen3Adapter, apply_rope, linear, rms_norm
+from kvforge.models.qwen3 import Qwen3Adapter
+from kvforge.ops.linear import linear
+from kvforge.ops.norms import rms_norm
+from kvforge.ops.rope import apply_rope
 
 
 class Qwen3NextAdapter(Qwen3Adapter):

@@ -62,8 +62,8 @@ class LoadedModel:
         in): from the directory's files while the weights are the files', else from the weights
         as they are. Computed on first use and kept; `weights.update_weights` drops it, other
         in-place edits keep the old id."""
-        if self.directory is not None and self.weights_version == 0:
-            return directory_fingerprint(self.directory)
+        if self.directory is not None and self.weights_version == 0 and self.dtype != torch.float32:
+            return directory_fingerprint(self.directory)  # the fp32 values, from the files
         return model_fingerprint(self.hf)
 
 

@@ -19,7 +19,10 @@ from __future__ import annotations
 import torch
 
 from kvforge.cache import LayerCache
-from kvforge.models.adapters import LlamaAdapter, apply_rope, fuse_linears, linear, rms_norm
+from kvforge.models.base import LlamaAdapter
+from kvforge.ops.linear import fuse_linears, linear
+from kvforge.ops.norms import rms_norm
+from kvforge.ops.rope import apply_rope
 
 
 class DeepseekV3Adapter(LlamaAdapter):

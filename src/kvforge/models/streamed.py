@@ -44,7 +44,7 @@ def read_parameters(model: torch.nn.Module, directory: Path) -> Iterator[tuple[s
 
     where = tensor_files(directory)
     params = list(model.named_parameters())  # tied parameters once, as the fingerprint counts them
-    if not params or any(name not in where for name, _ in params):
+    if not params or any(name not in where for name, _ in params) or not _parameters_only(model):
         return None
     shapes = {}
     for path in set(where.values()):
@@ -62,6 +62,17 @@ def read_parameters(model: torch.nn.Module, directory: Path) -> Iterator[tuple[s
                 yield f.get_tensor(name) if rows == 1 else f.get_slice(name)[start:start + step]
 
     return ((name, p, parts(name, p)) for name, p in params)
+
+
+def _parameters_only(model: torch.nn.Module) -> bool:
+    """Whether loading the model's parameters is the whole of `from_pretrained`'s work: no saved
+    buffers (DeepSeek-V3's router bias is one), no modules kept in fp32 whatever the dtype, no
+    quantization."""
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    saved_buffers = [key for key in model.state_dict() if key not in tied]
+    return (not saved_buffers and not getattr(model, "_keep_in_fp32_modules", None)
+            and not getattr(model, "_keep_in_fp32_modules_strict", None)
+            and getattr(model.config, "quantization_config", None) is None)
 
 
 def skeleton(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -98,8 +109,8 @@ def load_streamed(directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module,
             for part in parts:
                 if h is not None:
                     hash_values(h, part)
-                (p if p.dim() < 2 else p[row:row + len(part)]).copy_(part)  # one rounding into `dtype`
-                row += len(part)
+                (p if p.dim() < 2 else p[row:row + part.shape[0]]).copy_(part)  # one rounding into `dtype`
+                row += part.shape[0] if p.dim() >= 2 else 0
     if h is not None:
         fingerprint = h.hexdigest()[:16]
         cache_fingerprint(directory, fingerprint)

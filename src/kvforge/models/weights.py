@@ -14,9 +14,9 @@ a leading `base_model.model.`, PEFT's wrapper, is dropped):
 
 Everything is checked before anything is written: an unknown name, another shape or another dtype
 is a `WeightUpdateError` naming the tensor, and the model keeps its weights. The engine's fused
-projections are views of the same storage (`adapters.fuse_linears`), so they change with the
+projections are views of the same storage (`ops.linear.fuse_linears`), so they change with the
 modules. What was derived from the old values is dropped: the packed weight copies
-(`adapters.invalidate_packed`) and the cached fingerprint, so artifacts fitted for the old weights
+(`ops.linear.invalidate_packed`) and the cached fingerprint, so artifacts fitted for the old weights
 no longer match (`LoadedModel.fingerprint` is recomputed on next use); `weights_version` counts
 the updates.
 """
@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from kvforge.errors import KvforgeError
-from kvforge.models.adapters import invalidate_packed
+from kvforge.ops.linear import invalidate_packed
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")

@@ -22,16 +22,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.machinery
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
+from kvforge.cpu import multiplies_natively
+
 _MAX_DIM = 256  # MAX_DIM in the C source
 _NAME = "_kvforge_kernels"  # setup.py's extension: the library's file name up to its suffix
+
+
+def _sources_hash(directory: Path) -> str:
+    """setup.py's `sources_hash` of the `.c` files beside this module (the same bytes hashed)."""
+    h = hashlib.sha256()
+    for path in sorted(directory.glob("*.c")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.cache
@@ -39,6 +51,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None) or (None, why not)."""
     if os.environ.get("KVFORGE_KERNELS", "1") == "0":
         return None, "disabled by KVFORGE_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64") or multiplies_natively("bfloat16") is False:
+        return None, "this CPU lacks AVX512-BF16 (or AVX-512 BW, VL)"  # no build could run here: nothing to announce
     here = Path(__file__).parent
     files = [here / f"{_NAME}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
     found = next((f for f in files if f.is_file()), None)
@@ -49,6 +63,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(found))
     except OSError as exc:
         return None, f"{found.name} does not load: {exc}"
+    lib.kvforge_sources.restype = ctypes.c_char_p
+    if lib.kvforge_sources().decode() != _sources_hash(here):
+        return None, f"{found.name} was built from other sources than these: reinstall kvforge (`make install`)"
     if not lib.kvforge_supported():
         return None, "this CPU lacks AVX512-BF16 (or AVX-512 BW, VL)"
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
@@ -77,14 +94,16 @@ _announced: list[ctypes.CDLL | None] = []  # the library once `_library` has run
 def _library() -> ctypes.CDLL | None:
     """The kernels' library, or None; the first call says on stderr why a library that should be
     there is not (a CPU without AVX512-BF16, or `KVFORGE_KERNELS=0`, is not announced)."""
-    if not _announced:
+    announced = _announced
+    if not announced:
         with _LOCK:
             if not _announced:
                 lib, why = _loaded()
-                if lib is None and why.startswith(("not built", _NAME)):
+                if lib is None and why.startswith(("not built", _NAME)):  # the CPU runs them, the library is not there
                     print(f"warning: kvforge's C kernels are missing: {why}; bf16 runs torch's ops, slower", file=sys.stderr)
                 _announced.append(lib)
-    return _announced[0]
+            announced = list(_announced)
+    return announced[0]
 
 
 def reload() -> None:

@@ -6,3 +6,6 @@ int kvforge_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
+
+/* The hash of the sources the library was built from (setup.py's `sources_hash`). */
+const char *kvforge_sources(void) { return KVFORGE_SOURCES; }
