@@ -512,3 +512,12 @@ def test_bench_ridgefill_refuses_a_decode_length_with_no_speed_before_loading_an
         (("bench", "ridgefill", "--decode-tokens", 1), "--decode-tokens must be 0 or >= 2"),
         (("bench", "ridgefill", "--decode-tokens", -3), "--decode-tokens must be 0 or >= 2"),
     ])
+
+
+def test_a_figure_is_named_by_a_model_directory_not_its_whole_path(tmp_path):
+    from kvforge.paths import figure_name
+
+    (tmp_path / "llama-1b").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert figure_name(str(tmp_path / "llama-1b")) == "llama-1b" and figure_name(str(tmp_path / "m.gguf")) == "m"
+    assert figure_name("smollm2-135m") == "smollm2-135m" and figure_name("org/model") == "org_model"

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from kvforge.errors import KvforgeError
 from kvforge.provenance import report
-from kvforge.paths import safe_name  # noqa: F401  (re-exported to the command modules)
+from kvforge.paths import figure_name, safe_name  # noqa: F401  (re-exported to the command modules)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Forge KV caches instead of computing them in full.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: methods side by side in one process.")

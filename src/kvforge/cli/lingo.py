@@ -13,7 +13,7 @@ from rich.table import Table
 
 from kvforge.cli.common import (
     DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, ThreadsOpt, app, bench_app, dtype_of, emit_json, err, eval_app, fit_app, load_engine, parse_lengths,
-    read_prompt, safe_name, setup_threads, user_errors,
+    read_prompt, figure_name, safe_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -209,7 +209,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation,
                "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
-    summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{safe_name(source)}-to-{safe_name(target)}.png")
+    summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{figure_name(source)}-to-{figure_name(target)}.png")
     if json_out:
         emit_json(summary)
         return

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    BudgetOpt, DeviceOpt, cell, DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, safe_name, setup_threads,
+    BudgetOpt, DeviceOpt, cell, DtypeOpt, JsonOpt, KOpt, ModelOpt, ThreadsOpt, bench_app, emit_json, err, load_engine, figure_name, setup_threads,
     user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -50,7 +50,7 @@ def bench_ngram_cmd(
     report["model"] = model
     suffix = {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(engine.dtype, "")  # a bf16 run keeps the fp32 plot
     suffix += "-ungated" if no_gate else ""  # and an ungated run the gated one
-    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{safe_name(model)}{suffix}.png"))
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ngram-{workload}-{figure_name(model)}{suffix}.png"))
     if json_out:
         emit_json(report)
         return
@@ -91,7 +91,7 @@ def bench_rollout_cmd(
     if k_min < 0 or k < 1 or k_min > k:
         raise KvforgeError(f"need 0 <= --k-min <= --k and --k >= 1, got {k_min}, {k}")
     report = bench_rollout(model, n, epochs, runs, prompts, max_tokens, k, k_min or None, device, dtype, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
-    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"rollout-{safe_name(model)}.png"))
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"rollout-{figure_name(model)}.png"))
     if json_out:
         emit_json(report)
         return

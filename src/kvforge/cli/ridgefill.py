@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvforge.cli.common import (
     DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, MapsOpt, ModelOpt, PresetOpt, RescueOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
-    eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
+    eval_app, fit_app, load_engine, parse_lengths, figure_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -114,7 +114,7 @@ def bench_ridgefill_cmd(
     report = bench_ridgefill(engine, resident, streamed, config, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                              decode_tokens=decode_tokens)
     report["model"] = model
-    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ridgefill-{safe_name(model)}.png"))
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"ridgefill-{figure_name(model)}.png"))
     if json_out:
         emit_json(report)
         return

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvforge.cli.common import DeviceOpt, JsonOpt, KOpt, ModelOpt, bench_app, cell, emit_json, err, load_engine, safe_name, setup_threads, user_errors
+from kvforge.cli.common import DeviceOpt, JsonOpt, KOpt, ModelOpt, bench_app, cell, emit_json, err, load_engine, figure_name, setup_threads, user_errors
 from kvforge.errors import KvforgeError
 
 
@@ -58,7 +58,7 @@ def bench_rl_cmd(
     report = bench_rl(engine, trainer_model, task, epochs, group, prompts, max_tokens, noise, lr, k, threads, heldout, seed,
                       progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
-    path = plot or Path("benchmarks/results") / f"rl-{task}-{safe_name(model)}-{noise}.png"
+    path = plot or Path("benchmarks/results") / f"rl-{task}-{figure_name(model)}-{noise}.png"
     report["plot"] = str(plot_report([report] + ([other] if other else []), path))
     if json_out:
         emit_json(report)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvforge.cli.common import (
     AdapterOpt, AnchorsOpt, CutOpt, DeviceOpt, DtypeOpt, ReferenceDtypeOpt, JsonOpt, ModelOpt, TailOpt, ThreadsOpt, bench_app, dtype_of, emit_json, err,
-    eval_app, fit_app, load_engine, parse_lengths, safe_name, setup_threads, user_errors,
+    eval_app, fit_app, load_engine, parse_lengths, figure_name, setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
 
@@ -109,7 +109,7 @@ def bench_speed_cmd(
         raise KvforgeError("--cuts is empty")
     report = bench_speed(spd.engine, configs, lengths, runs, decode_tokens, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
-    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"speed-{safe_name(model)}.png"))
+    report["plot"] = str(plot_report(report, plot or Path("benchmarks/results") / f"speed-{figure_name(model)}.png"))
     if json_out:
         emit_json(report)
         return
