@@ -45,9 +45,9 @@ load_s = time.perf_counter() - start
 start = time.perf_counter()
 fingerprint = loaded.fingerprint
 fingerprint_s = time.perf_counter() - start
-weights = {id(p): p.numel() * p.element_size() for p in loaded.hf.parameters()}
-print(json.dumps({"dtype": str(loaded.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in loaded.hf.parameters()),
-                  "weight_bytes": sum(weights.values()), "baseline_rss_bytes": base, "peak_above_import_bytes": status("VmHWM") - base,
+params = list(loaded.hf.parameters())  # tied ones once
+print(json.dumps({"dtype": str(loaded.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in params),
+                  "weight_bytes": sum(p.numel() * p.element_size() for p in params), "baseline_rss_bytes": base, "peak_above_import_bytes": status("VmHWM") - base,
                   "rss_after_bytes": status("VmRSS") - base, "load_s": load_s, "fingerprint_s": fingerprint_s, "fingerprint": fingerprint,
                   "fingerprint_was_cached": cached}))
 """

@@ -7,8 +7,9 @@ three times the bf16 weights (SmolLM2-135M: 0.94 GB above the import for 0.27 GB
 is built with its parameters left uninitialised (its computed buffers, such as RoPE's inverse
 frequencies, made exactly as `from_pretrained` makes them), and each parameter is read from its
 file in parts of at most 64 MB, the file opened for each part alone, and copied into place with
-one rounding: the peak is the weights plus one part. The same pass hashes each tensor for the model's fingerprint
-(`directory_fingerprint` reads the files for the id alone, with no weights in memory).
+one rounding: the peak is the weights plus one part. The same pass hashes each tensor for the
+model's fingerprint (`directory_fingerprint` reads the files for the id alone, with no weights in
+memory).
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ import torch
 from kvforge.models.fingerprint import cache_fingerprint, cached_fingerprint, hash_tensor, hash_values, hasher, model_fingerprint
 
 
-def tensor_files(directory: Path) -> dict[str, Path]:
-    """Each tensor's name -> the safetensors file of `directory` that holds it."""
+def tensor_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Each tensor's name -> (the safetensors file of `directory` that holds it, its shape)."""
     from safetensors import safe_open
 
-    where = {}
+    index = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            where.update({key: path for key in f.keys()})
-    return where
+            index.update({key: (path, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+    return index
 
 
 CHUNK_BYTES = 64 << 20  # rows read at once from a large tensor: the transient beside the weights
@@ -42,15 +43,10 @@ def read_parameters(model: torch.nn.Module, directory: Path) -> Iterator[tuple[s
     shape (another checkpoint layout: the caller falls back to `from_pretrained`)."""
     from safetensors import safe_open
 
-    where = tensor_files(directory)
+    index = tensor_index(directory)
     params = list(model.named_parameters())  # tied parameters once, as the fingerprint counts them
-    if not params or any(name not in where for name, _ in params) or not _parameters_only(model):
-        return None
-    shapes = {}
-    for path in set(where.values()):
-        with safe_open(str(path), framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name, _ in params if where[name] == path})
-    if any(shapes[name] != tuple(p.shape) for name, p in params):
+    if (not params or not _parameters_only(model)
+            or any(name not in index or index[name][1] != tuple(p.shape) for name, p in params)):
         return None
 
     def parts(name: str, p: torch.nn.Parameter):
@@ -58,7 +54,7 @@ def read_parameters(model: torch.nn.Module, directory: Path) -> Iterator[tuple[s
         step = max(1, CHUNK_BYTES // max(1, p.numel() // rows * 4))
         for start in range(0, rows, step):
             # opened for this part alone: the file's pages it read leave the resident set on close
-            with safe_open(str(where[name]), framework="pt") as f:
+            with safe_open(str(index[name][0]), framework="pt") as f:
                 yield f.get_tensor(name) if rows == 1 else f.get_slice(name)[start:start + step]
 
     return ((name, p, parts(name, p)) for name, p in params)
@@ -99,8 +95,17 @@ def load_streamed(directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module,
     tensors = read_parameters(model, directory)
     if tensors is None:
         return None
-    fingerprint = cached_fingerprint(directory)
-    h = hasher(model.config) if fingerprint is None else None
+    cached = cached_fingerprint(directory)
+    fingerprint = _read(model, tensors, copy=True, hashing=cached is None) or cached
+    if cached is None:
+        cache_fingerprint(directory, fingerprint)
+    return model, fingerprint
+
+
+def _read(model: torch.nn.Module, tensors, copy: bool, hashing: bool = True) -> str | None:
+    """One pass over `read_parameters`: each part copied into its parameter (`copy`: one rounding
+    into the model's dtype) and hashed for the fingerprint (`hashing`), which is returned."""
+    h = hasher(model.config) if hashing else None
     with torch.no_grad():
         for name, p, parts in tensors:
             if h is not None:
@@ -109,12 +114,10 @@ def load_streamed(directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module,
             for part in parts:
                 if h is not None:
                     hash_values(h, part)
-                (p if p.dim() < 2 else p[row:row + part.shape[0]]).copy_(part)  # one rounding into `dtype`
+                if copy:
+                    (p if p.dim() < 2 else p[row:row + part.shape[0]]).copy_(part)
                 row += part.shape[0] if p.dim() >= 2 else 0
-    if h is not None:
-        fingerprint = h.hexdigest()[:16]
-        cache_fingerprint(directory, fingerprint)
-    return model, fingerprint
+    return None if h is None else h.hexdigest()[:16]
 
 
 def directory_fingerprint(directory: str | Path) -> str:
@@ -133,11 +136,6 @@ def directory_fingerprint(directory: str | Path) -> str:
 
         fingerprint = model_fingerprint(AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32))
     else:
-        h = hasher(model.config)
-        for name, p, parts in tensors:
-            hash_tensor(h, name, tuple(p.shape))
-            for part in parts:
-                hash_values(h, part)
-        fingerprint = h.hexdigest()[:16]
+        fingerprint = _read(model, tensors, copy=False)
     cache_fingerprint(directory, fingerprint)
     return fingerprint

@@ -94,16 +94,14 @@ _announced: list[ctypes.CDLL | None] = []  # the library once `_library` has run
 def _library() -> ctypes.CDLL | None:
     """The kernels' library, or None; the first call says on stderr why a library that should be
     there is not (a CPU without AVX512-BF16, or `KVFORGE_KERNELS=0`, is not announced)."""
-    announced = _announced
-    if not announced:
+    if not _announced:
         with _LOCK:
             if not _announced:
                 lib, why = _loaded()
                 if lib is None and why.startswith(("not built", _NAME)):  # the CPU runs them, the library is not there
                     print(f"warning: kvforge's C kernels are missing: {why}; bf16 runs torch's ops, slower", file=sys.stderr)
                 _announced.append(lib)
-            announced = list(_announced)
-    return announced[0]
+    return _announced[0]
 
 
 def reload() -> None:
