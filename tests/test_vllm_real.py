@@ -83,3 +83,36 @@ def test_vllm_ridgefill_matches_kvforges_on_smollm2(tmp_path):
     for token, lp in out.logprobs[0].items():
         assert abs(lp.logprob - logits[0, token].item()) < 1e-3
     assert list(out.token_ids) == list(ours[0].token_ids)
+
+
+def test_vllm_serves_updated_weights_as_kvforge_does():
+    """An in-place update of a running vLLM engine (SmolLM2: tied head) gives the logits and greedy
+    tokens kvforge's engine gives with the same update. Without repacking the tied head, vLLM's
+    logits would still come from the old embedding (its greedy tokens then differ here)."""
+    from safetensors.torch import load_file
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.vllm.weights import update_vllm_weights
+
+    directory = hf_directory("smollm2-135m")
+    weights = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    noise = torch.Generator().manual_seed(0)
+    moved = {name: t.float() * (1 + 0.01 * torch.randn(t.shape, generator=noise)) for name, t in weights.items()}
+    engine = Engine(load_model("smollm2-135m", dtype="fp32"))
+    engine.update_weights({**moved, "lm_head.weight": moved["model.embed_tokens.weight"]})
+    prompt = [1, 504, 3458, 282, 4649, 314, 216]
+    logits, _ = engine.prefill([prompt])
+    ours = engine.generate([prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True))[0]
+    llm = start_llm(directory, torch.float32, 256, max_num_seqs=1)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+        before = generate(llm, [prompt], params)[0].outputs[0]
+        update_vllm_weights(llm, moved)
+        after = generate(llm, [prompt], params)[0].outputs[0]
+    finally:
+        close_llm(llm)
+    assert list(after.token_ids) == list(ours.token_ids) != list(before.token_ids)
+    for token, lp in after.logprobs[0].items():
+        assert abs(lp.logprob - torch.log_softmax(logits[0].float(), -1)[token].item()) < 1e-3

@@ -94,3 +94,26 @@ def test_read_update_takes_the_peft_scale_and_names_a_damaged_file(tmp_path):
         read_update(tmp_path / "bad.safetensors")
     with pytest.raises(WeightUpdateError, match="no weights file"):
         read_update(tmp_path / "missing.safetensors")
+
+
+def test_a_vllm_update_is_checked_against_the_served_checkpoint(tmp_path):
+    """What `update_vllm_weights` sends vLLM: every tensor of the checkpoint by its name and shape
+    (a tied head's name dropped); anything else refused, naming the tensor, before vLLM is called."""
+    from kvforge.vllm.weights import check_update
+
+    checkpoint = {"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.ones(4)}
+    save_file(checkpoint, str(tmp_path / "model.safetensors"))
+    update = {name: t + 1 for name, t in checkpoint.items()}
+    sent = check_update(tmp_path, True, {**update, "lm_head.weight": update["model.embed_tokens.weight"]})
+    assert sent.keys() == checkpoint.keys()
+    assert check_update(tmp_path, False, {"base_model.model." + n: t for n, t in update.items()}).keys() == checkpoint.keys()
+    for bad, named in [
+        ({**update, "lm_head.weight": torch.zeros(8, 4)}, "lm_head.weight"),  # untied: not in the checkpoint
+        ({**update, "model.norm.weight": torch.ones(5)}, "model.norm.weight"),
+        ({**update, "model.norm.weight": torch.ones(4, dtype=torch.int32)}, "model.norm.weight"),
+        ({"model.norm.weight": torch.ones(4)}, "model.embed_tokens.weight"),  # missing
+    ]:
+        with pytest.raises(WeightUpdateError, match=named.replace(".", r"\.")):
+            check_update(tmp_path, False, bad)
+    with pytest.raises(WeightUpdateError, match="no safetensors"):
+        check_update(tmp_path / "elsewhere", False, update)
