@@ -105,6 +105,7 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
 
 
 def test_bench_rl_bad_settings_are_one_line_errors(model_dir):
-    for args, message in ((["--task", "chess"], "unknown task"), (["--noise", "warm"], "unknown noise"), (["--epochs", "0"], ">= 1")):
+    for args, message in ((["--task", "chess"], "unknown task"), (["--noise", "warm"], "unknown noise"), (["--epochs", "0"], ">= 1"),
+                          (["--engines", "sglang"], "unknown engines")):
         result = CliRunner().invoke(app, ["bench", "rl", "-m", str(model_dir), *args])
         assert result.exit_code == 2 and message in result.output, result.output

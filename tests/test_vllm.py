@@ -230,3 +230,35 @@ def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
         assert torch.equal(saved.row_positions(), own.row_positions())
         assert torch.allclose(saved.keys(), own.keys(), atol=1e-4)
         assert torch.allclose(saved.values(), own.values(), atol=1e-4)
+
+
+def test_bench_rl_rolls_out_in_vllm_and_updates_its_weights_in_place(tmp_path, monkeypatch):
+    """`bench rl --engines kvforge,vllm`: vLLM's three arms roll out every epoch beside kvforge's and
+    take each update in place (the update itself is checked against kvforge's in test_vllm_real)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvforge.cli import app
+
+    path = save_tiny_llama(tmp_path / "model")
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(path)
+    monkeypatch.setattr("kvforge.bench.rl.reward", lambda problem, text: (sum(map(ord, text)) % 5) / 4)
+    result = CliRunner().invoke(app, ["bench", "rl", "-m", str(path), "--task", "arith", "--epochs", "2", "-G", "2", "--prompts", "1",
+                                      "-n", "8", "--lr", "1e-3", "--heldout", "0", "--dtype", "fp32", "--engines", "kvforge,vllm",
+                                      "--plot", str(tmp_path / "rl.png"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    arms = ("plain", "drafted", "vllm-plain", "vllm-drafted", "vllm-off")
+    rows = report["results"]
+    assert [(r["epoch"], r["arm"]) for r in rows] == [(e, a) for e in (1, 2) for a in arms]
+    for r in rows:
+        vllm_arm = r["arm"].startswith("vllm-")
+        assert r["completion_tokens"] > 0 and (r["token_identical"] is None) == vllm_arm
+        assert r["noise"] == "fresh"
+    assert rows[5]["update"]["vllm_load_s"] > 0 and rows[5]["kl_to_previous"] > 0
+    drafted = [r for r in rows if r["arm"] == "vllm-drafted"]
+    assert all(r["speedup_vs_off"] > 0 and set(r["match_by_source"]) <= {"rollout", "chain", "lookup"} for r in drafted)
+    assert report["vllm"]

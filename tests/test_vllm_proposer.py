@@ -75,6 +75,10 @@ def test_a_later_row_of_a_prompt_drafts_along_an_earlier_rows_output():
     assert batch.call(proposer, [[40]]) == [[41, 42, 43]]
     state = next(s for states in proposer.rows.values() for s in states if s.output == [40])
     assert state.drafter.source == "rollout"
+    batch.call(proposer, [[41, 42, 99]])  # two of its three accepted, then the bonus
+    tallies = proposer.stats.by_source()
+    assert tallies["sources"]["rollout"] == [1, 3, 2]
+    assert tallies["matched"]["rollout"][1] >= 2  # every proposal is scored, verified or not
 
 
 def test_prefilling_rows_get_no_draft_and_room_stops_at_max_len():

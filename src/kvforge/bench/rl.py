@@ -21,6 +21,12 @@ epoch 1), the reward mean, acceptance per draft source (of the drafts verified, 
 proposal, verified or not, against what the sample then committed: what each source is worth
 whatever the gate chose) and the share of steps that drafted.
 Held-out reward (greedy, plain) is reported before the first update and after the last.
+
+With `engines` naming vllm (`--engines kvforge,vllm`), vLLM's arms (`rl_vllm.py`: `vllm-plain`,
+`vllm-drafted`, `vllm-off`) roll out the same problems each epoch, interleaved with kvforge's, and
+take every update in place through vLLM's own reload. vLLM samples with its own sampler (fresh
+draws every epoch); each vLLM row reports its speedup over `vllm-plain` and its reward over its
+own samples. The update trains on kvforge's drafted samples, or on `vllm-plain`'s without kvforge.
 """
 
 from __future__ import annotations
@@ -42,11 +48,14 @@ from kvforge.speculative.rollout import DraftConfig, generate_group
 from kvforge.speculative.step import SpecStats
 
 NOISES = ("fresh", "coupled")
+ENGINES = ("kvforge", "vllm")
 
 
 def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int, max_tokens: int, k: int, threads: int, heldout: int,
-                   lr: float) -> None:
+                   lr: float, engines: tuple[str, ...] = ("kvforge",)) -> None:
     """A `ValueError` naming the first setting `bench rl` cannot run with (checked before any model loads)."""
+    if not engines or any(e not in ENGINES for e in engines):
+        raise ValueError(f"unknown engines {','.join(engines) or '(none)'}: use kvforge, vllm or kvforge,vllm")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
     if noise not in NOISES:
@@ -58,69 +67,104 @@ def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int,
 def bench_rl(
     engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
     noise: str = "fresh", lr: float = 6e-6, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
+    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None,
 ) -> dict:
-    """The loop of the module docstring over `engine` (rollouts) and `trainer_model` (a float32
-    transformers model of the same weights, trained)."""
-    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr)
+    """The loop of the module docstring over `engine` (kvforge's rollouts; held-out answers always),
+    `trainer_model` (a float32 transformers model of the same weights, trained) and, with "vllm" in
+    `engines`, vLLM engines over `vllm_dir` (the model's Hugging Face directory)."""
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines)
     say = progress or (lambda message: None)
     tokenizer = engine.model.tokenizer
     train = problems(task, "train", prompts)
     encoded = [encode_prompt(tokenizer, p.prompt, chat=True) for p in train]
     trainer = GrpoTrainer(trainer_model, GrpoConfig(lr=lr))
     history = RolloutHistory()
-    arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k)}
+    arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k)} if "kvforge" in engines else {}
     train_threads = torch.get_num_threads()
     torch.set_num_threads(rollout_threads)
     warm = GenerationConfig(4, temperature=1.0, seed=seed)
+    warm_prompt = encode_prompt(tokenizer, problems(task, "heldout", 1)[0].prompt, chat=True)
     for draft in arms.values():  # first-call costs and the gate's calibration, outside the timings
-        generate_group(engine, encoded[0], group, warm, draft)
+        generate_group(engine, warm_prompt, group, warm, draft)
+    vllm = None
+    if "vllm" in engines:
+        from kvforge.bench.rl_vllm import VLLM_ARMS, VllmRollouts, rollout_seed
+
+        vllm = VllmRollouts(vllm_dir, engine.dtype, max(map(len, encoded + [warm_prompt])) + max_tokens + k + 16, group, k, say)
+        vllm.warm(warm_prompt, group)
+    trained_on = "drafted" if arms else "vllm-plain"
     heldout_before = _heldout_reward(engine, task, heldout, max_tokens)
     results, kl, update = [], None, None
-    for epoch in range(1, epochs + 1):
-        config = GenerationConfig(max_tokens, temperature=1.0, seed=seed, epoch=epoch if noise == "fresh" else 0)
-        torch.set_num_threads(rollout_threads)
-        order = list(arms) if epoch % 2 else list(reversed(arms))
-        outcome = {}
-        for arm in order:
-            say(f"epoch {epoch}/{epochs}: {arm} rollouts")
-            outcome[arm] = _roll_out(engine, train, encoded, group, config, arms[arm], history if arm == "drafted" else None)
-        identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"]
-        rewards = [[reward(p, text) for text in texts] for p, texts in zip(train, outcome["drafted"]["texts"])]
-        for arm in arms:
-            o = outcome[arm]
-            rate = o["completion_tokens"] / o["seconds"]
-            plain_rate = outcome["plain"]["completion_tokens"] / outcome["plain"]["seconds"]
-            results.append({
-                "epoch": epoch, "arm": arm, "noise": noise, "tokens_per_s": rate, "speedup_vs_plain": rate / plain_rate,
-                "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,
-                "kl_to_previous": kl, "reward_mean": statistics.fmean(r for rs in rewards for r in rs),
-                "accept_by_source": o["accept_by_source"] if arm == "drafted" else None,
-                "match_by_source": o["match_by_source"] if arm == "drafted" else None,
-                "mean_accept_len": o["mean_accept_len"] if arm == "drafted" else None,
-                "rows_drafted": o["rows_drafted"] if arm == "drafted" else None,
-                "host_ms_per_step": o["host_ms_per_step"] if arm == "drafted" else None,
-                "update": update,
-            })
-        if epoch == epochs:
-            break
-        say(f"epoch {epoch}/{epochs}: GRPO update")
-        torch.set_num_threads(train_threads)
-        groups = [[Rollout(ids, tokens, r) for tokens, r in zip(sample_tokens, rs)]
-                  for ids, sample_tokens, rs in zip(encoded, outcome["drafted"]["tokens"], rewards)]
-        update = trainer.step(groups)
-        start = time.perf_counter()
-        engine.update_weights(trainer.weights(engine.dtype))
-        update["load_s"] = time.perf_counter() - start
-        generate_group(engine, encoded[0], group, warm, arms["plain"])  # weight copies repacked here, outside both arms' timings
-        kl = update["kl_per_token"]
+    try:
+        for epoch in range(1, epochs + 1):
+            config = GenerationConfig(max_tokens, temperature=1.0, seed=seed, epoch=epoch if noise == "fresh" else 0)
+            torch.set_num_threads(rollout_threads)
+            order = list(arms) + (list(VLLM_ARMS) if vllm else [])
+            order = order if epoch % 2 else order[::-1]
+            outcome = {}
+            for arm in order:
+                say(f"epoch {epoch}/{epochs}: {arm} rollouts")
+                if arm in arms:
+                    outcome[arm] = _roll_out(engine, train, encoded, group, config, arms[arm], history if arm == "drafted" else None)
+                else:
+                    outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
+            identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] if arms else None
+            rewards = {arm: [[reward(p, text) for text in texts] for p, texts in zip(train, o["texts"])] for arm, o in outcome.items()}
+            for arm in [*arms, *(VLLM_ARMS if vllm else ())]:
+                results.append(_row(epoch, arm, noise if arm in arms else "fresh", outcome, rewards[arm], identical if arm in arms else None,
+                                    kl, update))
+            if epoch == epochs:
+                break
+            say(f"epoch {epoch}/{epochs}: GRPO update")
+            torch.set_num_threads(train_threads)
+            groups = [[Rollout(ids, tokens, r) for tokens, r in zip(sample_tokens, rs)]
+                      for ids, sample_tokens, rs in zip(encoded, outcome[trained_on]["tokens"], rewards[trained_on])]
+            update = trainer.step(groups)
+            update["trained_on"] = trained_on
+            start = time.perf_counter()
+            engine.update_weights(trainer.weights(engine.dtype))
+            update["load_s"] = time.perf_counter() - start
+            if vllm:
+                update["vllm_load_s"] = vllm.update(trainer.weights(engine.dtype))
+            torch.set_num_threads(rollout_threads)
+            for draft in list(arms.values())[:1]:  # weight copies repacked here, outside the arms' timings
+                generate_group(engine, warm_prompt, group, warm, draft)
+            kl = update["kl_per_token"]
+    finally:
+        if vllm:
+            vllm.close()
     torch.set_num_threads(train_threads)
     heldout_after = _heldout_reward(engine, task, heldout, max_tokens) if epochs > 1 else heldout_before
+    extra = {}
+    if vllm:
+        import vllm as vllm_package
+
+        extra = {"vllm": vllm_package.__version__}
     return {
-        "command": "bench rl", "task": task, "noise": noise, "epochs": epochs, "group": group, "prompts": prompts, "max_tokens": max_tokens,
-        "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads, "train_threads": train_threads,
-        "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
-        **environment(engine), "threads": rollout_threads, "results": results,
+        "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "epochs": epochs, "group": group, "prompts": prompts,
+        "max_tokens": max_tokens, "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads,
+        "train_threads": train_threads, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
+        **environment(engine), **extra, "threads": rollout_threads, "results": results,
     }
+
+
+def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[float]], identical, kl, update) -> dict:
+    """One (epoch, arm) result; speedups against the arm's own engine's plain arm."""
+    o = outcome[arm]
+    rate = o["completion_tokens"] / o["seconds"]
+    plain = outcome["vllm-plain" if arm.startswith("vllm-") else "plain"]
+    drafting = "accept_by_source" in o
+    row = {
+        "epoch": epoch, "arm": arm, "noise": noise, "tokens_per_s": rate, "speedup_vs_plain": rate / (plain["completion_tokens"] / plain["seconds"]),
+        "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,
+        "kl_to_previous": kl, "reward_mean": statistics.fmean(r for rs in rewards for r in rs),
+        **{key: o[key] if drafting else None for key in ("accept_by_source", "match_by_source", "mean_accept_len", "rows_drafted", "host_ms_per_step")},
+        "update": update,
+    }
+    if arm == "vllm-drafted":  # against vLLM's speculative path that never drafts: the floor
+        off = outcome["vllm-off"]
+        row["speedup_vs_off"] = rate / (off["completion_tokens"] / off["seconds"])
+    return row
 
 
 def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draft: DraftConfig, history) -> dict:
@@ -154,17 +198,21 @@ def _heldout_reward(engine, task: str, count: int, max_tokens: int) -> float | N
 
 def plot(reports: list[dict], path: Path) -> Path:
     """PNG: drafted speedup against the KL of the update before each epoch, and reward per epoch,
-    one series per report (noise mode)."""
+    one series per report (noise mode) and drafting engine."""
     fig, (speed_ax, reward_ax) = new_figure(2, (11, 4))
     for report in reports:
-        drafted = [r for r in report["results"] if r["arm"] == "drafted"]
-        moved = [r for r in drafted if r["kl_to_previous"] is not None]
-        speed_ax.scatter([r["kl_to_previous"] for r in moved], [r["speedup_vs_plain"] for r in moved], label=f"{report['noise']} noise")
-        reward_ax.plot([r["epoch"] for r in drafted], [r["reward_mean"] for r in drafted], marker="o", label=f"{report['noise']} noise")
+        for arm in ("drafted", "vllm-drafted"):
+            drafted = [r for r in report["results"] if r["arm"] == arm]
+            if not drafted:
+                continue
+            label = f"{report['noise'] if arm == 'drafted' else 'vLLM, fresh'} noise"
+            moved = [r for r in drafted if r["kl_to_previous"] is not None]
+            speed_ax.scatter([r["kl_to_previous"] for r in moved], [r["speedup_vs_plain"] for r in moved], label=label)
+            reward_ax.plot([r["epoch"] for r in drafted], [r["reward_mean"] for r in drafted], marker="o", label=label)
     speed_ax.axhline(1.0, color="grey", lw=0.5)
     speed_ax.set_xscale("symlog", linthresh=1e-4)
     speed_ax.set_xlabel("KL(new || old) per token of the update before the epoch")
-    speed_ax.set_ylabel("drafted tokens/s vs plain")
+    speed_ax.set_ylabel("drafted tokens/s vs the same engine's plain")
     reward_ax.set_xlabel("epoch")
     reward_ax.set_ylabel("mean reward of the rollouts")
     for ax in (speed_ax, reward_ax):

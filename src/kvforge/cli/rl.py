@@ -33,6 +33,7 @@ def bench_rl_cmd(
     dtype: str = typer.Option("bf16", "--dtype", help="The rollout engine's dtype; the trainer runs float32."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rl-<task>-<model>-<noise>.png)."),
     also: Optional[Path] = typer.Option(None, "--plot-with", help="Another noise mode's JSON report, drawn beside this one."),
+    engines: str = typer.Option("kvforge", "--engines", help="kvforge, vllm or kvforge,vllm: whose rollout arms run (vLLM's take every update in place)."),
     device: str = DeviceOpt,
     json_out: bool = JsonOpt,
 ):
@@ -45,7 +46,13 @@ def bench_rl_cmd(
     from kvforge.models.loading import hf_directory
 
     threads = setup_threads(None) if threads is None else threads  # the update's threads: every core
-    check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr)
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr, chosen)
+    if "vllm" in chosen:
+        from kvforge.vllm.engine import vllm_missing
+
+        if reason := vllm_missing():
+            raise KvforgeError(f"--engines vllm: {reason}")
     other = None
     if also is not None:
         try:
@@ -56,7 +63,7 @@ def bench_rl_cmd(
     engine = load_engine(model, device, dtype)
     trainer_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(model)), dtype=torch.float32)
     report = bench_rl(engine, trainer_model, task, epochs, group, prompts, max_tokens, noise, lr, k, threads, heldout, seed,
-                      progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+                      progress=lambda m: err.print(f"[dim]{m}[/dim]"), engines=chosen, vllm_dir=hf_directory(model) if "vllm" in chosen else None)
     report["model"] = model
     path = plot or Path("benchmarks/results") / f"rl-{task}-{figure_name(model)}-{noise}.png"
     report["plot"] = str(plot_report([report] + ([other] if other else []), path))

@@ -42,7 +42,7 @@ import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -101,6 +101,7 @@ class RowState:
     produced: int = 0  # tokens committed since the prompt
     draft: list[int] | None = None  # the draft returned for this row at the last step (verified)
     proposal: list[int] | None = None  # the draft looked up at the last step, returned or not
+    source: str | None = None  # where `draft` came from (`NgramDrafter.SOURCES`, or "prefetch")
     acceptance: Acceptance = field(default_factory=Acceptance)
 
 
@@ -115,10 +116,21 @@ class ProposerStats:
     prefetch_hits: int = 0
     lookup_s: float = 0.0  # drafting on vLLM's critical path: lookups and prefetch misses
     propose_s: float = 0.0  # the whole propose call
+    # per draft source: [drafts verified, tokens drafted, tokens accepted]
+    sources: dict[str, list[int]] = field(default_factory=dict)
+    # per draft source, every proposal verified or not: [tokens compared, tokens that landed]
+    matched: dict[str, list[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "rows_drafted": self.drafted_steps / max(1, self.request_steps),
+        """The counters (per-source tallies apart: `by_source`)."""
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("sources", "matched")}
+        return {**counters, "rows_drafted": self.drafted_steps / max(1, self.request_steps),
                 "mean_k": self.drafted / max(1, self.drafted_steps)}
+
+    def by_source(self) -> dict[str, dict]:
+        """The per-source tallies, copied (`SpecStats`'s `accept_by_source` and `match_by_source`
+        come from the same counts)."""
+        return {"sources": {s: list(c) for s, c in self.sources.items()}, "matched": {s: list(c) for s, c in self.matched.items()}}
 
 
 class NgramRLProposer:
@@ -210,7 +222,13 @@ class NgramRLProposer:
             self._next_key += 1
             self.stats.new_rows += 1
         new = tokens[-committed:].tolist()
-        state.drafter.observe(new)  # indexes them in the prompt's cache
+        before = {source: tuple(tally) for source, tally in state.drafter.matched.items()}
+        state.drafter.observe(new)  # indexes them in the prompt's cache, and scores each source's proposal
+        for source, (compared, landed) in state.drafter.matched.items():
+            was = before.get(source, (0, 0))
+            if compared != was[0]:
+                total = self.stats.matched.setdefault(source, [0, 0])
+                total[0], total[1] = total[0] + compared - was[0], total[1] + landed - was[1]
         state.output.extend(new)
         after = hash(tokens.tobytes())
         self.rows.setdefault(after, []).append(state)
@@ -228,6 +246,8 @@ class NgramRLProposer:
             stats.drafted_steps += 1
             stats.drafted += len(state.draft)
             stats.accepted += len(sampled) - 1
+            tally = stats.sources.setdefault(state.source or "unknown", [0, 0, 0])
+            tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + len(state.draft), tally[2] + len(sampled) - 1
         if state.proposal:
             state.acceptance.observe(state.proposal, sampled)
         state.produced += len(sampled)
@@ -240,10 +260,11 @@ class NgramRLProposer:
             return []
         if hit is not None:
             stats.prefetch_hits += 1
-            proposal = hit[:room]
+            proposal, state.source = hit[:room], "prefetch"
         else:
             lookup = time.perf_counter()
             proposal = state.drafter.propose(tokens, room)
+            state.source = state.drafter.source
             stats.lookup_s += time.perf_counter() - lookup
         state.proposal = proposal or None
         return proposal
