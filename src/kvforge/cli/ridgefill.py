@@ -195,11 +195,11 @@ def eval_ridgefill_cmd(
 
 def _eval_in_vllm(model: str, engine, maps: Optional[Path], config, resident, settings, json_out: bool) -> None:
     from kvforge.artifacts import find_artifact
-    from kvforge.cli.vllm import _need_vllm
+    from kvforge.cli.vllm import need_vllm
     from kvforge.evaluate.vllm_ridgefill import eval_vllm_ridgefill
     from kvforge.models.loading import hf_directory
 
-    _need_vllm()
+    need_vllm()
     maps_path = maps if maps is not None else find_artifact("maps", engine.model.name)
     report = eval_vllm_ridgefill(engine, hf_directory(model), maps_path, resident, config, settings, engine.dtype,
                                  progress=lambda m: err.print(f"[dim]{m}[/dim]"))

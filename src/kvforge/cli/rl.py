@@ -49,10 +49,9 @@ def bench_rl_cmd(
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr, chosen)
     if "vllm" in chosen:
-        from kvforge.vllm.engine import vllm_missing
+        from kvforge.cli.vllm import need_vllm
 
-        if reason := vllm_missing():
-            raise KvforgeError(f"--engines vllm: {reason}")
+        need_vllm()
     other = None
     if also is not None:
         try:

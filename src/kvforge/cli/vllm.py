@@ -18,10 +18,12 @@ from kvforge.cli.common import (
 from kvforge.errors import KvforgeError
 
 
-def _need_vllm() -> None:
+def need_vllm() -> None:
+    """Before vLLM is first imported: its log at warnings only (its per-request INFO lines would
+    drown the progress), and a one-line error where vLLM cannot run."""
     from kvforge.vllm.engine import vllm_missing
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's per-request INFO lines drown the progress
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     reason = vllm_missing()
     if reason is not None:
         raise KvforgeError(reason)
@@ -60,7 +62,7 @@ def bench_vllm_ngram_cmd(
     from kvforge.bench.ngram import WORKLOADS
     from kvforge.models.loading import hf_directory
 
-    _need_vllm()
+    need_vllm()
     if workload not in WORKLOADS:
         raise KvforgeError(f"unknown workload {workload!r}: use {' or '.join(WORKLOADS)}")
     if runs < 1 or k < 1 or samples_per_prompt < 1 or (prompts is not None and prompts < 1):
@@ -109,7 +111,7 @@ def bench_vllm_handoff_cmd(
     from kvforge.cli.common import load_engine, parse_lengths
     from kvforge.models.loading import hf_directory
 
-    _need_vllm()
+    need_vllm()
     lengths = parse_lengths(tokens)
     if runs < 1:
         raise KvforgeError("--runs must be >= 1")
@@ -166,7 +168,7 @@ def bench_vllm_ridgefill_cmd(
     from kvforge.fill.ridgefill import resolve
     from kvforge.models.loading import hf_directory, parse_dtype
 
-    _need_vllm()
+    need_vllm()
     lengths = parse_lengths(tokens)
     chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
     if runs < 1 or together_tokens < 0:
