@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from conftest import tiny_loaded
@@ -243,6 +245,33 @@ def test_a_previous_rollout_drafts_along_while_the_sample_follows_it_and_realign
     fresh.observe([20])  # its own rollout began otherwise; the sibling's begins with its output
     assert fresh.propose(prompt + [20], 2) == [21, 22]
     assert PreviousRolloutDrafter([], 3).propose(prompt, 4) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), max_size=12), min_size=1, max_size=4), st.lists(st.integers(0, 4), min_size=1, max_size=10))
+def test_realigning_finds_the_rule_s_alignment(rollouts, output):
+    """The indexed search gives what the rule says, by brute force: a rollout (in order) beginning
+    with the whole output, else the longest recent n-gram, in the first rollout holding it with a
+    token after it, at the occurrence ending nearest the output's length."""
+    prompt = [9, 9]
+    context = prompt + output
+    kept = [r for r in rollouts if r]
+
+    def reference():
+        for i, r in enumerate(kept):
+            if len(r) > len(output) and r[: len(output)] == output:
+                return r[len(output):][:3]
+        for n in range(min(4, len(context)), 1, -1):
+            for r in kept:
+                ends = [e for e in range(n, len(r)) if r[e - n : e] == context[-n:]]
+                if ends:
+                    end = min(ends, key=lambda e: abs(e - len(output)))
+                    return r[end:][:3]
+        return []
+
+    drafter = PreviousRolloutDrafter(rollouts, len(prompt))
+    drafter.aligned = None  # search now, as after a miss
+    assert drafter.propose(context, 3) == reference()
 
 
 def test_the_drafter_takes_the_previous_rollout_source_and_reports_it():

@@ -376,6 +376,23 @@ def test_one_good_row_does_not_widen_a_batch_of_bad_ones():
     assert gate.choose([[1] * 8], [good], 100) > 0  # alone it does
 
 
+def test_a_group_drafts_only_where_it_shortens_the_row_that_finishes_last():
+    """Rows that finish together: good drafts in some rows buy nothing while the others, with as
+    much budget left, must still take every step; they pay once the rows that will finish last draft well."""
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    good, bad = Acceptance(decay=1.0), Acceptance(decay=1.0)
+    good.hits, good.misses, bad.hits, bad.misses = 900, 100, 0, 1000
+    rows = [good] * 3 + [bad] * 5
+    drafts = [[1] * 8] * 8
+    assert DraftGate(_cost(1.3)).choose(drafts, rows, 100, [40] * 8) > 0  # rows that finish apart: 3 rows' gains pay
+    group = DraftGate(_cost(1.3), group=True)
+    assert group.choose(drafts, rows, 100, [40] * 8) == 0  # the bad rows finish last all the same
+    assert group.choose(drafts, rows, 100, [40] * 3 + [30] * 5) > 0  # the good rows are the last to finish
+    assert group.choose(drafts, [good] * 8, 100, [40] * 8) > 0  # every row gains
+    assert group.choose([[1] * 8], [good], 100, [40]) == DraftGate(_cost(1.3)).choose([[1] * 8], [good], 100)  # one row: as before
+
+
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
     """A drafter that is wrong for its first 10 proposals, then proposes plain decoding's own
     tokens: the gate stops verifying its drafts, keeps learning from the proposals it does not

@@ -3,8 +3,8 @@ in place the way RL frameworks update them (`vllm.weights.update_vllm_weights`: 
 post-load repacking included).
 
 Arms, each a vLLM engine in this process (same dtype, same threads): `vllm-plain` (no
-speculation), `vllm-drafted` (kvforge's proposer under its cost gate: each row drafts from its
-prompt's previous rollouts first, then the n-grams) and `vllm-off` (the same proposer, never
+speculation), `vllm-drafted` (kvforge's proposer under its cost gate, for rows that finish
+together: each row drafts from its prompt's previous rollouts first, then the n-grams) and `vllm-off` (the same proposer, never
 drafting: the floor of vLLM's speculative path alone, which `vllm-drafted` should not fall below).
 Each problem is one request with `n` = G samples at temperature 1.
 
@@ -35,7 +35,7 @@ class VllmRollouts:
         for arm in VLLM_ARMS:
             if progress:
                 progress(f"starting vLLM for arm {arm}")
-            spec = None if arm == "vllm-plain" else speculative_config(k=k, gate=True, drafting=arm == "vllm-drafted")
+            spec = None if arm == "vllm-plain" else speculative_config(k=k, gate=True, group=True, drafting=arm == "vllm-drafted")
             before = set(LIVE)
             self.engines[arm] = start_llm(model_dir, dtype, max_model_len, speculative_config=spec, max_num_seqs=max(group, 8))
             self.proposers[arm] = next(iter(set(LIVE) - before), None)

@@ -12,6 +12,21 @@ one draft length K per step (0: a plain step) to maximise expected committed tok
 with a_r the row's chance that a drafted token is accepted given the ones before it (geometric
 accept lengths). Rows whose drafts are worth little ride in the same forward at no extra cost.
 
+That is the objective of rows that finish apart (the server's requests: each returns when its own
+tokens are done). Rows that finish together (`group=True`: an offline `generate` of a batch, the
+G samples of an RL group) return when the last of them does, and a token one row gains shortens
+the call only if that row is the last to finish. So a group's gate maximises the seconds a step
+saves, net of what its width costs:
+
+    saved(K) = E_crit(K) x (forward(B, 1, C) + host) + (sum_r E_r(K) - |crit| E_crit(K)) x row,
+    net(K)   = saved(K) - (forward(B, K + 1, C) - forward(B, 1, C)),
+
+with E_r(K) the row's expected accepted tokens, crit the rows with the most of their token budget
+left (the likeliest to finish last), E_crit(K) the least of theirs (the group saves a step only if
+each of them gains one), and `row` one row's share of a step, (forward(B, 2, C) - forward(B, 1, C)) / B
+(what a row that finishes earlier saves each later step). A step whose rows all keep the same
+budget drafts only when every row's draft is worth it; a single row is judged as before.
+
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
 would have committed (`verify.py`: both are plain decoding's), so a row that stops drafting keeps
@@ -175,8 +190,9 @@ def step_cost(engine) -> StepCost:
 class DraftGate:
     """Picks each step's draft length from the engine's `StepCost` and the rows' `Acceptance`."""
 
-    def __init__(self, cost: StepCost):
+    def __init__(self, cost: StepCost, group: bool = False):
         self.cost = cost
+        self.group = group  # the rows finish together (module docstring)
 
     def new_acceptance(self) -> Acceptance:
         """A new row's acceptance, its prior the rate of the rows this engine has drafted for."""
@@ -186,19 +202,39 @@ class DraftGate:
         """Measure the engine's forward at this batch size if not yet measured (outside a step's timing)."""
         self.cost.calibrate(batch)
 
-    def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int) -> int:
+    def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int,
+               remaining: Sequence[int] | None = None) -> int:
         """The draft length K (0: verify nothing) with the most expected committed tokens per
-        second for a step of these rows, each with its proposed draft."""
+        second for a step of these rows, each with its proposed draft; for a group (`remaining`:
+        each row's token budget left), the most seconds saved (module docstring)."""
         batch = len(drafts)
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 0
+        if self.group and remaining is not None and batch > 1:
+            return self._group_choice(drafts, acceptance, context, remaining, longest)
         best_k, best_rate = 0, batch / (self.cost.seconds(batch, 1, context) + self.cost.host)
         for k in range(1, longest + 1):
             gain = sum(1 + a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance))
             rate = gain / (self.cost.seconds(batch, k + 1, context) + self.cost.host)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        return best_k
+
+    def _group_choice(self, drafts, acceptance, context: int, remaining: Sequence[int], longest: int) -> int:
+        batch = len(drafts)
+        plain = self.cost.seconds(batch, 1, context)
+        row = max(0.0, self.cost.seconds(batch, 2, context) - plain) / batch
+        last = max(remaining)
+        critical = [i for i, left in enumerate(remaining) if left == last]
+        best_k, best_net = 0, 0.0
+        for k in range(1, longest + 1):
+            expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
+            whole = min(expected[i] for i in critical)
+            saved = whole * (plain + self.cost.host) + (sum(expected) - whole * len(critical)) * row
+            net = saved - (self.cost.seconds(batch, k + 1, context) - plain)
+            if net > best_net:
+                best_k, best_net = k, net
         return best_k
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:

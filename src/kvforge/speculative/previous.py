@@ -13,6 +13,11 @@ rollout's. When they differ it looks for a new alignment:
 
 A draft is the next k tokens of the aligned rollout. Drafts are proposals only: which tokens are
 committed never depends on them (`step.py`).
+
+Realigning runs on the step's critical path, for every unaligned sample at every step, so it is
+kept cheap: the rollouts that still begin with the output are narrowed as the output grows (one
+that stopped matching never matches again), and the n-grams of the rollouts are indexed once, at
+the first search by n-gram, into their occurrences, so a search is a dictionary lookup per n.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class PreviousRolloutDrafter:
         self.prompt_length, self.n_min, self.n_max = prompt_length, n_min, n_max
         # (rollout, offset) the next committed token continues; None: lost, search again
         self.aligned: tuple[int, int] | None = (0, 0) if self.rollouts else None
+        self.prefixed = list(range(len(self.rollouts)))  # the rollouts that began with the output at the last search
+        # n-gram -> [(rollout, offset after it)], the rollouts in order and each one's offsets ascending; built at first use
+        self.grams: dict[tuple[int, ...], list[tuple[int, int]]] | None = None
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         if not self.rollouts:
@@ -52,18 +60,27 @@ class PreviousRolloutDrafter:
     def _align(self, context: Sequence[int]) -> tuple[int, int] | None:
         output = np.asarray(context[self.prompt_length :], dtype=np.int64)
         produced = len(output)
-        for i, r in enumerate(self.rollouts):  # 1. a rollout that begins with the whole output
-            if len(r) > produced and (r[:produced] == output).all():
+        # 1. a rollout that begins with the whole output
+        self.prefixed = [i for i in self.prefixed if len(self.rollouts[i]) >= produced and (self.rollouts[i][:produced] == output).all()]
+        for i in self.prefixed:
+            if len(self.rollouts[i]) > produced:
                 return i, produced
-        tail = np.asarray(context[-self.n_max :], dtype=np.int64)
+        if self.grams is None:
+            self.grams = self._index()
+        tail = tuple(int(t) for t in context[-self.n_max :])
         for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):  # 2. the longest recent match
-            suffix = tail[-n:]
-            for i, r in enumerate(self.rollouts):
-                if len(r) <= n:
-                    continue
-                windows = np.lib.stride_tricks.sliding_window_view(r[:-1], n)  # a match with a token after it
-                hits = np.flatnonzero((windows == suffix).all(axis=1))
-                if hits.size:
-                    nearest = int(hits[np.abs(hits + n - produced).argmin()])
-                    return i, nearest + n
+            hits = self.grams.get(tail[-n:])
+            if hits:
+                first = hits[0][0]  # the earliest rollout holding it (its own first), at the offset nearest the output's length
+                return min((hit for hit in hits if hit[0] == first), key=lambda hit: abs(hit[1] - produced))
         return None
+
+    def _index(self) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+        """Every n-gram (n_min..n_max) of the rollouts that has a token after it -> where it ends."""
+        grams: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for i, r in enumerate(self.rollouts):
+            tokens = r.tolist()
+            for n in range(self.n_min, self.n_max + 1):
+                for end in range(n, len(tokens)):
+                    grams.setdefault(tuple(tokens[end - n : end]), []).append((i, end))
+        return grams

@@ -37,7 +37,7 @@ def generate_group(
         drafters, shared = new_drafters(draft, prompt, samples, kept, previous)
         prefetcher = Prefetcher(draft.k, draft.budget) if draft.prefetch else None
         try:
-            gate = draft.new_gate(engine)
+            gate = draft.new_gate(engine, group=True)  # the call returns when its last sample is done
             caches = [shared] * samples if shared is not None else None
             outputs, stats = speculative_generate(engine, prompts, drafters, config, draft.k, prefetcher, caches, on_text, plan, gate, draft.k_for)
         finally:

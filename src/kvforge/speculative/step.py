@@ -77,9 +77,10 @@ class DraftConfig:
         if self.prefetch and self.draft != "ngram":
             raise ValueError("--prefetch needs --draft ngram: it reads the n-gram cache")
 
-    def new_gate(self, engine) -> DraftGate | None:
-        """The gate this configuration asks for over `engine`'s measured costs (None: draft every step)."""
-        return DraftGate(step_cost(engine)) if self.gate else None
+    def new_gate(self, engine, group: bool = False) -> DraftGate | None:
+        """The gate this configuration asks for over `engine`'s measured costs (None: draft every
+        step); `group`: for rows that finish together (`gate.DraftGate`)."""
+        return DraftGate(step_cost(engine), group) if self.gate else None
 
     def k_for(self, produced: int) -> int:
         """The draft budget of a sample that has produced `produced` tokens."""
@@ -347,7 +348,8 @@ def speculative_step(
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
     proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
     context = max(len(r.context) for r in requests)
-    step_k = gate.choose(proposals, [r.acceptance for r in requests], context) if gate is not None else k
+    remaining = [r.config.max_new_tokens - len(r.seq.token_ids) for r in requests]
+    step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining) if gate is not None else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
     ids, positions, lengths = verification_batch([r.pending for r in requests], drafts, [r.offset + len(r.context) - 1 for r in requests])

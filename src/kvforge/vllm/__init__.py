@@ -42,8 +42,8 @@ def register() -> None:
 
 
 def speculative_config(k: int = 8, **draft) -> dict:
-    """vLLM's `speculative_config` for kvforge's n-gram proposer. `draft`: `DraftConfig` fields
-    (n_min, n_max, gate, prefetch, budget, k_min, k_ramp, max_entries), passed to the proposer
+    """vLLM's `speculative_config` for kvforge's n-gram proposer. `draft`: `ProposerConfig` fields
+    (n_min, n_max, gate, group, prefetch, budget, k_min, k_ramp, max_entries, drafting), passed to the proposer
     through the environment (set here, read by every vLLM process this one starts)."""
     from kvforge.vllm.proposer import ProposerConfig
 

@@ -69,6 +69,10 @@ class ProposerConfig:
     max_entries: int = DEFAULT_MAX_ENTRIES
     # False: index and track as usual but never draft (what vLLM's speculative machinery costs alone)
     drafting: bool = True
+    # True: the rows finish together (offline `LLM.generate` of RL groups, one max_tokens for all):
+    # the gate judges a draft by how much it shortens the row with the fewest tokens so far
+    # (`gate.DraftGate`, group); False: by the tokens it commits per second (a server's requests)
+    group: bool = False
 
     def __post_init__(self):
         self.draft  # DraftConfig validates the shared fields
@@ -184,7 +188,9 @@ class NgramRLProposer:
             last = self._last_step
             if last is not None and last[0] == len(rows) and self.stats.new_rows == new_rows:
                 self.gate.record(*last, start - self._last_call, 0.0)
-            k = self.gate.choose([p for _, _, p, _ in rows], [state.acceptance for _, state, _, _ in rows], context)
+            # vLLM names no request's budget: with one max_tokens for all, the row with the fewest tokens has the most left
+            remaining = [-state.produced for _, state, _, _ in rows]
+            k = self.gate.choose([p for _, _, p, _ in rows], [state.acceptance for _, state, _, _ in rows], context, remaining)
             self._last_step = (len(rows), 1 + max(min(k, len(p)) for _, _, p, _ in rows), context)
         else:
             self._last_step = None
@@ -287,7 +293,7 @@ class NgramRLProposer:
     def _new_gate(self) -> DraftGate | None:
         self._last_step: tuple[int, int, int] | None = None  # (rows, width, context) of the last call's drafts
         self._last_call = 0.0
-        return DraftGate(StepCost(engine=None)) if self.config.gate else None
+        return DraftGate(StepCost(engine=None), self.config.group) if self.config.gate else None
 
     def close(self) -> None:
         if self.prefetcher is not None:
