@@ -614,6 +614,28 @@ def test_choices_record_their_rollouts_under_the_rollout_key(dirs):
         assert history.previous(prompt, "never-seen") == {c["index"]: c["token_ids"] for c in first["choices"]}  # recorded from then on
 
 
+def test_a_group_sent_as_single_requests_is_the_group_of_one_request(dirs):
+    """G requests for samples 0..G-1 with one seed sample what one request with n = G samples, and
+    each is recorded as its own sample's rollout (not all as sample 0)."""
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app
+
+    llama = str(dirs[0])
+    served = build_served(ServeConfig(llama, max_batch=4))
+    body = {"model": llama, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 5, "kvforge": {"draft": "ngram", "rollout_key": "g"}}
+    with TestClient(create_app(served)) as http:
+        group = http.post("/v1/completions", json={**body, "n": 3}).json()
+        singles = [http.post("/v1/completions", json={**body, "kvforge": {**body["kvforge"], "rollout_key": "s", "sample_index": i}}).json()
+                   for i in range(3)]
+        assert [s["choices"][0]["token_ids"] for s in singles] == [c["token_ids"] for c in group["choices"]]
+        assert all(s["choices"][0]["index"] == 0 for s in singles)  # the response's choice index is unchanged
+        history = served[llama].schedulers[0].history
+        assert history.previous(group["prompt_token_ids"], "s") == {i: s["choices"][0]["token_ids"] for i, s in enumerate(singles)}
+        bad = http.post("/v1/completions", json={**body, "kvforge": {"sample_index": -1}})
+        assert bad.status_code == 400
+
+
 # --- the scheduler in process: the same speculative step as offline decoding -------------------
 @pytest.fixture(scope="module")
 def tiny_engine():

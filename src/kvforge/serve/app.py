@@ -10,11 +10,13 @@ second weight set beside them (`lora.adapted_engine`): a batch runs one set of w
 requests have their own scheduler. A response says what its prefill ran (`PrefillReport`: the
 method, or exact with the reason, and the rows filled or left shallow).
 
-A request for `n` choices is a group of n scheduler requests (`Scheduler.submit`): choice i
-samples with its own seed, derived from the request's `seed` and i (`choice_seed`). Each scheduler
-keeps a rollout history (`--history-entries`, 0: off): n-gram requests with the same prompt tokens,
-or the same `kvforge.rollout_key`, draft from every earlier request's choices, choice i from the
-last request's choice i first (`speculative.history`).
+A request for `n` choices is a group of n scheduler requests (`Scheduler.submit`): choice i is
+sample s = `kvforge.sample_index` + i (0 + i by default) and samples with its own seed, derived
+from the request's `seed` and s (`choice_seed`), so G requests for samples 0..G-1 with one seed are
+the group one request with n = G samples. Each scheduler keeps a rollout history
+(`--history-entries`, 0: off): n-gram requests with the same prompt tokens, or the same
+`kvforge.rollout_key`, draft from every earlier request's choices, sample s from the last rollout
+of sample s first (`speculative.history`).
 
 Weights are updated in place without a restart (`POST /v1/update_weights` with a safetensors
 path, or `update_weights` in process with tensors): the swap waits for the step running, happens
@@ -476,8 +478,8 @@ class _Reply:
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:
-    """Choice 0 samples with the request's seed (n = 1 is unchanged); choice i > 0 with a seed
-    hashed from (seed, i), so no choice repeats another request's seed + i."""
+    """Sample 0 samples with the request's seed (n = 1 is unchanged); sample i > 0 with a seed
+    hashed from (seed, i), so no sample repeats another request's seed + i."""
     if seed is None or choice == 0:
         return seed
     digest = hashlib.blake2b(f"{seed}:{choice}".encode(), digest_size=8).digest()
@@ -532,8 +534,8 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     return [
-        AppRequest(ids, replace(config, seed=choice_seed(body.seed, i)), text, options.prefill, options.draft, options.prefetch,
-                   options.history, options.rollout_key, i, tokens=tokens)
+        AppRequest(ids, replace(config, seed=choice_seed(body.seed, options.sample_index + i)), text, options.prefill, options.draft,
+                   options.prefetch, options.history, options.rollout_key, i, options.sample_index + i, tokens=tokens)
         for i in range(n)
     ]
 

@@ -49,6 +49,9 @@ class KvforgeOptions(BaseModel):
     history: bool = True
     # names the rollout in that history (an RL prompt's id); None: the prompt's tokens name it
     rollout_key: str | None = Field(default=None, min_length=1, max_length=256)
+    # the first choice's sample index in the rollout (choice i is sample_index + i): a group sent as
+    # G requests with sample_index 0..G-1 and one seed is the group of one request with n = G
+    sample_index: int = Field(default=0, ge=0, lt=1 << 20)
     # the RL epoch: part of every sampled token's noise key, so one seed draws fresh noise each
     # epoch; leave it at 0 to couple epochs (a sample replays its last draw where the policy agrees)
     epoch: int = Field(default=0, ge=0, lt=2**63)

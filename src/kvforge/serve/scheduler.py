@@ -25,10 +25,10 @@ The `n` choices of one API request are a group: queued as one item, admitted tog
 batch has room for all of them, prefilled once (its rows joined once per choice), and drafting
 from one n-gram cache of the prompt (`new_drafters`). With a `RolloutHistory` (the default in the
 app) that cache is the prompt's history: a later request with the same prompt tokens (or the same
-`rollout_key`) drafts from every earlier request's choices too, choice i from the last request's
-choice i first (`previous.py`), and requests with the same prompt running at once share it. A
-choice that finishes is recorded as its index's latest rollout and the history settled (its bound
-enforced); a request opts out with `history=False`.
+`rollout_key`) drafts from every earlier request's choices too, sample s from the last rollout of
+sample s first (`previous.py`; a choice's sample index is `ServeRequest.sample`), and requests with
+the same prompt running at once share it. A choice that finishes is recorded as its sample's latest
+rollout and the history settled (its bound enforced); a request opts out with `history=False`.
 
 Between steps the loop holds no lock (`step_lock` is held for each admission and step), so a
 weight update (`app.update_weights`) pauses every scheduler (`paused`: the loop yields the lock to
@@ -90,7 +90,8 @@ class ServeRequest:
     prefetch: bool = False
     history: bool = True  # with draft "ngram": use the scheduler's rollout history of the prompt
     rollout_key: str | None = None  # names the rollout in the history (None: the prompt's tokens)
-    index: int = 0  # the choice this request is, of its API request's n: its sample index in the rollout
+    index: int = 0  # the choice this request is, of its API request's n
+    sample: int = 0  # its sample index in the rollout history (`kvforge.sample_index` + its choice)
     emit: Callable[[str, object], None] = lambda kind, payload: None
     cancelled: threading.Event = field(default_factory=threading.Event)
     aborted: bool = False  # stopped by `Scheduler.abort`: finishes with what it has, reason "abort"
@@ -342,7 +343,7 @@ class Scheduler:
         kept, previous = None, None
         if self._keeps_history(first):
             kept, previous = self.history.get(prompt, first.rollout_key), self.history.previous(prompt, first.rollout_key)
-        drafters, ngram = new_drafters(drafting, prompt, len(group), kept, previous, [r.index for r in group])
+        drafters, ngram = new_drafters(drafting, prompt, len(group), kept, previous, [r.sample for r in group])
         running = []
         rescues = [rescue if i == 0 or rescue is None else rescue.copy() for i in range(len(group))]  # each choice rescues its own rows
         for r, drafter, rescue in zip(group, drafters, rescues):
@@ -439,7 +440,7 @@ class Scheduler:
         self.prefetcher.forget(r.id)
         if r.state is not None and self._keeps_history(r):
             if r.error is None and not r.aborted:
-                self.history.record(r.prompt_ids, r.index, list(r.seq.token_ids), r.rollout_key)
+                self.history.record(r.prompt_ids, r.sample, list(r.seq.token_ids), r.rollout_key)
             self.history.settle(r.prompt_ids, r.rollout_key)
         if self.metrics is not None:
             self.metrics.observe_done(r)
