@@ -311,6 +311,12 @@ def test_a_group_drafts_from_its_previous_epoch_and_commits_the_plain_samples(en
     coupled, stats = generate_group(engine, prompt, 4, config(0), draft, history=history)
     assert [g.token_ids for g in coupled] == [g.token_ids for g in first]
     assert stats.accept_by_source["rollout"]["accept_rate"] == 1.0 and stats.mean_accept_len > 3
+    # with the prefetcher: its tables hold the n-gram chain's drafts, so they are built only for rows
+    # drafting from the chain, and the previous rollouts keep drafting where they win
+    again, prefetched = generate_group(engine, prompt, 4, config(0), DraftConfig("ngram", 6, prefetch=True), history=history)
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    by_source = prefetched.accept_by_source
+    assert by_source["rollout"]["rows"] > by_source.get("prefetch", {"rows": 0})["rows"] and prefetched.mean_accept_len > 3
     fresh, fresh_stats = generate_group(engine, prompt, 4, config(1), draft, history=history)
     reference, _ = generate_group(engine, prompt, 4, config(1), plain)
     assert [g.token_ids for g in fresh] == [g.token_ids for g in reference] != [g.token_ids for g in first]

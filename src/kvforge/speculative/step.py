@@ -312,8 +312,9 @@ def speculative_step(
     """One step for the batch in `cache` (row b is requests[b]); the cache is rolled back in
     place. Drafts of up to `k` tokens come from the prefetch hit of the previous step, else the
     request's drafter (each request's budget: its `k_for`, at most `k`); `gate` (None: verify
-    every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache get their
-    next drafts built during the forward. `isolate`: a request whose own share of the step raises
+    every proposed draft) cuts them to the step's draft length, 0 for a plain step. With a `prefetcher`, requests with an `ngram` cache
+    whose draft came from the n-gram chain get their next drafts built during the forward (a hit keeps
+    the chain until a miss consults the drafter's sources again). `isolate`: a request whose own share of the step raises
     (drafting, committing, streaming its text) fails alone (`SpecRequest.error`, finish reason
     "error") and the others go on; else the exception propagates. The forward is the batch's."""
     limit = engine.rollback_rows
@@ -356,7 +357,10 @@ def speculative_step(
     width = ids.shape[1] - 1
     future = None
     if prefetcher is not None and width:  # a plain step (the gate's choice) is likely followed by another: no tables
-        prefetching = {r.key: (r.ngram, r.context[:], d) for r, d in zip(requests, drafts) if r.ngram is not None}
+        # the tables hold the n-gram chain's next drafts: a row whose drafter chose another source
+        # (a previous rollout, prompt lookup: a slice or a scan, cheap) looks that up at its next step
+        prefetching = {r.key: (r.ngram, r.context[:], d) for r, d, source in zip(requests, drafts, sources)
+                       if r.ngram is not None and source in (None, "chain", "prefetch")}
         future = prefetcher.start(prefetching) if prefetching else None
     t = time.perf_counter()
     for row, (r, rows) in enumerate(zip(requests, rescued)):

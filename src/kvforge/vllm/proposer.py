@@ -201,7 +201,7 @@ class NgramRLProposer:
             draft = proposal[:k]
             state.draft = draft or None
             drafts[i] = draft
-            if self.prefetcher is not None and draft:
+            if self.prefetcher is not None and draft and state.source in ("chain", "prefetch"):  # the tables hold the chain's drafts
                 prefetch[state.key] = (state.drafter.cache, token_ids_cpu[i, :n][-self.config.n_max - 1:].tolist(), draft)
         if prefetch:
             self.pending = self.prefetcher.start(prefetch)
