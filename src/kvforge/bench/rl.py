@@ -67,11 +67,12 @@ def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int,
 def bench_rl(
     engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
     noise: str = "fresh", lr: float = 6e-6, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
-    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None,
+    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None, prefetch: bool = False,
 ) -> dict:
     """The loop of the module docstring over `engine` (kvforge's rollouts; held-out answers always),
     `trainer_model` (a float32 transformers model of the same weights, trained) and, with "vllm" in
-    `engines`, vLLM engines over `vllm_dir` (the model's Hugging Face directory)."""
+    `engines`, vLLM engines over `vllm_dir` (the model's Hugging Face directory). `prefetch`: the
+    drafted arms with the (accept length, bonus) prefetcher (its hit rate reported)."""
     check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines)
     say = progress or (lambda message: None)
     tokenizer = engine.model.tokenizer
@@ -79,7 +80,7 @@ def bench_rl(
     encoded = [encode_prompt(tokenizer, p.prompt, chat=True) for p in train]
     trainer = GrpoTrainer(trainer_model, GrpoConfig(lr=lr))
     history = RolloutHistory()
-    arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k)} if "kvforge" in engines else {}
+    arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k, prefetch=prefetch)} if "kvforge" in engines else {}
     train_threads = torch.get_num_threads()
     torch.set_num_threads(rollout_threads)
     warm = GenerationConfig(4, temperature=1.0, seed=seed)
@@ -90,7 +91,7 @@ def bench_rl(
     if "vllm" in engines:
         from kvforge.bench.rl_vllm import VLLM_ARMS, VllmRollouts, rollout_seed
 
-        vllm = VllmRollouts(vllm_dir, engine.dtype, max(map(len, encoded + [warm_prompt])) + max_tokens + k + 16, group, k, say)
+        vllm = VllmRollouts(vllm_dir, engine.dtype, max(map(len, encoded + [warm_prompt])) + max_tokens + k + 16, group, k, say, prefetch)
         vllm.warm(warm_prompt, group)
     trained_on = "drafted" if arms else "vllm-plain"
     heldout_before = _heldout_reward(engine, task, heldout, max_tokens)
@@ -120,7 +121,9 @@ def bench_rl(
             groups = [[Rollout(ids, tokens, r) for tokens, r in zip(sample_tokens, rs)]
                       for ids, sample_tokens, rs in zip(encoded, outcome[trained_on]["tokens"], rewards[trained_on])]
             update = trainer.step(groups)
-            update["trained_on"] = trained_on
+            # vLLM's CPU worker makes torch.set_num_threads a no-op in its process: the update runs
+            # at the threads vLLM bound (the rollouts'), and says so
+            update["trained_on"], update["threads"] = trained_on, torch.get_num_threads()
             start = time.perf_counter()
             engine.update_weights(trainer.weights(engine.dtype))
             update["load_s"] = time.perf_counter() - start
@@ -141,9 +144,9 @@ def bench_rl(
 
         extra = {"vllm": vllm_package.__version__}
     return {
-        "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "epochs": epochs, "group": group, "prompts": prompts,
+        "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "prefetch": prefetch, "epochs": epochs, "group": group, "prompts": prompts,
         "max_tokens": max_tokens, "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads,
-        "train_threads": train_threads, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
+        "train_threads": update["threads"] if update else train_threads, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
         **environment(engine), **extra, "threads": rollout_threads, "results": results,
     }
 
@@ -158,7 +161,8 @@ def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[flo
         "epoch": epoch, "arm": arm, "noise": noise, "tokens_per_s": rate, "speedup_vs_plain": rate / (plain["completion_tokens"] / plain["seconds"]),
         "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,
         "kl_to_previous": kl, "reward_mean": statistics.fmean(r for rs in rewards for r in rs),
-        **{key: o[key] if drafting else None for key in ("accept_by_source", "match_by_source", "mean_accept_len", "rows_drafted", "host_ms_per_step")},
+        **{key: o.get(key) if drafting else None for key in ("accept_by_source", "match_by_source", "mean_accept_len", "rows_drafted", "host_ms_per_step",
+                                                              "prefetch_hit_rate")},
         "update": update,
     }
     if arm == "vllm-drafted":  # against vLLM's speculative path that never drafts: the floor
@@ -171,6 +175,7 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draf
     """One arm's pass over the problems: the samples' tokens and texts per problem, the wall
     seconds, and the drafting statistics summed over the groups."""
     tokens, texts, total = [], [], SpecStats(draft.k)
+    probes = hits = 0
     start = time.perf_counter()
     for problem, ids in zip(train, encoded):
         outputs, stats = generate_group(engine, ids, group, config, draft, history=history, rollout_key=problem.key)
@@ -178,11 +183,13 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draf
         texts.append([g.text for g in outputs])
         if stats is not None:
             total.add(stats)
+            probes, hits = probes + stats.probes, hits + stats.hits
     seconds = time.perf_counter() - start
     summary = total.as_dict()
     return {
         "tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts),
         "rows_drafted": total.rows_drafted, **{key: summary[key] for key in ("mean_accept_len", "host_ms_per_step", "accept_by_source", "match_by_source")},
+        "prefetch_hit_rate": hits / probes if probes else None,
     }
 
 

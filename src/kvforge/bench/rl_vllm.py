@@ -26,7 +26,7 @@ VLLM_ARMS = ("vllm-plain", "vllm-drafted", "vllm-off")
 class VllmRollouts:
     """One vLLM engine per arm over `model_dir`, kept for the whole run."""
 
-    def __init__(self, model_dir, dtype, max_model_len: int, group: int, k: int, progress=None):
+    def __init__(self, model_dir, dtype, max_model_len: int, group: int, k: int, progress=None, prefetch: bool = False):
         from kvforge.vllm import speculative_config
         from kvforge.vllm.engine import start_llm
         from kvforge.vllm.proposer import LIVE
@@ -35,7 +35,7 @@ class VllmRollouts:
         for arm in VLLM_ARMS:
             if progress:
                 progress(f"starting vLLM for arm {arm}")
-            spec = None if arm == "vllm-plain" else speculative_config(k=k, gate=True, group=True, drafting=arm == "vllm-drafted")
+            spec = None if arm == "vllm-plain" else speculative_config(k=k, gate=True, group=True, prefetch=prefetch, drafting=arm == "vllm-drafted")
             before = set(LIVE)
             self.engines[arm] = start_llm(model_dir, dtype, max_model_len, speculative_config=spec, max_num_seqs=max(group, 8))
             self.proposers[arm] = next(iter(set(LIVE) - before), None)
@@ -64,7 +64,7 @@ class VllmRollouts:
         seconds = time.perf_counter() - start
         row = {"tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts)}
         if proposer is not None:
-            row.update(_drafting(before, _proposer_counts(proposer)))
+            row.update(_drafting(before, _proposer_counts(proposer), proposer.config.prefetch))
         return row
 
     def update(self, weights) -> float:
@@ -92,7 +92,7 @@ def _proposer_counts(proposer) -> dict:
     return {**proposer.stats.as_dict(), **proposer.stats.by_source()}
 
 
-def _drafting(before: dict, after: dict) -> dict:
+def _drafting(before: dict, after: dict, prefetch: bool) -> dict:
     """The proposer's statistics over one pass (counters after minus before), in `SpecStats`'s terms."""
     def delta(key):
         return after[key] - before[key]
@@ -106,6 +106,7 @@ def _drafting(before: dict, after: dict) -> dict:
         "rows_drafted": delta("drafted_steps") / steps,
         "mean_accept_len": delta("accepted") / steps,  # per request-step, as `SpecStats` counts it
         "host_ms_per_step": 1e3 * delta("propose_s") / max(delta("calls"), 1),
+        "prefetch_hit_rate": delta("prefetch_hits") / max(delta("drafted_steps"), 1) if prefetch else None,
         "accept_by_source": summary.accept_by_source,
         "match_by_source": summary.match_by_source,
     }

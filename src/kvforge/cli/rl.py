@@ -29,10 +29,11 @@ def bench_rl_cmd(
     k: int = KOpt,
     heldout: int = typer.Option(8, "--heldout", help="Held-out problems answered greedily before the first update and after the last."),
     seed: int = typer.Option(0, "--seed"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the rollouts (default: every physical core); the update runs on every physical core."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads of the rollouts (default: every physical core); the update runs on every physical core (with vLLM engines, on the rollouts' threads: vLLM fixes torch's threads in its process)."),
     dtype: str = typer.Option("bf16", "--dtype", help="The rollout engine's dtype; the trainer runs float32."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rl-<task>-<model>-<noise>.png)."),
     also: Optional[Path] = typer.Option(None, "--plot-with", help="Another noise mode's JSON report, drawn beside this one."),
+    prefetch: bool = typer.Option(False, "--prefetch", help="The drafted arm with the (accept length, bonus) prefetcher; its hit rate reported."),
     engines: str = typer.Option("kvforge", "--engines", help="kvforge, vllm or kvforge,vllm: whose rollout arms run (vLLM's take every update in place)."),
     device: str = DeviceOpt,
     json_out: bool = JsonOpt,
@@ -62,7 +63,8 @@ def bench_rl_cmd(
     engine = load_engine(model, device, dtype)
     trainer_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(model)), dtype=torch.float32)
     report = bench_rl(engine, trainer_model, task, epochs, group, prompts, max_tokens, noise, lr, k, threads, heldout, seed,
-                      progress=lambda m: err.print(f"[dim]{m}[/dim]"), engines=chosen, vllm_dir=hf_directory(model) if "vllm" in chosen else None)
+                      progress=lambda m: err.print(f"[dim]{m}[/dim]"), engines=chosen, vllm_dir=hf_directory(model) if "vllm" in chosen else None,
+                      prefetch=prefetch)
     report["model"] = model
     path = plot or Path("benchmarks/results") / f"rl-{task}-{figure_name(model)}-{noise}.png"
     report["plot"] = str(plot_report([report] + ([other] if other else []), path))
