@@ -259,6 +259,9 @@ def test_bench_rl_rolls_out_in_vllm_and_updates_its_weights_in_place(tmp_path, m
         assert r["completion_tokens"] > 0 and (r["token_identical"] is None) == vllm_arm
         assert r["noise"] == "fresh"
     assert rows[5]["update"]["vllm_load_s"] > 0 and rows[5]["kl_to_previous"] > 0
+    assert all(r["rows_drafted"] is None for r in rows if r["arm"] in ("plain", "vllm-plain"))
+    reward = lambda arm: [r["reward_mean"] for r in rows if r["arm"] == arm]  # noqa: E731
+    assert reward("vllm-off") == reward("vllm-plain")  # never drafting, vLLM samples what it samples without speculation
     drafted = [r for r in rows if r["arm"] == "vllm-drafted"]
     assert all(r["speedup_vs_off"] > 0 and set(r["match_by_source"]) <= {"rollout", "chain", "lookup"} for r in drafted)
     assert report["vllm"]

@@ -117,3 +117,7 @@ def test_a_vllm_update_is_checked_against_the_served_checkpoint(tmp_path):
             check_update(tmp_path, False, bad)
     with pytest.raises(WeightUpdateError, match="no safetensors"):
         check_update(tmp_path / "elsewhere", False, update)
+    stored = tmp_path / "with-head"  # a tied checkpoint that stores the head as well: not required
+    stored.mkdir()
+    save_file({**checkpoint, "lm_head.weight": torch.zeros(8, 4)}, str(stored / "model.safetensors"))
+    assert check_update(stored, True, update).keys() == checkpoint.keys()

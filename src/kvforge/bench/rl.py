@@ -124,11 +124,13 @@ def bench_rl(
             # vLLM's CPU worker makes torch.set_num_threads a no-op in its process: the update runs
             # at the threads vLLM bound (the rollouts'), and says so
             update["trained_on"], update["threads"] = trained_on, torch.get_num_threads()
+            weights = trainer.weights(engine.dtype)
             start = time.perf_counter()
-            engine.update_weights(trainer.weights(engine.dtype))
+            engine.update_weights(weights)
             update["load_s"] = time.perf_counter() - start
             if vllm:
-                update["vllm_load_s"] = vllm.update(trainer.weights(engine.dtype))
+                update["vllm_load_s"] = vllm.update(weights)
+            del weights
             torch.set_num_threads(rollout_threads)
             for draft in list(arms.values())[:1]:  # weight copies repacked here, outside the arms' timings
                 generate_group(engine, warm_prompt, group, warm, draft)
@@ -156,7 +158,7 @@ def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[flo
     o = outcome[arm]
     rate = o["completion_tokens"] / o["seconds"]
     plain = outcome["vllm-plain" if arm.startswith("vllm-") else "plain"]
-    drafting = "accept_by_source" in o
+    drafting = arm not in ("plain", "vllm-plain")  # plain arms draft nothing: null, not zeros
     row = {
         "epoch": epoch, "arm": arm, "noise": noise, "tokens_per_s": rate, "speedup_vs_plain": rate / (plain["completion_tokens"] / plain["seconds"]),
         "completion_tokens": o["completion_tokens"], "seconds": o["seconds"], "token_identical": identical,

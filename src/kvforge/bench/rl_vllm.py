@@ -64,7 +64,7 @@ class VllmRollouts:
         seconds = time.perf_counter() - start
         row = {"tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts)}
         if proposer is not None:
-            row.update(_drafting(before, _proposer_counts(proposer), proposer.config.prefetch))
+            row.update(_drafting(before, _proposer_counts(proposer), proposer.config.prefetch and proposer.config.drafting))
         return row
 
     def update(self, weights) -> float:
@@ -81,8 +81,8 @@ class VllmRollouts:
 
 
 def rollout_seed(seed: int, epoch: int, problems: int, group: int) -> int:
-    """The first vLLM seed of an epoch: requests of one epoch take seeds seed .. seed + problems x G - 1,
-    and no two epochs share one."""
+    """The first vLLM request seed of an epoch under the run's `seed`: the epoch's samples take
+    request seeds first .. first + problems x G - 1, and no two epochs share one."""
     return (seed * 1000 + epoch) * problems * group
 
 
@@ -105,8 +105,8 @@ def _drafting(before: dict, after: dict, prefetch: bool) -> dict:
     return {
         "rows_drafted": delta("drafted_steps") / steps,
         "mean_accept_len": delta("accepted") / steps,  # per request-step, as `SpecStats` counts it
-        "host_ms_per_step": 1e3 * delta("propose_s") / max(delta("calls"), 1),
-        "prefetch_hit_rate": delta("prefetch_hits") / max(delta("drafted_steps"), 1) if prefetch else None,
+        "host_ms_per_step": 1e3 * delta("propose_s") / max(delta("calls"), 1),  # the proposer's time per vLLM step
+        "prefetch_hit_rate": delta("prefetch_hits") / max(delta("drafted_steps"), 1) if prefetch else None,  # of the verified drafts
         "accept_by_source": summary.accept_by_source,
         "match_by_source": summary.match_by_source,
     }

@@ -24,6 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 MAX_RANK = 64  # candidates looked at per branch when learning the coverage profiles
+# the draft sources whose next drafts the tables hold (the n-gram chain; None: nothing proposed): a
+# request drafting from another source (a previous rollout, prompt lookup) gets no tables
+PREFETCHED_SOURCES = (None, "chain", "prefetch")
 
 
 @dataclass

@@ -41,7 +41,7 @@ from kvforge.generation import GenerationConfig, SequenceState, commit_token
 from kvforge.sampling import SampleKey
 from kvforge.speculative.gate import Acceptance, DraftGate, step_cost
 from kvforge.speculative.ngram import Drafter, NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
-from kvforge.speculative.prefetch import Prefetcher
+from kvforge.speculative.prefetch import PREFETCHED_SOURCES, Prefetcher
 from kvforge.speculative.verify import verify
 
 DRAFTS = ("none", "prompt-lookup", "ngram")
@@ -360,7 +360,7 @@ def speculative_step(
         # the tables hold the n-gram chain's next drafts: a row whose drafter chose another source
         # (a previous rollout, prompt lookup: a slice or a scan, cheap) looks that up at its next step
         prefetching = {r.key: (r.ngram, r.context[:], d) for r, d, source in zip(requests, drafts, sources)
-                       if r.ngram is not None and source in (None, "chain", "prefetch")}
+                       if r.ngram is not None and source in PREFETCHED_SOURCES}
         future = prefetcher.start(prefetching) if prefetching else None
     t = time.perf_counter()
     for row, (r, rows) in enumerate(zip(requests, rescued)):

