@@ -99,7 +99,6 @@ def bench_rl(
     try:
         for epoch in range(1, epochs + 1):
             config = GenerationConfig(max_tokens, temperature=1.0, seed=seed, epoch=epoch if noise == "fresh" else 0)
-            torch.set_num_threads(rollout_threads)
             order = list(arms) + (list(VLLM_ARMS) if vllm else [])
             order = order if epoch % 2 else order[::-1]
             outcome = {}

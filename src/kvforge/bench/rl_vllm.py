@@ -98,9 +98,7 @@ def _drafting(before: dict, after: dict, prefetch: bool) -> dict:
         return after[key] - before[key]
 
     summary = SpecStats(k=1)
-    summary.sources = {s: [a - b for a, b in zip(c, before["sources"].get(s, [0, 0, 0]))] for s, c in after["sources"].items()}
-    summary.proposals = {s: [a - b for a, b in zip(c, before["matched"].get(s, [0, 0]))] for s, c in after["matched"].items()}
-    summary.sources = {s: c for s, c in summary.sources.items() if c[0]}
+    summary.sources, summary.proposals = _minus(after["sources"], before["sources"]), _minus(after["matched"], before["matched"])
     steps = max(delta("request_steps"), 1)
     return {
         "rows_drafted": delta("drafted_steps") / steps,
@@ -110,3 +108,9 @@ def _drafting(before: dict, after: dict, prefetch: bool) -> dict:
         "accept_by_source": summary.accept_by_source,
         "match_by_source": summary.match_by_source,
     }
+
+
+def _minus(after: dict[str, list[int]], before: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Per-source tallies over one pass: the sources it used, their counts after minus before."""
+    counts = {s: [a - b for a, b in zip(c, before.get(s, [0] * len(c)))] for s, c in after.items()}
+    return {s: c for s, c in counts.items() if c[0]}
