@@ -4,6 +4,8 @@
   speculative proposer: `speculative_config=kvforge.vllm.speculative_config(k=8)`.
 - `ridgefill.RidgeFillForCausalLM`: vLLM's Llama with RidgeFill prefill (late layers' cache from
   kvforge's ridge maps): `LLM(model_dir, **kvforge.vllm.ridgefill.engine_args(maps))`.
+- `speed.SpeedForCausalLM`: vLLM's Llama with SPEED (shallow prompt rows, upper layers that read
+  only the anchors, the tail and the generated rows): `LLM(model_dir, **kvforge.vllm.speed.engine_args())`.
 - `connector.KvforgeConnector`: a KV connector that loads a cache kvforge made (an exact prefill,
   or a KV-Lingo translation of another model's cache) into vLLM's paged cache, so vLLM skips
   that prefill: `kv_transfer_config=kvforge.vllm.kv_transfer_config(store)`.
@@ -39,6 +41,7 @@ def register() -> None:
 
     # lazily, by name: vLLM imports the class only in the process that builds the model
     ModelRegistry.register_model("KvforgeRidgeFillForCausalLM", "kvforge.vllm.ridgefill:RidgeFillForCausalLM")
+    ModelRegistry.register_model("KvforgeSpeedForCausalLM", "kvforge.vllm.speed:SpeedForCausalLM")
 
 
 def speculative_config(k: int = 8, **draft) -> dict:

@@ -5,17 +5,17 @@ A request opts in with `SamplingParams(extra_args={"kv_transfer_params": {"kvfor
 scheduler side tells vLLM that the first N prompt tokens are external (N = the entry's rows, at
 most the prompt's length - 1: vLLM computes the last token, which gives the first logits); the
 worker side writes the entry's K/V rows into the request's blocks before the forward, through
-vLLM's own CPU cache-update op (`cpu_attn_reshape_and_cache`): the CPU cache layout is not plain
-(keys transposed within a block; prepacked tiles on AMX machines), so rows are never written by
-indexing. vLLM then computes the remaining prompt tokens over the injected rows and decodes at
+the attention backend's own cache update (`do_kv_cache_update`): the layout is the backend's
+business (the CPU backend's keys transposed within a block, prepacked tiles on AMX machines, a
+GPU backend's own), so rows are never written by indexing. vLLM then computes the remaining prompt tokens over the injected rows and decodes at
 its own speed. Requests without the parameter prefill as usual.
 
 The save path reads a request's cache out: a request with `kv_transfer_params={"kvforge_save": key}`
 has its prompt's K/V rows (every layer, positions 0..N-1) copied into the store under `key` once
 its prefill is complete, as a kvforge `KVCache` of exact rows: a vLLM-served source model's cache,
-ready for KV-Lingo to translate. Rows are read by the layout vLLM's "vec"/"vec16" CPU kernels use
-(keys [head dim, block size] within each block and head, values [block size, head dim]); on AMX
-machines (prepacked tiles) the save fails with a message instead.
+ready for KV-Lingo to translate. Reading has no backend API: rows are read by the layout vLLM's
+"vec"/"vec16" CPU kernels use (`paged.read_rows`); any other layout (AMX's prepacked tiles, a GPU
+backend) fails the save with a message instead.
 
 Failure: a missing entry, an entry for another model, another prompt, or a layout that does not
 match the served model fails that request (vLLM finishes it with an error, `kv_load_failure_policy`
@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import KvforgeError
+from kvforge.vllm.paged import READABLE, read_rows, write_into
 from kvforge.vllm.store import CacheStore, Entry, config_id
 
 logger = logging.getLogger("kvforge.vllm")
@@ -162,38 +163,32 @@ class KvforgeConnector(KVConnectorBase_V1):
             error = load.error
             if error is None:
                 try:
-                    self._write(load, self.store.get(load.key), _layer_caches(forward_context))
+                    self._write(load, self.store.get(load.key), _attention_layers(forward_context))
                 except KvforgeError as exc:
                     error = str(exc)
             if error is not None:
                 logger.error("kvforge: request %s fails: %s", load.request_id, error)
                 self.failed_blocks.update(load.block_ids)
 
-    def _write(self, load: Load, entry: Entry, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    def _write(self, load: Load, entry: Entry, layers: dict[str, torch.nn.Module]) -> None:
         cache = entry.cache
-        if len(cache) != len(kv_caches):
-            raise KvforgeError(f"cache {load.key} has {len(cache)} layers, the served model {len(kv_caches)}")
+        if len(cache) != len(layers):
+            raise KvforgeError(f"cache {load.key} has {len(cache)} layers, the served model {len(layers)}")
         bs = self.block_size
-        for name, kv in kv_caches.items():
+        for name, attention in layers.items():
             layer = cache[int(LAYER_INDEX.search(name).group(1))]
-            blocks, heads, _, width = kv.shape  # (blocks, KV heads, block size, 2 * head dim)
             k, v, positions = layer.keys()[0], layer.values()[0], layer.row_positions()[0]
-            if (k.shape[0], k.shape[2] * 2) != (heads, width):
+            if (k.shape[0], k.shape[2]) != (attention.num_kv_heads, attention.head_size):
                 raise KvforgeError(f"cache {load.key} has {k.shape[0]} KV heads × {k.shape[2]} in {name}, "
-                                   f"the served model {heads} × {width // 2}")
+                                   f"the served model {attention.num_kv_heads} × {attention.head_size}")
             keep = (positions >= 0) & (positions < load.rows)
             if int(keep.sum()) != load.rows:
                 raise KvforgeError(f"cache {load.key} lacks rows in {name}: {int(keep.sum())} of {load.rows}")
             positions = positions[keep]
             table = torch.tensor(load.block_ids, dtype=torch.int64)
             slots = table[positions // bs] * bs + positions % bs
-            key_cache, value_cache = kv.view(blocks, heads, 2 * bs, width // 2).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                k[:, keep].transpose(0, 1).to(kv.dtype).contiguous(), v[:, keep].transpose(0, 1).to(kv.dtype).contiguous(),
-                key_cache, value_cache, slots, _get_attn_isa(kv.dtype, bs, width // 2))
+            dtype = attention.kv_cache.dtype
+            write_into(attention, attention.kv_cache, k[:, keep].transpose(0, 1).to(dtype), v[:, keep].transpose(0, 1).to(dtype), slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are synchronous: every layer is written in `start_load_kv`."""
@@ -207,18 +202,15 @@ class KvforgeConnector(KVConnectorBase_V1):
             return
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        blocks, heads, bs, width = kv_layer.shape
-        isa = _get_attn_isa(kv_layer.dtype, bs, width // 2)
+        bs, width = kv_layer.shape[2], kv_layer.shape[3]
+        layout = _get_attn_isa(kv_layer.dtype, bs, width // 2)
         for save in meta.saves:
-            if isa not in ("vec", "vec16"):
-                logger.error("kvforge: cannot save request %s: the %r cache layout is not readable", save.request_id, isa)
+            if layout not in READABLE:
+                logger.error("kvforge: cannot save request %s: the %r cache layout is not readable", save.request_id, layout)
                 continue
             positions = torch.arange(len(save.tokens))
             table = torch.tensor(save.block_ids, dtype=torch.int64)
-            block, offset = table[positions // bs], positions % bs
-            halves = kv_layer.view(blocks, heads, 2, bs * (width // 2))
-            keys = halves[:, :, 0].view(blocks, heads, width // 2, bs)[block, :, :, offset]  # (N, H, D)
-            values = halves[:, :, 1].view(blocks, heads, bs, width // 2)[block, :, offset, :]
+            keys, values = read_rows(kv_layer, table[positions // bs] * bs + positions % bs, layout)
             self.rows.setdefault(save.key, {})[int(match.group(1))] = (keys.clone(), values.clone())
 
     def wait_for_save(self) -> None:
@@ -247,8 +239,9 @@ class KvforgeConnector(KVConnectorBase_V1):
         return failed
 
 
-def _layer_caches(forward_context) -> dict[str, torch.Tensor]:
-    """Attention layer name -> its paged cache, for the engine running this forward."""
+def _attention_layers(forward_context) -> dict[str, torch.nn.Module]:
+    """Attention layer name -> vLLM's attention layer (which holds its paged cache), for the
+    engine running this forward."""
     layers = getattr(forward_context, "no_compile_layers", None) or {}
-    return {name: layer.kv_cache for name, layer in layers.items()
+    return {name: layer for name, layer in layers.items()
             if isinstance(getattr(layer, "kv_cache", None), torch.Tensor) and LAYER_INDEX.search(name)}

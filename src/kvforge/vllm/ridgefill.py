@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from kvforge.attention import visibility_mask
 from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
+from kvforge.vllm.paged import attend, window, write_rows
 
 logger = logging.getLogger("kvforge.vllm")
 ARCHITECTURE = "KvforgeRidgeFillForCausalLM"
@@ -244,7 +244,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             k = x.new_empty(exact.numel(), attn.kv_size)
             v = x.new_empty(exact.numel(), attn.kv_size)
             k[exact], k[filled], v[exact], v[filled] = k_exact, k_filled, v_exact, v_filled
-            _write_cache(attn.attn, k, v)
+            write_rows(attn.attn.layer_name, k, v)
             o = _attend(attn, q, k, v, positions, pos_exact, spans, counts)
             out, _ = attn.o_proj(o)
             hidden, res = layer.post_attention_layernorm(out, res)
@@ -288,39 +288,17 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             weight = peak_attention(
                 q.view(1, -1, attn.num_heads, d).transpose(1, 2),
                 keys.view(1, -1, attn.num_kv_heads, d).transpose(1, 2),
-                positions[a + t : a + end].view(1, -1), positions[a:b].view(1, -1), attn.scaling, _window(attn))
+                positions[a + t : a + end].view(1, -1), positions[a:b].view(1, -1), attn.scaling, window(attn))
             exact[a:b] |= most_attended(weight, ~exact[a:b], config.attended_rows, config.attended_span)
         return exact
-
-
-def _window(attn) -> int | None:
-    window = getattr(attn.attn.impl, "sliding_window", -1)
-    return None if window is None or window < 0 else window
-
-
-def _write_cache(layer, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Every row's K/V into this step's slots, through the backend's own cache update."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-
-    _, attn_layer, kv_cache, slots = get_attention_context(layer.layer_name)
-    if slots is None:
-        return
-    n, heads, d = k.shape[0], attn_layer.num_kv_heads, attn_layer.head_size
-    attn_layer.impl.do_kv_cache_update(attn_layer, k.view(n, heads, d), v.view(n, heads, d), kv_cache, slots)
 
 
 def _attend(attn, q, k, v, positions, pos_exact, spans, counts) -> torch.Tensor:
     """Each request's exact rows over its own rows' K/V (this step's: the whole prompt), causal by
     position (and windowed on sliding layers). q (Ne, Hq·D), k, v (N, H·D) -> (Ne, Hq·D)."""
-    d, hq, h = attn.head_dim, attn.num_heads, attn.num_kv_heads
     out, start = [], 0
     for (a, b), n in zip(spans, counts):
-        qr = q[start : start + n].reshape(1, n, hq, d).transpose(1, 2)
-        kr = k[a:b].reshape(1, b - a, h, d).transpose(1, 2)
-        vr = v[a:b].reshape(1, b - a, h, d).transpose(1, 2)
-        mask = visibility_mask(pos_exact[start : start + n].view(1, -1), positions[a:b].view(1, -1), _window(attn))
-        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=attn.scaling, enable_gqa=hq != h)
-        out.append(o.transpose(1, 2).reshape(n, hq * d))
+        out.append(attend(attn, q[start : start + n], pos_exact[start : start + n], k[a:b], v[a:b], positions[a:b]))
         start += n
     return torch.cat(out)
 

@@ -1,0 +1,88 @@
+"""Rows in and out of vLLM's paged KV cache, for kvforge's model classes and connector.
+
+Shapes: N rows, H KV heads, D head dim, bs block size.
+
+Writing goes through the attention backend's own cache update (`impl.do_kv_cache_update`), so
+it follows whatever layout the backend keeps (the CPU backend's prepacked tiles included).
+Reading has no backend API, so it is by layout: the CPU "vec" and "vec16" kernels keep, per
+block and KV head, the keys as [D, bs] (transposed) followed by the values as [bs, D]. Any other
+layout ("amx" tiles, GPU backends) is refused with `UnreadableLayout`; a block size that is not a
+multiple of 32 keeps the CPU backend on "vec16" even where AMX is present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.errors import KvforgeError
+
+READABLE = ("vec", "vec16")
+
+
+class UnreadableLayout(KvforgeError):
+    """The cache's layout is not one kvforge can read rows from."""
+
+
+def attention_context(layer_name: str):
+    """(metadata, attention layer, its cache, this step's slots) of one attention layer, for the
+    forward being run (the slots are None during vLLM's dummy runs)."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    return get_attention_context(layer_name)
+
+
+def write_rows(layer_name: str, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    """K and V rows (N, H·D) into `slots` (default: this step's slots for every row) through the
+    backend's own cache update."""
+    _, layer, kv_cache, step_slots = attention_context(layer_name)
+    write_into(layer, kv_cache, k, v, step_slots if slots is None else slots)
+
+
+def write_into(layer, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
+    """K and V rows (N, H·D or N, H, D) into `slots` of vLLM attention layer `layer`'s cache."""
+    if slots is None or k.shape[0] == 0:
+        return
+    n, heads, d = k.shape[0], layer.num_kv_heads, layer.head_size
+    layer.impl.do_kv_cache_update(layer, k.reshape(n, heads, d).contiguous(), v.reshape(n, heads, d).contiguous(), kv_cache, slots)
+
+
+def layout_of(layer) -> str:
+    """The CPU kernel layout an attention layer's cache is kept in ("vec", "amx", ...), or the
+    backend's name where it is not vLLM's CPU backend."""
+    return getattr(layer, "isa", None) or type(layer.impl).__name__
+
+
+def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows (N, H, D) held in `slots` (block · bs + offset) of one layer's cache
+    (blocks, H, bs, 2·D)."""
+    if layout not in READABLE:
+        raise UnreadableLayout(f"vLLM's {layout!r} cache layout is not readable by kvforge (it reads the CPU backend's "
+                               f"{' and '.join(READABLE)} layouts): serve with block_size=16")
+    blocks, heads, bs, width = kv_cache.shape
+    block, offset = slots // bs, slots % bs
+    halves = kv_cache.view(blocks, heads, 2, bs * (width // 2))
+    keys = halves[:, :, 0].view(blocks, heads, width // 2, bs)[block, :, :, offset]
+    values = halves[:, :, 1].view(blocks, heads, bs, width // 2)[block, :, offset, :]
+    return keys, values
+
+
+def attend(attn, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """One request's queries over the rows it sees, causal by position (windowed on a sliding
+    layer). `attn`: vLLM's attention module (heads, scaling, window); q (n, Hq·D), k and v
+    (m, H·D) or (m, H, D) -> (n, Hq·D)."""
+    from kvforge.attention import visibility_mask
+
+    d, hq, h = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    n, m = q.shape[0], k.shape[0]
+    qr = q.reshape(1, n, hq, d).transpose(1, 2)
+    kr = k.reshape(1, m, h, d).transpose(1, 2)
+    vr = v.reshape(1, m, h, d).transpose(1, 2)
+    mask = visibility_mask(q_pos.view(1, -1), k_pos.view(1, -1), window(attn))
+    o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=attn.scaling, enable_gqa=hq != h)
+    return o.transpose(1, 2).reshape(n, hq * d)
+
+
+def window(attn) -> int | None:
+    """The sliding window of vLLM's attention module `attn`, or None (global attention)."""
+    size = getattr(attn.attn.impl, "sliding_window", -1)
+    return None if size is None or size < 0 else size
