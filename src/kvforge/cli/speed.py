@@ -196,3 +196,5 @@ def _eval_in_vllm(model: str, base, adapted, speed, adapter: Optional[Path], sam
     for name, gap in out["policy_gap_pct"].items():
         low, high = out["policy_gap_ci"][name]
         Console().print(f"SPEED vs full depth, {name.replace('_', ' ')}: {gap:+.2f} % [{low:+.2f}, {high:+.2f}]")
+    for name, n in out["greedy_equal"].items():
+        Console().print(f"greedy {out['greedy_tokens']} tokens under SPEED, {name.replace('_', ' ')}: vLLM's equal kvforge's on {n} of {out['samples']} prompts")

@@ -8,7 +8,8 @@ reply's rows are decode-phase rows, outside the plan). Arms: exact (the same eng
 off) and SPEED, on the base weights and, with an adapter, on a second engine that merged it on
 load. kvforge's engine scores the same samples under the same plans, so the report holds both
 engines' gaps with paired-bootstrap intervals and, per arm, the largest per-token NLL difference
-between vLLM and kvforge.
+between vLLM and kvforge; and, per weight set, on how many samples both engines continue the
+prompt with the same greedy tokens under SPEED.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ import torch
 
 from kvforge.data.replies import reply_samples
 from kvforge.evaluate.metrics import mean_nll, paired_bootstrap_ci, ppl_gap_pct
-from kvforge.fill.speed import SpeedConfig
+from kvforge.fill.speed import SpeedConfig, speed_plan
 from kvforge.fill.speed_fit import reply_nll, sample_plan
+from kvforge.generation import GenerationConfig
 
 
 def eval_vllm_speed(base, adapted, model_dir, speed: SpeedConfig, settings: dict, adapter: str | None, samples: int, max_tokens: int,
-                    dtype, progress=None) -> dict:
+                    dtype, greedy_tokens: int = 32, progress=None) -> dict:
     """`base` (and `adapted`, with an adapter): kvforge's engines; `settings`: `engine_args`'
-    SPEED keyword arguments for vLLM (the same policy as `speed`)."""
+    SPEED keyword arguments for vLLM (the same policy as `speed`). Beside the loss, each sample's
+    prompt is continued greedily for `greedy_tokens` by both engines under SPEED, and the
+    report counts the samples whose tokens are equal."""
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import close_llm, generate, start_llm
@@ -39,6 +43,9 @@ def eval_vllm_speed(base, adapted, model_dir, speed: SpeedConfig, settings: dict
     if adapted is not None:
         weights["adapted"] = (adapted, {**settings, "adapter": adapter})
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=greedy_tokens, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
+    same = {label: 0 for label in weights}
     nll: dict[str, list[torch.Tensor]] = {}
     for label, (engine, args) in weights.items():
         prefix = "" if label == "base" else "adapted_"
@@ -54,6 +61,11 @@ def eval_vllm_speed(base, adapted, model_dir, speed: SpeedConfig, settings: dict
                     out = generate(llm, [sample.ids], score)[0]
                     nll.setdefault(f"vllm_{prefix}{arm}", []).append(
                         torch.tensor([-out.prompt_logprobs[j][sample.ids[j]].logprob for j in range(sample.prompt_tokens, len(sample.ids))]))
+                prompt = sample.ids[: sample.prompt_tokens]
+                set_speed(llm, True, score_tokens=0)
+                served = generate(llm, [prompt], greedy)[0].outputs[0].token_ids
+                ours = engine.generate([prompt], config, plan=speed_plan(len(prompt), speed, engine.num_layers))[0].token_ids
+                same[label] += list(served) == list(ours)
         finally:
             close_llm(llm)
     every = [torch.ones_like(x, dtype=torch.bool) for x in nll["kvforge_exact"]]
@@ -64,6 +76,8 @@ def eval_vllm_speed(base, adapted, model_dir, speed: SpeedConfig, settings: dict
         "prompt_tokens_mean": sum(s.prompt_tokens for s in chosen) / len(chosen),
         "nll": {name: mean_nll(values, every) for name, values in nll.items()},
         "max_token_nll_diff": {arm: max(float((a - b).abs().max()) for a, b in zip(nll[f"vllm_{arm}"], nll[f"kvforge_{arm}"])) for arm in arms},
+        "greedy_tokens": greedy_tokens,
+        "greedy_equal": {("training_free" if label == "base" else "adapted"): n for label, n in same.items()},
         "policy_gap_pct": {},
         "policy_gap_ci": {},
     }
