@@ -507,6 +507,16 @@ def test_bench_vllm_handoff_refuses_bad_settings_before_loading_anything():
     ])
 
 
+def test_speed_in_vllm_refuses_bad_settings_and_non_llama_checkpoints(tiny_gemma_dir):
+    pytest.importorskip("vllm")
+    _assert_one_line_errors([
+        (("bench", "vllm-speed", "--runs", 0), "--runs and --decode-tokens must be >= 1"),
+        (("bench", "vllm-speed", "--decode-tokens", 0), "--runs and --decode-tokens must be >= 1"),
+        (("eval", "speed", "--engine", "tgi"), "unknown --engine"),
+        (("bench", "vllm-speed", "--model", tiny_gemma_dir, "--cut", 1, "--tail", 2, "--tokens", 16), "serves Llama checkpoints"),
+    ])
+
+
 def test_bench_ridgefill_refuses_a_decode_length_with_no_speed_before_loading_anything():
     _assert_one_line_errors([
         (("bench", "ridgefill", "--decode-tokens", 1), "--decode-tokens must be 0 or >= 2"),
