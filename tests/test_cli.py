@@ -514,6 +514,7 @@ def test_speed_in_vllm_refuses_bad_settings_and_non_llama_checkpoints(tiny_gemma
         (("bench", "vllm-speed", "--decode-tokens", 0), "--runs and --decode-tokens must be >= 1"),
         (("eval", "speed", "--engine", "tgi"), "unknown --engine"),
         (("bench", "vllm-speed", "--model", tiny_gemma_dir, "--cut", 1, "--tail", 2, "--tokens", 16), "serves Llama checkpoints"),
+        (("eval", "speed", "--engine", "vllm", "--model", tiny_gemma_dir, "--cut", 1, "--tail", 2), "serves Llama checkpoints"),
     ])
 
 

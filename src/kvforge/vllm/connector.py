@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import KvforgeError
-from kvforge.vllm.paged import READABLE, read_rows, write_into
+from kvforge.vllm.paged import READABLE, layout_of, read_rows, write_into
 from kvforge.vllm.store import CacheStore, Entry, config_id
 
 logger = logging.getLogger("kvforge.vllm")
@@ -200,10 +200,9 @@ class KvforgeConnector(KVConnectorBase_V1):
         match = LAYER_INDEX.search(layer_name)
         if not getattr(meta, "saves", None) or match is None or not isinstance(kv_layer, torch.Tensor):
             return
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from vllm.forward_context import get_forward_context
 
-        bs, width = kv_layer.shape[2], kv_layer.shape[3]
-        layout = _get_attn_isa(kv_layer.dtype, bs, width // 2)
+        bs, layout = kv_layer.shape[2], layout_of(get_forward_context().no_compile_layers[layer_name])
         for save in meta.saves:
             if layout not in READABLE:
                 logger.error("kvforge: cannot save request %s: the %r cache layout is not readable", save.request_id, layout)
@@ -221,7 +220,7 @@ class KvforgeConnector(KVConnectorBase_V1):
             if not layers:
                 continue
             if sorted(layers) != list(range(self.num_layers)):
-                # a model whose late layers bypass vLLM's attention op (kvforge's RidgeFill class) leaves
+                # a model whose late layers bypass vLLM's attention op (kvforge's RidgeFill and SPEED classes) leaves
                 # them unsaved: store nothing rather than a partial cache
                 logger.error("kvforge: request %s not saved: %d of %d layers passed through vLLM's attention",
                              save.request_id, len(layers), self.num_layers)

