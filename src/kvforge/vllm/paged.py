@@ -66,20 +66,25 @@ def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple
     return keys, values
 
 
-def attend(attn, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """One request's queries over the rows it sees, causal by position (windowed on a sliding
-    layer). `attn`: vLLM's attention module (heads, scaling, window); q (n, Hq·D), k and v
-    (m, H·D) or (m, H, D) -> (n, Hq·D)."""
-    from kvforge.attention import visibility_mask
-
+def attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One request's queries over the rows it sees. `attn`: vLLM's attention module (heads,
+    scaling); q (n, Hq·D), k and v (m, H·D) or (m, H, D); `mask` from `visible_mask` -> (n, Hq·D)."""
     d, hq, h = attn.head_dim, attn.num_heads, attn.num_kv_heads
     n, m = q.shape[0], k.shape[0]
     qr = q.reshape(1, n, hq, d).transpose(1, 2)
     kr = k.reshape(1, m, h, d).transpose(1, 2)
     vr = v.reshape(1, m, h, d).transpose(1, 2)
-    mask = visibility_mask(q_pos.view(1, -1), k_pos.view(1, -1), window(attn))
     o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=attn.scaling, enable_gqa=hq != h)
     return o.transpose(1, 2).reshape(n, hq * d)
+
+
+def visible_mask(attn, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """Which of the rows at `k_pos` each query at `q_pos` sees on `attn`'s layer: causal by position,
+    windowed on a sliding layer; None where every query sees every row (a decode step's one row)."""
+    from kvforge.attention import visibility_mask
+
+    mask = visibility_mask(q_pos.view(1, -1), k_pos.view(1, -1), window(attn))
+    return None if bool(mask.all()) else mask
 
 
 def window(attn) -> int | None:

@@ -44,7 +44,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
-from kvforge.vllm.paged import attend, window, write_rows
+from kvforge.vllm.paged import attend, visible_mask, window, write_rows
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 logger = logging.getLogger("kvforge.vllm")
@@ -281,7 +281,8 @@ def _attend(attn, q, k, v, positions, pos_exact, spans, counts) -> torch.Tensor:
     position (and windowed on sliding layers). q (Ne, Hq·D), k, v (N, H·D) -> (Ne, Hq·D)."""
     out, start = [], 0
     for (a, b), n in zip(spans, counts):
-        out.append(attend(attn, q[start : start + n], pos_exact[start : start + n], k[a:b], v[a:b], positions[a:b]))
+        mask = visible_mask(attn, pos_exact[start : start + n], positions[a:b])
+        out.append(attend(attn, q[start : start + n], k[a:b], v[a:b], mask))
         start += n
     return torch.cat(out)
 

@@ -58,7 +58,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from kvforge.errors import KvforgeError
 from kvforge.fill.lora import LoraAdapter, merged
 from kvforge.fill.speed import SpeedConfig, full_depth_rows, resolve_config
-from kvforge.vllm.paged import READABLE, UnreadableLayout, attend, attention_context, layout_of, read_rows, write_into
+from kvforge.vllm.paged import READABLE, UnreadableLayout, attend, attention_context, layout_of, read_rows, visible_mask, window, write_into
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 ARCHITECTURE = "KvforgeSpeedForCausalLM"
@@ -286,6 +286,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
             h, residual = layer(positions, h, residual)
         live = rows.live
         x, res, pos = h[live], residual[live], positions[live]
+        masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
         for layer in layers[cut:]:
             attn = layer.self_attn
             xn, res = layer.input_layernorm(x, res)
@@ -301,11 +302,14 @@ class SpeedForCausalLM(LlamaForCausalLM):
                 raise UnreadableLayout(f"SPEED in vLLM reads the rows above the cut from the paged cache, and vLLM keeps it in the "
                                        f"{layout!r} layout, which kvforge does not read")
             out = []
-            for (qa, qb), seen, seen_slots in zip(rows.live_spans, rows.seen_positions, rows.seen_slots):
+            for i, ((qa, qb), seen, seen_slots) in enumerate(zip(rows.live_spans, rows.seen_positions, rows.seen_slots)):
                 if qb > qa:
                     keys, values = read_rows(kv_cache, seen_slots, layout)
-                    out.append(attend(attn, q[qa:qb], pos[qa:qb], keys, values, seen))
-            o, _ = attn.o_proj(torch.cat(out))
+                    key = (i, window(attn))  # masks computed once a step, not once a layer
+                    if key not in masks:
+                        masks[key] = visible_mask(attn, pos[qa:qb], seen)
+                    out.append(attend(attn, q[qa:qb], keys, values, masks[key]))
+            o, _ = attn.o_proj(out[0] if len(out) == 1 else torch.cat(out))
             hidden, res = layer.post_attention_layernorm(o, res)
             x = layer.mlp(hidden)
         final = h.new_zeros(h.shape)
