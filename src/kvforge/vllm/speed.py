@@ -77,7 +77,7 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
     """Arguments for `vllm.LLM(...)` that serve a Llama checkpoint with SPEED: the model class and
     the settings (None: the adapter's recorded policy, else kvforge's defaults), whole-prompt
     prefill steps, no prefix caching, eager. `dtype`: the dtype to be served, checked here against
-    what the class can read (`readable_dtype`)."""
+    what the class can read (`refuse_unreadable`)."""
     from pathlib import Path
 
     if dtype is not None:
@@ -146,6 +146,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
         if self.lora is not None and (self.lora.info or {}).get("method", "speed") != "speed":
             raise KvforgeError(f"adapter {settings['adapter']} was trained for {self.lora.info['method']}, not SPEED")
         self.served_dtype = vllm_config.model_config.dtype
+        self.loaded = False  # whether the whole checkpoint has been loaded once
         self.config_speed: SpeedConfig = resolve_config(layers, settings.get("cut"), settings.get("anchors"), settings.get("tail"), self.lora)
         self.model_dir = vllm_config.model_config.model
         self.speed_enabled = True  # in-process switch: the benches time exact and SPEED on one engine
@@ -174,10 +175,13 @@ class SpeedForCausalLM(LlamaForCausalLM):
             for target in self.lora.targets:
                 for part in _CHECKPOINT_PARTS[target]:
                     wanted[f"model.layers.{layer}.{part}.weight"] = (layer, target, part)
-        found = set()
+        found, deltas = set(), {}
         for name, tensor in weights:
             if name in wanted:
-                delta = self._delta_rows(*wanted[name])
+                layer, target, part = wanted[name]
+                if (layer, target) not in deltas:
+                    deltas[layer, target] = self.lora.delta(layer, target)
+                delta = self._delta_rows(deltas[layer, target], target, part)
                 if delta.shape != tensor.shape:
                     raise KvforgeError(f"adapter {self.lora.path}: {name} is {tuple(tensor.shape)} in the checkpoint, "
                                        f"its delta {tuple(delta.shape)}")
@@ -185,12 +189,12 @@ class SpeedForCausalLM(LlamaForCausalLM):
                 found.add(name)
             yield name, tensor
         missing = sorted(set(wanted) - found)
-        if missing:
+        if missing and not self.loaded:  # the first load is the whole checkpoint; a reload may send part of it
             raise KvforgeError(f"adapter {self.lora.path} trains {missing[0]}, which the checkpoint does not hold")
+        self.loaded = True
 
-    def _delta_rows(self, layer: int, target: str, part: str) -> torch.Tensor:
-        """The rows of the fused target's delta that belong to checkpoint tensor `part`."""
-        delta = self.lora.delta(layer, target)
+    def _delta_rows(self, delta: torch.Tensor, target: str, part: str) -> torch.Tensor:
+        """The rows of a fused target's delta that belong to checkpoint tensor `part`."""
         parts = _CHECKPOINT_PARTS[target]
         if len(parts) == 1:
             return delta
