@@ -858,6 +858,61 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
 
 
+def test_a_long_speed_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch):
+    """SPEED prompts chunk too (each row's depth is known from the prompt's length): the running
+    stream commits a token between every two chunks, and the SPEED request decodes what `generate`
+    with its plan and the same chunk size decodes."""
+    from dataclasses import replace
+
+    from kvforge.fill.speed import SpeedConfig, speed_plan
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.app import planned_prefiller
+    from kvforge.serve.scheduler import Scheduler, ServeRequest
+
+    engine = tiny_engine
+    make_plan = lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers)  # noqa: E731
+    running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    long_prompt = [3 + (i * 7) % 90 for i in range(100)]
+    arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill="speed")
+    events, forward, run_plan = [], engine.forward, engine.run_plan
+
+    def step_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    def chunk_spy(ids, *rest):
+        events.append("chunk")
+        return run_plan(ids, *rest)
+
+    monkeypatch.setattr(engine, "forward", step_spy)
+    monkeypatch.setattr(engine, "run_plan", chunk_spy)
+    done = threading.Semaphore(0)
+    for r in (running, arriving):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), "speed": planned_prefiller(engine, make_plan, chunk_size=8)}
+    scheduler = Scheduler(engine, prefillers, max_batch=4)
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        while running.steps < 3:
+            time.sleep(0.001)
+        with scheduler.paused():
+            before = len(events)
+            scheduler.submit(arriving)
+        for _ in range(2):
+            assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
+    assert len(chunks) == 13  # 100 tokens in chunks of 8
+    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
+    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "run_plan", run_plan)
+    expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
+    assert arriving.seq.token_ids == expected
+
+
 def test_the_arrival_bench_measures_streams_while_a_long_prompt_is_prefilled(dirs):
     """`bench serve --arrival-tokens`: streams decode, a long prompt arrives, and the streams'
     inter-token latencies during its prefill are reported beside their median."""

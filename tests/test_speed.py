@@ -467,3 +467,28 @@ def test_an_adapter_stored_in_bf16_is_half_the_file_and_loads_as_float32(tmp_pat
     loaded = LoraAdapter.load(tmp_path / "bf16.safetensors")
     for key, value in lora.tensors.items():
         assert loaded.tensors[key].dtype == torch.float32 and torch.equal(loaded.tensors[key], value.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_a_speed_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
+    """SPEED's row depths are known from the prompt's length, so its plan runs in chunks (the
+    server's chunked prefill): each layer holds the same rows, the logits and the greedy
+    continuation are those of one pass (a hybrid's recurrent state carried across chunks too)."""
+    engine = Engine(tiny_loaded(family))
+    prompt = [3 + (i * 7) % 90 for i in range(100)]
+    plan = speed_plan(len(prompt), SpeedConfig(cut=2, first=2, tail=6), engine.num_layers)
+    whole_logits, whole = engine.prefill([prompt], plan=plan)
+    passes, run_plan = [], engine.run_plan
+    engine.run_plan = lambda ids, *rest: passes.append(ids.shape[1]) or run_plan(ids, *rest)
+    chunked_logits, chunked = engine.prefill([prompt], plan=plan, chunk_size=8)
+    del engine.run_plan
+    assert passes == [8] * 12 + [4]  # the plan ran in chunks
+    for layer in range(engine.num_layers):
+        if not isinstance(whole[layer], RecurrentLayerCache):
+            assert torch.equal(whole[layer].row_positions(), chunked[layer].row_positions())
+    assert whole[engine.num_layers - 1].row_positions().shape[1] == 8  # above the cut: anchors and tail only
+    assert torch.allclose(whole_logits, chunked_logits, atol=1e-4)
+    config = GenerationConfig(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    from dataclasses import replace
+
+    assert engine.generate(prompt, replace(config, chunk_size=8), plan=plan)[0].token_ids == engine.generate(prompt, config, plan=plan)[0].token_ids

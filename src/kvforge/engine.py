@@ -210,7 +210,8 @@ class Engine:
     ):
         """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
         (where a server runs its running requests' decode step: chunked prefill that shares the
-        time with decoding) and returns its result. A planned prefill runs whole."""
+        time with decoding) and returns its result. A plan with fills or a choice (RidgeFill) runs
+        whole; one whose rows are exact or absent (SPEED) runs in chunks too."""
         if cache is None and plan is None and _copies_of_one(prompts):
             # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
             # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
@@ -226,6 +227,8 @@ class Engine:
             if ids.shape[0] != 1 or logits != "last":
                 raise ValueError("a non-exact prefill plan runs one prompt and returns last-token logits")
             plan.validate(ids.shape[1], self.num_layers)
+            if chunk_size and ids.shape[1] > chunk_size and plan.fill is None and plan.choose is None:
+                return (yield from self._plan_in_chunks(ids, positions, cache, plan, chunk_size))
             with torch.inference_mode():
                 h, states = self.run_plan(ids, positions, cache, plan)
                 return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, states
@@ -240,6 +243,20 @@ class Engine:
         if logits == "all":
             return torch.cat(outputs, dim=1), cache, None
         return outputs[-1], cache, None
+
+    def _plan_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
+        """A plan whose rows are exact or absent (SPEED: each row's depth known from the prompt's
+        length, no fill, no choice) run `chunk` rows at a time, yielding between chunks: each chunk's
+        rows attend over the rows earlier chunks left in the cache at each layer, as they would in
+        one pass. The rows' bits are `generate`'s with the same chunk size."""
+        for start in range(0, ids.shape[1], chunk):
+            if start:
+                yield
+            end = min(start + chunk, ids.shape[1])
+            with torch.inference_mode():
+                h, _ = self.run_plan(ids[:, start:end], positions[:, start:end], cache, PrefillPlan(plan.depth[start:end], method=plan.method))
+        with torch.inference_mode():
+            return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, None
 
     def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are
@@ -274,6 +291,8 @@ class Engine:
                 h_before, h = h, self.run_layer(layer, h, positions, cache, rope)
                 continue
             active = ~past
+            if plan.fill is None and not bool(active.any()):  # every row absent from here on (a chunk of shallow rows)
+                continue
             h_active = h[:, active]
             if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
                 h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
