@@ -327,7 +327,7 @@ def speed_stats(llm) -> list[Stats]:
 
 
 def set_speed(llm, enabled: bool, score_tokens: int | None = None) -> None:
-    """Switch SPEED on or off for the prompts an in-process engine prefills from now on (off: every
+    """Switch SPEED on or off for the prompts an in-process engine prefills after the call (off: every
     row visible at every layer, the stock model's computation; a running request keeps the plan
     it was prefilled with), and set how many rows at each prompt's end are a scored reply."""
 
