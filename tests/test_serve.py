@@ -809,35 +809,46 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
         assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("method", ["exact", "speed"])
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch, method):
     """Each loop iteration runs one chunk of the prompt being prefilled and one step of the
     running batch: the running stream commits a token between every two chunks, and both decode
-    what they decode alone (the prompt as `generate` with the same chunk size prefills it)."""
+    what they decode alone (the prompt as `generate` with the same chunk size and plan prefills it).
+    SPEED prompts chunk too: each row's depth is known from the prompt's length."""
     from dataclasses import replace
 
+    from kvforge.fill.speed import SpeedConfig, speed_plan
     from kvforge.generation import GenerationConfig
     from kvforge.serve.app import planned_prefiller
     from kvforge.serve.scheduler import Scheduler, ServeRequest
 
     engine = tiny_engine
+    make_plan = (lambda ids: None) if method == "exact" else (
+        lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers))
     running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(100)]
-    arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    events, forward = [], engine.forward
+    arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
+    events, forward, run_plan = [], engine.forward, engine.run_plan
 
-    def spy(ids, positions, cache, logits="last"):
+    def forward_spy(ids, positions, cache, logits="last"):
         at = int(positions[0, 0])
         if logits == "all":
             events.append("step")
         elif ids.shape[0] == 1 and at >= 0 and ids[0].tolist() == long_prompt[at : at + ids.shape[1]]:
-            events.append("chunk")  # not the gate's timing forwards
+            events.append("chunk")  # an exact chunk, not the gate's timing forwards
         return forward(ids, positions, cache, logits)
 
-    monkeypatch.setattr(engine, "forward", spy)
+    def plan_spy(ids, *rest):
+        events.append("chunk")  # a planned chunk
+        return run_plan(ids, *rest)
+
+    monkeypatch.setattr(engine, "forward", forward_spy)
+    monkeypatch.setattr(engine, "run_plan", plan_spy)
     done = threading.Semaphore(0)
     for r in (running, arriving):
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4)
+    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), "speed": planned_prefiller(engine, make_plan, chunk_size=8)}
+    scheduler = Scheduler(engine, prefillers, max_batch=4)
     scheduler.submit(running)
     scheduler.start()
     try:
@@ -854,61 +865,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     assert len(chunks) == 13  # 100 tokens in chunks of 8
     assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
     monkeypatch.setattr(engine, "forward", forward)
-    assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids
-    assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
-
-
-def test_a_long_speed_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch):
-    """SPEED prompts chunk too (each row's depth is known from the prompt's length): the running
-    stream commits a token between every two chunks, and the SPEED request decodes what `generate`
-    with its plan and the same chunk size decodes."""
-    from dataclasses import replace
-
-    from kvforge.fill.speed import SpeedConfig, speed_plan
-    from kvforge.generation import GenerationConfig
-    from kvforge.serve.app import planned_prefiller
-    from kvforge.serve.scheduler import Scheduler, ServeRequest
-
-    engine = tiny_engine
-    make_plan = lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers)  # noqa: E731
-    running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
-    long_prompt = [3 + (i * 7) % 90 for i in range(100)]
-    arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill="speed")
-    events, forward, run_plan = [], engine.forward, engine.run_plan
-
-    def step_spy(ids, positions, cache, logits="last"):
-        if logits == "all":
-            events.append("step")
-        return forward(ids, positions, cache, logits)
-
-    def chunk_spy(ids, *rest):
-        events.append("chunk")
-        return run_plan(ids, *rest)
-
-    monkeypatch.setattr(engine, "forward", step_spy)
-    monkeypatch.setattr(engine, "run_plan", chunk_spy)
-    done = threading.Semaphore(0)
-    for r in (running, arriving):
-        r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), "speed": planned_prefiller(engine, make_plan, chunk_size=8)}
-    scheduler = Scheduler(engine, prefillers, max_batch=4)
-    scheduler.submit(running)
-    scheduler.start()
-    try:
-        while running.steps < 3:
-            time.sleep(0.001)
-        with scheduler.paused():
-            before = len(events)
-            scheduler.submit(arriving)
-        for _ in range(2):
-            assert done.acquire(timeout=120)
-    finally:
-        scheduler.stop()
-    chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
-    assert len(chunks) == 13  # 100 tokens in chunks of 8
-    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
-    monkeypatch.setattr(engine, "forward", forward)
     monkeypatch.setattr(engine, "run_plan", run_plan)
+    assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids
     expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
     assert arriving.seq.token_ids == expected
 

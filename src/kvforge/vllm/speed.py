@@ -57,8 +57,8 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from kvforge.errors import KvforgeError
 from kvforge.fill.lora import LoraAdapter, merged
-from kvforge.fill.speed import SpeedConfig, full_depth_rows, resolve_config
-from kvforge.vllm.paged import READABLE, UnreadableLayout, attend, attention_context, layout_of, read_rows, visible_mask, window, write_into
+from kvforge.fill.speed import SpeedConfig, resolve_config, speed_plan
+from kvforge.vllm.paged import attend, attention_context, layout_of, read_rows, visible_mask, window, write_into
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 ARCHITECTURE = "KvforgeSpeedForCausalLM"
@@ -270,18 +270,13 @@ class SpeedForCausalLM(LlamaForCausalLM):
         return kv_cache.shape[2]
 
     def _plan(self, tokens: int) -> SpeedRecord:
-        prompt = tokens - self.score_tokens
-        if prompt < 1:
-            return SpeedRecord(tokens, prompt, torch.ones(max(prompt, 0), dtype=torch.bool), "the prompt is no longer than its scored rows")
-        if self.config_speed.cut == len(self.model.layers):
-            return SpeedRecord(tokens, prompt, torch.ones(prompt, dtype=torch.bool), "the cut is the model's depth")
+        """kvforge's SPEED plan of a whole-prompt step's rows less the scored ones."""
+        prompt, layers = tokens - self.score_tokens, len(self.model.layers)
         try:
-            full = full_depth_rows(prompt, self.config_speed)
-        except KvforgeError as exc:  # anchors past a short prompt: every row full depth
-            return SpeedRecord(tokens, prompt, torch.ones(prompt, dtype=torch.bool), str(exc))
-        if bool(full.all()):
-            return SpeedRecord(tokens, prompt, full, "every prompt row is an anchor or in the tail")
-        return SpeedRecord(tokens, prompt, full)
+            plan = speed_plan(prompt, self.config_speed, layers)
+        except KvforgeError as exc:  # no prompt before the scored rows, or anchors past a short prompt: every row full depth
+            return SpeedRecord(tokens, prompt, torch.ones(max(prompt, 0), dtype=torch.bool), str(exc))
+        return SpeedRecord(tokens, prompt, plan.depth == layers, plan.reason)
 
     def _speed(self, input_ids, positions, rows: _StepRows) -> torch.Tensor:
         layers, cut = self.model.layers, self.config_speed.cut
@@ -301,10 +296,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
             if slots is not None:
                 n = min(slots.numel(), live.numel())  # beyond the scheduled rows: padding, never live
                 write_into(vllm_attention, kv_cache, k, v, slots[:n][live[:n]])
-            layout = layout_of(vllm_attention)
-            if layout not in READABLE:
-                raise UnreadableLayout(f"SPEED in vLLM reads the rows above the cut from the paged cache, and vLLM keeps it in the "
-                                       f"{layout!r} layout, which kvforge does not read")
+            layout = layout_of(vllm_attention)  # `read_rows` refuses one it cannot read
             out = []
             for i, ((qa, qb), seen, seen_slots) in enumerate(zip(rows.live_spans, rows.seen_positions, rows.seen_slots)):
                 if qb > qa:
