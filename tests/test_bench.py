@@ -178,7 +178,7 @@ def test_bench_speed_ceilings_and_per_round_speedups():
 
 
 def test_bench_exact_json_is_the_last_stdout_line(tiny_model_dir):
-    result = CliRunner().invoke(app, ["bench", "exact", "--model", str(tiny_model_dir), "--tokens", "40", "--runs", "1", "--decode-tokens", "2", "--json"])
+    result = CliRunner().invoke(app, ["bench", "exact", "--model", str(tiny_model_dir), "--tokens", "40", "--runs", "1", "--decode-tokens", "2", "--dtype", "fp32", "--json"])
     assert result.exit_code == 0, result.output
     obj = json.loads(result.stdout.strip().splitlines()[-1])
     assert obj["command"] == "bench exact" and obj["results"][0]["max_abs_logit_diff"] < 1e-3

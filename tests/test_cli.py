@@ -221,10 +221,13 @@ def test_every_command_that_builds_an_engine_takes_dtype():
 
 
 def test_dtype_bf16_runs_fp32_artifacts_and_is_recorded(tiny_model_dir, tiny_maps, tiny_adapter):
-    """fp32 stays the CPU default; bf16 loads maps and adapters fitted in fp32; JSON says which ran."""
+    """The default (`auto`) is bf16 where the CPU multiplies bf16 natively, else fp32; bf16 loads
+    maps and adapters fitted in fp32; JSON says which ran."""
+    from kvforge.cpu import multiplies_natively
+
     prompt = "the quick brown fox jumps over the lazy dog " * 2
     base = ("generate", "--model", tiny_model_dir, "--prompt", prompt, "-n", 4, "--json")
-    assert _last_json(_run(*base))["dtype"] == "float32"
+    assert _last_json(_run(*base))["dtype"] == ("bfloat16" if multiplies_natively("bfloat16") else "float32")
     for extra in ((), ("--method", "ridgefill", "--maps", tiny_maps, "--split", 2, "--tail", 8), ("--method", "speed", "--adapter", tiny_adapter),
                   ("--draft", "ngram")):
         result = _run(*base, "--dtype", "bf16", *extra)

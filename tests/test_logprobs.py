@@ -118,7 +118,7 @@ def test_rollout_writes_sampling_and_model_logprobs(tiny_model_dir, tmp_path):
     prompts.write_text("abcabcabc\nhello hello\n")
     out = tmp_path / "rollouts.jsonl"
     args = ["rollout", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--no-chat", "-G", "2", "-n", "12", "--temperature", "0.7",
-            "--top-p", "0.9", "--seed", "5", "--draft", "ngram", "--k", "4", "--no-gate", "--out", str(out), "--json"]
+            "--top-p", "0.9", "--seed", "5", "--draft", "ngram", "--k", "4", "--no-gate", "--dtype", "fp32", "--out", str(out), "--json"]
     result = CliRunner().invoke(app, args + ["--model-logprobs"])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -107,7 +107,7 @@ def server(dirs, artifacts):
     checked against) the base model, which exact, RidgeFill and hand-off requests run."""
     llama, gemma = dirs
     proc, url = _start(["--model", llama, "--maps", artifacts["maps"], *RIDGEFILL, "--adapter", artifacts["adapter"],
-                        "--translator", artifacts["translator"], "--target", gemma, "--max-batch", 16, "--threads", 1], free_port())
+                        "--translator", artifacts["translator"], "--target", gemma, "--max-batch", 16, "--threads", 1, "--dtype", "fp32"], free_port())
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -119,14 +119,14 @@ def client(server):
 
 
 def _library(model_dir, prompt, max_tokens, chat=False):
-    args = ["generate", "--model", model_dir, "--prompt", prompt, "-n", max_tokens, "--json"] + (["--chat"] if chat else [])
+    args = ["generate", "--model", model_dir, "--prompt", prompt, "-n", max_tokens, "--dtype", "fp32", "--json"] + (["--chat"] if chat else [])
     return _cli(*args)
 
 
 def test_models_health_and_metrics(server, client, dirs):
     assert {m.id for m in client.models.list().data} == {str(d) for d in dirs}
     health = httpx.get(f"{server}/health").json()
-    assert health["status"] == "ok" and health["dtype"] == {str(d): "float32" for d in dirs}  # fp32: the CPU default
+    assert health["status"] == "ok" and health["dtype"] == {str(d): "float32" for d in dirs}  # the server runs --dtype fp32
     text = httpx.get(f"{server}/metrics").text
     for name in ("kvforge_time_to_first_token_seconds", "kvforge_tokens_per_second", "kvforge_kv_cache_bytes", "kvforge_prefetch_hits"):
         assert name in text
@@ -225,7 +225,7 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     translator = tmp_path / "t.safetensors"
     _cli("fit", "lingo", "--source", llama, "--target", target, "--assign", "identity", "--nu", 1, "--conversations", 2, "--max-chars", 300,
          "--out", translator, "--json")
-    served = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1))[target]
+    served = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1, dtype="fp32"))[target]
     messages = [{"role": "user", "content": "hello there"}]
     tok = served.engine.model.tokenizer
     expected = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
@@ -237,7 +237,7 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
     assert request.report.prefill == "handoff" and logits.shape[0] == 1
     # --handoff-native-tail over the whole prompt: the target's own prefill, logits and all
-    whole = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1,
+    whole = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1, dtype="fp32",
                                      handoff_native_tail=len(expected)))[target]
     (request,) = _make_group(whole, body, chat=True)
     logits, _, _ = whole.routes["handoff"].prefillers["handoff"](request)
@@ -497,7 +497,7 @@ def test_update_weights_serves_the_new_weights_and_refuses_artifacts_fitted_for_
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     llama, gemma = map(str, dirs)
-    served = build_served(ServeConfig(llama, maps=artifacts["maps"], adapter=artifacts["adapter"], translator=artifacts["translator"], target=gemma,
+    served = build_served(ServeConfig(llama, maps=artifacts["maps"], adapter=artifacts["adapter"], translator=artifacts["translator"], target=gemma, dtype="fp32",
                                       max_batch=4, tail=8, attended_rows=0))
     new = {name: p.detach().clone() for name, p in tiny_hf_model("llama", seed=7).named_parameters()}
     save_file(new, str(tmp_path / "new.safetensors"))
@@ -566,7 +566,7 @@ def test_an_update_during_a_request_swaps_between_steps_and_marks_it_crossed(dir
     from kvforge.serve.app import ServeConfig, build_served, create_app, update_weights
 
     llama = str(dirs[0])
-    served = build_served(ServeConfig(llama, max_batch=2))
+    served = build_served(ServeConfig(llama, max_batch=2, dtype="fp32"))
     engine = served[llama].engine
     forward = engine.forward
     engine.forward = lambda *args, **kwargs: time.sleep(0.005) or forward(*args, **kwargs)
