@@ -334,3 +334,68 @@ def test_rms_norm_kernel_matches_torch_and_a_row_alone(family, dim):
                 assert torch.equal(prefill, rms_norm(norm, long))
     finally:
         torch.set_num_threads(threads)
+
+
+def _at_threads(threads, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx-where-present", "avx512"])
+def test_kernels_give_the_same_bits_at_one_and_two_threads(tiles):
+    """The kernels split a call's outputs over torch's thread count (a linear's blocks of 16
+    outputs, an attention's heads), each output computed by one thread as at one thread: the
+    bits of a linear, the one-call attention and the three passes do not depend on the threads,
+    for shapes with fewer heads or blocks than threads and with a part's last tile left over."""
+    lib = kernels._library()
+    if not tiles:
+        lib.kvforge_amx_disable()
+    try:
+        g = torch.Generator().manual_seed(11)
+        for n, k in [(960, 576), (208, 64), (16, 64), (3072, 576)]:
+            w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+            bias = torch.randn(n, generator=g).bfloat16()
+            packed = kernels.pack_pairs(w)
+            for m in (1, 9, 20):
+                x = torch.randn(m, k, generator=g).bfloat16()
+                one = _at_threads(1, lambda: kernels.small_linear(x, packed, bias))
+                assert torch.equal(_at_threads(2, lambda: kernels.small_linear(x, packed, bias)), one), (n, k, m)
+        for heads, rows, tokens, length, dim in [(1, 3, 1, 37, 64), (3, 3, 1, 300, 64), (3, 27, 9, 290, 64), (5, 40, 5, 130, 48)]:
+            kb, vb, _ = _buffer(1, heads, 300, dim, seed=heads + rows)
+            q = torch.randn(1, heads, rows, dim, generator=g).bfloat16()
+
+            def passes():
+                weights, inverse = kernels.few_query_softmax(kernels.few_query_scores(q, kb, length, 0.1), length, tokens)
+                return kernels.few_query_attention(q, kb, vb, length, 0.1, tokens), kernels.few_query_values(weights, inverse, vb, length)
+
+            one = _at_threads(1, passes)
+            two = _at_threads(2, passes)
+            assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1]) and torch.equal(one[0], one[1])
+    finally:
+        if not tiles:
+            lib.kvforge_amx_enable()
+
+
+def test_kernels_called_from_two_threads_at_once_each_get_their_own_bits():
+    """Two Python threads (a server's schedulers) calling the kernels at once: one runs on the
+    pool, the other alone on its own thread; both get the one-thread bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(3072, 576, generator=g) * 0.05).bfloat16()
+    packed = kernels.pack_pairs(w)
+    xs = [torch.randn(3, 576, generator=g).bfloat16() for _ in range(2)]
+    expected = [_at_threads(1, lambda x=x: kernels.small_linear(x, packed)) for x in xs]
+
+    def many(x):
+        torch.set_num_threads(2)
+        return [kernels.small_linear(x, packed) for _ in range(200)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(many, xs))
+    torch.set_num_threads(1)
+    assert all(torch.equal(out, want) for outs, want in zip(results, expected) for out in outs)

@@ -9,7 +9,9 @@ to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode
 ~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
 the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
 one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
-ops. They are built into one library when kvforge is installed (setup.py: no torch headers, called
+ops. `thread_pool.c`: the threads the others split a call over, by independent outputs (a
+linear's blocks, an attention's heads), as many as torch's thread count, so the bits do not depend
+on it. They are built into one library when kvforge is installed (setup.py: no torch headers, called
 through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
 `kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
 was not built (no C compiler at install), does not load, this CPU lacks AVX512-BF16, or
@@ -77,6 +79,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
     lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     lib.kvforge_attend.restype = ctypes.c_int
+    lib.kvforge_set_threads.argtypes = [i64]
+    lib.kvforge_set_threads.restype = None
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
@@ -104,12 +108,27 @@ def _library() -> ctypes.CDLL | None:
     return _announced[0]
 
 
+_width = [0]  # the thread count the library's pool was last given (0: not yet set)
+
+
+def _threaded() -> ctypes.CDLL:
+    """The library, its pool as wide as torch's thread count (`torch.set_num_threads` applies to
+    the kernels too; the library starts at one thread)."""
+    lib = _library()
+    threads = torch.get_num_threads()
+    if threads != _width[0]:
+        lib.kvforge_set_threads(threads)
+        _width[0] = threads
+    return lib
+
+
 def reload() -> None:
     """Forget the library and why it is missing, so the next call looks again (tests: the
     environment or the file changed)."""
     with _LOCK:
         _loaded.cache_clear()
         _announced.clear()
+        _width[0] = 0
 
 
 def status() -> dict:
@@ -167,7 +186,7 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
     # the buffer from row `start` on: each head's rows still `c` apart
-    _library().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
+    _threaded().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
                           length - start, columns, d, scale)
     return scores
 
@@ -185,7 +204,7 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
                          f"with length {length} and {tokens} tokens")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
     inverse = torch.empty(b, h, r, dtype=torch.float32)
-    _library().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
+    _threaded().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
                                length, tokens)
     return weights, inverse
 
@@ -212,7 +231,7 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
                          f"(a multiple of {value_part_step(d)})")
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
-    _library().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
+    _threaded().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
                           d, int(sums is not None), int(finish))
     return out
 
@@ -239,7 +258,7 @@ def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                          f"with length {length}")
     rows = rows.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
-    if _library().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
+    if _threaded().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
                                  scale, tokens) != 0:
         raise MemoryError(f"few_query_attention: no memory for the scores of {length} keys")
     return out
@@ -282,7 +301,7 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    _library().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+    _threaded().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                     x.shape[0], n, k)
     return out
 

@@ -460,81 +460,138 @@ static void pv_amx(const uint16_t *weights, const float *inverse, const uint16_t
     default: call(dim);                                                                            \
     }
 
-void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
-                long columns, long dim, float scale) {
+/* The entry points split their heads (BH) over the kernels' threads (thread_pool.c): a head's
+ * rows are computed by one thread with the one-thread arithmetic, so the bits do not depend on
+ * the thread count. */
+typedef void (*kvforge_part)(void *ctx, long begin, long end);
+void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
+
+struct attention_job {
+    const uint16_t *q, *k, *v;
+    float *scores, *out, scale;
+    uint16_t *weights;
+    float *inverse;
+    long rows, capacity, start, length, columns, wstride, dim, tokens;
+    int resume, finish, failed;
+};
+
+static void qk_heads(void *ctx, long g0, long g1) {
+    const struct attention_job *j = ctx;
+    const long dim = j->dim, bh = g1 - g0;
+    const uint16_t *q = j->q + g0 * j->rows * dim, *k = j->k + g0 * j->capacity * dim;
+    float *scores = j->scores + g0 * j->rows * j->columns;
 #ifndef KVFORGE_NO_AMX
     if (kvforge_amx_usable(dim)) { /* a head width takes one path at every row count: its rows round alike */
-        qk_amx(q, k, scores, bh, rows, capacity, length, columns, dim, scale);
+        qk_amx(q, k, scores, bh, j->rows, j->capacity, j->length, j->columns, dim, j->scale);
         return;
     }
 #endif
-#define QK(d) qk(q, k, scores, bh, rows, capacity, length, columns, d, scale)
+#define QK(d) qk(q, k, scores, bh, j->rows, j->capacity, j->length, j->columns, d, j->scale)
     BY_DIM(QK, dim)
+}
+
+void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
+                long columns, long dim, float scale) {
+    struct attention_job job = {.q = q, .k = k, .scores = scores, .scale = scale, .rows = rows, .capacity = capacity,
+                                .length = length, .columns = columns, .dim = dim};
+    kvforge_parallel(qk_heads, &job, bh, 1);
+}
+
+static void softmax_heads(void *ctx, long g0, long g1) {
+    const struct attention_job *j = ctx;
+    softmax(j->scores + g0 * j->rows * j->columns, j->weights + g0 * j->rows * j->wstride, j->inverse + g0 * j->rows,
+            g1 - g0, j->rows, j->columns, j->wstride, j->length, j->tokens, 0);
 }
 
 void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
                      long wstride, long length, long tokens) {
-    softmax(scores, weights, inverse, bh, rows, columns, wstride, length, tokens, 0);
+    struct attention_job job = {.scores = (float *)scores, .weights = weights, .inverse = inverse, .rows = rows,
+                                .columns = columns, .wstride = wstride, .length = length, .tokens = tokens};
+    kvforge_parallel(softmax_heads, &job, bh, 1);
+}
+
+static void pv_heads(void *ctx, long g0, long g1) {
+    const struct attention_job *j = ctx;
+    const long dim = j->dim, bh = g1 - g0;
+    const uint16_t *weights = j->weights + g0 * j->rows * j->wstride, *v = j->v + g0 * j->capacity * dim;
+    const float *inverse = j->inverse + g0 * j->rows;
+    float *out = j->out + g0 * j->rows * dim;
+#ifndef KVFORGE_NO_AMX
+    if (kvforge_amx_usable(dim)) {
+        pv_amx(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, dim, j->resume,
+               j->finish);
+        return;
+    }
+#endif
+#define PV(d) pv(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, d, j->resume, j->finish)
+    BY_DIM(PV, dim)
 }
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
                 long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
-#ifndef KVFORGE_NO_AMX
-    if (kvforge_amx_usable(dim)) {
-        pv_amx(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, dim, resume, finish);
-        return;
-    }
-#endif
-#define PV(d) pv(weights, inverse, v, out, bh, rows, wstride, capacity, start, length, d, resume, finish)
-    BY_DIM(PV, dim)
+    struct attention_job job = {.weights = (uint16_t *)weights, .inverse = (float *)inverse, .v = v, .out = out,
+                                .rows = rows, .wstride = wstride, .capacity = capacity, .start = start, .length = length,
+                                .dim = dim, .resume = resume, .finish = finish};
+    kvforge_parallel(pv_heads, &job, bh, 1);
 }
 
 /* The three passes in one call over rows [0, length) of every head, ATTEND_ROWS query rows at a
  * time: a group's scores and weights (32 x 4K keys: 512 KB of scores) stay in L2 between the
  * passes, where three whole-call passes send a prefill chunk's (3 heads x 96 rows x 4K keys: 4.7
  * MB) through memory three times. Each row's arithmetic is the passes' own, so the bits are too.
- * Requires length >= 1. Returns 0, or -1 where the scratch could not be allocated (nothing written). */
+ * The threads take whole (head, row group) items. Requires length >= 1. Returns 0, or -1 where
+ * a thread's scratch could not be allocated (its rows not written). */
 #define ATTEND_ROWS 32
 
-int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long bh, long rows,
-                   long capacity, long length, long dim, float scale, long tokens) {
-    const long wstride = (length + 1) & ~1L;
+static void attend_groups(void *ctx, long i0, long i1) {
+    struct attention_job *j = ctx;
+    const long rows = j->rows, length = j->length, dim = j->dim, capacity = j->capacity, tokens = j->tokens;
+    const long wstride = (length + 1) & ~1L, groups = (rows + ATTEND_ROWS - 1) / ATTEND_ROWS;
+    const float scale = j->scale;
     float *scores = malloc(sizeof(float) * ATTEND_ROWS * length);
     uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * wstride);
     float inverse[ATTEND_ROWS];
     if (!scores || !weights) {
         free(scores);
         free(weights);
-        return -1;
+        j->failed = 1; /* an int store: a second thread's store is the same value */
+        return;
     }
 #ifndef KVFORGE_NO_AMX
     const int amx = kvforge_amx_usable(dim);
     const __m512i interleave = pair_interleave();
 #endif
-    for (long g = 0; g < bh; g++)
-        for (long r0 = 0; r0 < rows; r0 += ATTEND_ROWS) {
-            const long nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
-            const uint16_t *qg = q + (g * rows + r0) * dim, *kg = k + g * capacity * dim, *vg = v + g * capacity * dim;
-            float *og = out + (g * rows + r0) * dim;
+    for (long i = i0; i < i1; i++) {
+        const long g = i / groups, r0 = i % groups * ATTEND_ROWS;
+        const long nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
+        const uint16_t *qg = j->q + (g * rows + r0) * dim, *kg = j->k + g * capacity * dim, *vg = j->v + g * capacity * dim;
+        float *og = j->out + (g * rows + r0) * dim;
 #ifndef KVFORGE_NO_AMX
-            if (amx) {
-                qk_rows_amx(qg, kg, scores, nr, length, capacity, length, dim, scale, g + 1 < bh);
-                softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
-                for (long d0 = 0; d0 < dim; d0 += 32)
-                    pv_rows_amx(weights, inverse, vg, og, nr, wstride, 0, length, dim, d0, 0, 1, interleave);
-                continue;
-            }
+        if (amx) {
+            qk_rows_amx(qg, kg, scores, nr, length, capacity, length, dim, scale, (g + 1) * groups < i1);
+            softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
+            for (long d0 = 0; d0 < dim; d0 += 32)
+                pv_rows_amx(weights, inverse, vg, og, nr, wstride, 0, length, dim, d0, 0, 1, interleave);
+            continue;
+        }
 #endif
 #define ATTEND_QK(d) qk(qg, kg, scores, 1, nr, capacity, length, length, d, scale)
 #define ATTEND_PV(d) pv(weights, inverse, vg, og, 1, nr, wstride, capacity, 0, length, d, 0, 1)
-            BY_DIM(ATTEND_QK, dim)
-            softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
-            BY_DIM(ATTEND_PV, dim)
-        }
+        BY_DIM(ATTEND_QK, dim)
+        softmax(scores, weights, inverse, 1, nr, length, wstride, length, tokens, r0);
+        BY_DIM(ATTEND_PV, dim)
+    }
 #ifndef KVFORGE_NO_AMX
     if (amx) _tile_release();
 #endif
     free(scores);
     free(weights);
-    return 0;
+}
+
+int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long bh, long rows,
+                   long capacity, long length, long dim, float scale, long tokens) {
+    struct attention_job job = {.q = q, .k = k, .v = v, .out = out, .scale = scale, .rows = rows, .capacity = capacity,
+                                .length = length, .dim = dim, .tokens = tokens};
+    kvforge_parallel(attend_groups, &job, bh * ((rows + ATTEND_ROWS - 1) / ATTEND_ROWS), 1);
+    return job.failed ? -1 : 0;
 }

@@ -108,30 +108,47 @@ static long row_tile(long left) { return left < MAX_ROWS ? left : MAX_ROWS; }
  * weight at K = 1536, within L2) before the next group, so the weights stream from memory once. */
 #define GROUP 12
 
+typedef void (*kvforge_part)(void *ctx, long begin, long end);
+void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
+
 #ifndef KVFORGE_NO_AMX
 int kvforge_amx_usable(long k);
-void kvforge_small_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
-                              long n, long k);
+void kvforge_small_linear_amx_blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                                     long m, long n, long k, long b0, long b1);
 #endif
 
-void kvforge_small_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
-                          long n, long k) {
+struct linear_job {
+    const uint16_t *x, *packed, *bias;
+    uint16_t *out;
+    long m, n, k;
+};
+
+/* Output blocks b0 .. b1 of every row. */
+static void linear_blocks(void *ctx, long b0, long b1) {
+    const struct linear_job *j = ctx;
 #ifndef KVFORGE_NO_AMX
-    if (kvforge_amx_usable(k)) { /* a weight takes one path at every width: its rows round alike */
-        kvforge_small_linear_amx(x, packed, bias, out, m, n, k);
+    if (kvforge_amx_usable(j->k)) { /* a weight takes one path at every width: its rows round alike */
+        kvforge_small_linear_amx_blocks(j->x, j->packed, j->bias, j->out, j->m, j->n, j->k, b0, b1);
         return;
     }
 #endif
-    const long blocks = n / 16;
-    if (m == 1) {
-        rows_over_blocks(x, packed, bias, out, 1, n, k, 0, blocks);
+    if (j->m == 1) {
+        rows_over_blocks(j->x, j->packed, j->bias, j->out, 1, j->n, j->k, b0, b1);
         return;
     }
-    for (long g0 = 0; g0 < blocks; g0 += GROUP) {
-        const long g1 = blocks - g0 < GROUP ? blocks : g0 + GROUP;
-        for (long r0 = 0, mr; r0 < m; r0 += mr) {
-            mr = row_tile(m - r0);
-            rows_over_blocks(x + r0 * k, packed, bias, out + r0 * n, mr, n, k, g0, g1);
+    for (long g0 = b0; g0 < b1; g0 += GROUP) {
+        const long g1 = b1 - g0 < GROUP ? b1 : g0 + GROUP;
+        for (long r0 = 0, mr; r0 < j->m; r0 += mr) {
+            mr = row_tile(j->m - r0);
+            rows_over_blocks(j->x + r0 * j->k, j->packed, j->bias, j->out + r0 * j->n, mr, j->n, j->k, g0, g1);
         }
     }
+}
+
+/* The kernels' threads each take a run of whole groups of output blocks (an output's bits do not
+ * depend on which thread computes it, nor on the blocks beside it). */
+void kvforge_small_linear(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
+                          long n, long k) {
+    struct linear_job job = {x, packed, bias, out, m, n, k};
+    kvforge_parallel(linear_blocks, &job, n / 16, m == 1 ? widths[1] : GROUP);
 }

@@ -143,12 +143,13 @@ static void one_block(const uint16_t *x, const uint16_t *packed, const uint16_t 
     finish(sums, 16, bias, out, n, mr, 1, b0);
 }
 
-void kvforge_small_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long m,
-                              long n, long k) {
-    const long blocks = n / 16;
+/* Output blocks b0 .. b1 of every row (a part of one of the kernels' threads: tiles are
+ * configured per thread). */
+void kvforge_small_linear_amx_blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
+                                     long m, long n, long k, long b0, long b1) {
     int configured = 0;
-    for (long g0 = 0; g0 < blocks; g0 += GROUP) {
-        const long g1 = blocks - g0 < GROUP ? blocks : g0 + GROUP;
+    for (long g0 = b0; g0 < b1; g0 += GROUP) {
+        const long g1 = b1 - g0 < GROUP ? b1 : g0 + GROUP;
         for (long r0 = 0; r0 < m; r0 += ROWS) {
             const int mr = m - r0 < ROWS ? (int)(m - r0) : ROWS;
             if (mr != configured) configure(configured = mr);
