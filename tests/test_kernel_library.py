@@ -29,7 +29,7 @@ def test_a_library_that_was_not_built_is_announced_once_and_recorded(monkeypatch
     assert not kernels.available(64) and not kernels.small_linear_fits(torch.zeros(16, 16, dtype=torch.bfloat16))
     assert not kernels.available(128)
     assert capsys.readouterr().err.count("kvforge's C kernels are missing: not built when kvforge was installed") == 1
-    assert kernels.status() == {"kernels": "none", "why_not": kernels._loaded()[1]}
+    assert kernels.status() == {"kernels": "none", "why_not": kernels._loaded()[1], "kernel_threads": None}
     assert machine()["kernels"] == "none" and machine()["why_not"].startswith("not built")
 
 

@@ -72,7 +72,7 @@ def test_switched_off_by_the_environment(monkeypatch):
     kernels.reload()
     monkeypatch.setenv("KVFORGE_KERNELS", "0")
     try:
-        assert not kernels.available(64) and kernels.status() == {"kernels": "none", "why_not": "disabled by KVFORGE_KERNELS=0"}
+        assert not kernels.available(64) and kernels.status() == {"kernels": "none", "why_not": "disabled by KVFORGE_KERNELS=0", "kernel_threads": None}
     finally:
         kernels.reload()
         monkeypatch.delenv("KVFORGE_KERNELS")

@@ -9,9 +9,8 @@ to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode
 ~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
 the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
 one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
-ops. `thread_pool.c`: the threads the others split a call over, by independent outputs (a
-linear's blocks, an attention's heads), as many as torch's thread count, so the bits do not depend
-on it. They are built into one library when kvforge is installed (setup.py: no torch headers, called
+ops. `thread_pool.c`: the others split a call over torch's own OpenMP threads, by independent
+outputs (a linear's blocks, an attention's heads), so the bits do not depend on the thread count. They are built into one library when kvforge is installed (setup.py: no torch headers, called
 through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
 `kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
 was not built (no C compiler at install), does not load, this CPU lacks AVX512-BF16, or
@@ -81,6 +80,12 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_attend.restype = ctypes.c_int
     lib.kvforge_set_threads.argtypes = [i64]
     lib.kvforge_set_threads.restype = None
+    lib.kvforge_use_openmp.argtypes = [ptr, ptr, ptr]
+    lib.kvforge_use_openmp.restype = None
+    runtime = _openmp_runtime()
+    if runtime is not None:  # the kernels split their calls over torch's own threads (thread_pool.c)
+        lib.kvforge_use_openmp(*(ctypes.cast(getattr(runtime, name), ptr)
+                                 for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")))
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
@@ -89,6 +94,27 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         if os.environ.get("KVFORGE_AMX", "1") != "0":
             lib.kvforge_amx_enable()  # the kernels take the tiles from now on where this CPU and Linux allow them
     return lib, None
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime this process has loaded for torch (GNU libgomp, or LLVM's or Intel's,
+    which export the same GNU entry points), preferring the one in torch's own directory; None
+    where there is none to share (then the kernels run on the calling thread alone)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    loaded = {line.split(maxsplit=5)[5] for line in maps if len(line.split(maxsplit=5)) == 6}
+    runtimes = sorted(p for p in loaded if Path(p).name.startswith(("libgomp", "libiomp5", "libomp")))
+    torch_dir = str(Path(torch.__file__).parent)
+    for path in sorted(runtimes, key=lambda p: not p.startswith(torch_dir)):
+        try:
+            runtime = ctypes.CDLL(path)  # already loaded: the same handle, nothing new
+            if all(hasattr(runtime, name) for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")):
+                return runtime
+        except OSError:
+            continue
+    return None
 
 
 _LOCK = threading.Lock()
@@ -132,8 +158,12 @@ def reload() -> None:
 
 
 def status() -> dict:
-    """What `--json` reports record: {"kernels": `kind()`, "why_not": the reason, or None}."""
-    return {"kernels": kind(), "why_not": _loaded()[1]}
+    """What `--json` reports record: {"kernels": `kind()`, "why_not": the reason, or None,
+    "kernel_threads": "openmp" (torch's thread count, on torch's own OpenMP threads), "one" (no
+    OpenMP runtime to share: the calling thread alone) or None (no kernels)}."""
+    lib = _library()
+    threads = None if lib is None else "openmp" if _openmp_runtime() is not None else "one"
+    return {"kernels": kind(), "why_not": _loaded()[1], "kernel_threads": threads}
 
 
 def kind() -> str:
