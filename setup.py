@@ -19,7 +19,7 @@ from setuptools.command.build_ext import build_ext
 
 KERNELS = "kvforge.ops.kernels._kvforge_kernels"
 DIR = "src/kvforge/ops/kernels/"
-SOURCES = [DIR + name for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c", "thread_pool.c")]
+SOURCES = [DIR + name for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c", "silu_mul.c", "threads.c")]
 AVX512 = ["-O3", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 # The AMX build first; a compiler without AMX intrinsics (gcc < 11) builds the rest alone.
 BUILDS = [(SOURCES + [DIR + "small_linear_amx.c"], ["-mamx-tile", "-mamx-bf16"]), (SOURCES, ["-DKVFORGE_NO_AMX"])]

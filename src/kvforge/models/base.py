@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.ops import kernels
 from kvforge.ops.linear import fuse_linears, linear
 from kvforge.ops.norms import rms_norm, rms_norm_params
 from kvforge.ops.rope import apply_rope
+
+_SILU = ("SiLUActivation", "SiLU")  # transformers' and torch's silu modules: `kernels.silu_mul` computes them
 
 
 class LlamaAdapter:
@@ -193,8 +196,11 @@ class LlamaAdapter:
             out = mlp(x)
             return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
         weight, bias = self.gate_up[layer]
-        gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        gate_up = linear(x, weight, bias)
         down, down_bias = self.down[layer]
+        if type(mlp.act_fn).__name__ in _SILU and kernels.silu_mul_fits(gate_up):  # bf16: one pass, every step alike
+            return linear(kernels.silu_mul(gate_up), down, down_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(mlp.act_fn(gate) * up, down, down_bias)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

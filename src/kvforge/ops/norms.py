@@ -30,18 +30,16 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> to
     in bf16 with the compiled kernels, a step of up to `kernels.SMALL_ROWS` tokens per sequence
     (decode, verification: the steps `linear` sends to `small_linear`) normalises it in one call
     (`kernels.rms_norm`, the same formula, its sum of squares in another order: a decode step's 61
-    norms ~1.2 ms -> ~0.1 ms); a longer step (a prefill) too when torch runs one thread (a 4K-token
-    bf16 prefill's 61 norms: 166 ms in torch's ops, which go through fp32 copies), else torch's ops,
-    which use every thread. The choice depends on T and the thread count, never on layout (a slice
-    such as the last row the head reads is made contiguous: a few rows), so a decode step and a
-    verification round alike. Heads' q/k norms and other
+    norms ~1.2 ms -> ~0.1 ms), and so does a prefill (a 4K-token bf16 prefill's 61 norms: 166 ms
+    in torch's ops, which go through fp32 copies; the kernel splits rows over torch's threads).
+    The choice never depends on layout (a slice such as the last row the head reads is made
+    contiguous: a few rows), so a decode step and a verification round alike. Heads' q/k norms and other
     families' norms keep torch's ops (not measured: a q/k view would need a copy first)."""
     params = rms_norm_params(norm)
     if params is None:
         return norm(x)  # any other norm: its own forward
     eps, one_plus = params
-    if (stream and x.dtype == torch.bfloat16 and x.dim() == 3
-            and (x.shape[-2] <= kernels.SMALL_ROWS or torch.get_num_threads() == 1)):
+    if stream and x.dtype == torch.bfloat16 and x.dim() == 3:
         x = x.contiguous()
         if kernels.rms_norm_fits(x, norm.weight):
             return kernels.rms_norm(x, norm.weight, eps, one_plus)

@@ -9,7 +9,7 @@ to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode
 ~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
 the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
 one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
-ops. `thread_pool.c`: the others split a call over torch's own OpenMP threads, by independent
+ops. `silu_mul.c`: a gated MLP's silu(gate) * up in one pass. `threads.c`: the others split a call over torch's own OpenMP threads, by independent
 outputs (a linear's blocks, an attention's heads), so the bits do not depend on the thread count. They are built into one library when kvforge is installed (setup.py: no torch headers, called
 through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
 `kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
@@ -78,12 +78,14 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
     lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
     lib.kvforge_attend.restype = ctypes.c_int
+    lib.kvforge_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.kvforge_silu_mul.restype = None
     lib.kvforge_set_threads.argtypes = [i64]
     lib.kvforge_set_threads.restype = None
     lib.kvforge_use_openmp.argtypes = [ptr, ptr, ptr]
     lib.kvforge_use_openmp.restype = None
     runtime = _openmp_runtime()
-    if runtime is not None:  # the kernels split their calls over torch's own threads (thread_pool.c)
+    if runtime is not None:  # the kernels split their calls over torch's own threads (threads.c)
         lib.kvforge_use_openmp(*(ctypes.cast(getattr(runtime, name), ptr)
                                  for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")))
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
@@ -355,3 +357,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) 
     _library().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
                                 int(one_plus))
     return out
+
+
+def silu_mul_fits(gate_up: torch.Tensor) -> bool:
+    """Whether `silu_mul` can run here: contiguous CPU bf16 rows whose halves are multiples of 16
+    wide, nothing to backpropagate through."""
+    return (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
+            and gate_up.dim() >= 1 and gate_up.shape[-1] % 32 == 0 and gate_up.shape[-1] > 0 and _library() is not None
+            and not (torch.is_grad_enabled() and gate_up.requires_grad))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's `silu(gate) * up` from the fused projection's output (..., 2F) bf16, the gate
+    first -> (..., F) bf16, in one pass, rounded as torch's two bf16 ops round (silu_mul.c)."""
+    if not silu_mul_fits(gate_up):
+        raise ValueError(f"kernels.silu_mul: contiguous CPU bf16 rows of a width that is a multiple of 32, "
+                         f"got {gate_up.dtype} {tuple(gate_up.shape)}")
+    width = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
+    _threaded().kvforge_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], width)
+    return out
+

@@ -460,7 +460,7 @@ static void pv_amx(const uint16_t *weights, const float *inverse, const uint16_t
     default: call(dim);                                                                            \
     }
 
-/* The entry points split their heads (BH) over the kernels' threads (thread_pool.c): a head's
+/* The entry points split their heads (BH) over the kernels' threads (threads.c): a head's
  * rows are computed by one thread with the one-thread arithmetic, so the bits do not depend on
  * the thread count. */
 typedef void (*kvforge_part)(void *ctx, long begin, long end);
