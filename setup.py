@@ -20,7 +20,7 @@ from setuptools.command.build_ext import build_ext
 KERNELS = "kvforge.ops.kernels._kvforge_kernels"
 DIR = "src/kvforge/ops/kernels/"
 SOURCES = [DIR + name for name in ("few_query_attention.c", "small_linear.c", "rms_norm.c", "silu_mul.c", "threads.c")]
-AVX512 = ["-O3", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+AVX512 = ["-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 # The AMX build first; a compiler without AMX intrinsics (gcc < 11) builds the rest alone.
 BUILDS = [(SOURCES + [DIR + "small_linear_amx.c"], ["-mamx-tile", "-mamx-bf16"]), (SOURCES, ["-DKVFORGE_NO_AMX"])]
 
@@ -46,7 +46,7 @@ class BuildKernels(build_ext):
                 check = self.compiler.compile([DIR + "cpu_check.c"], output_dir=self.build_temp, extra_postargs=["-O2", "-fPIC"],
                                               macros=[("KVFORGE_SOURCES", f'"{sources_hash(Path(DIR))}"')])
                 objects = self.compiler.compile(sources, output_dir=self.build_temp, extra_postargs=[*AVX512, *extra])
-                self.compiler.link_shared_object(check + objects, target, extra_postargs=["-pthread"])
+                self.compiler.link_shared_object(check + objects, target)
                 return
             except Exception as exc:  # noqa: BLE001 (CompileError, LinkError, a missing compiler: all leave torch's ops)
                 errors.append(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)

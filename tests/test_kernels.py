@@ -397,9 +397,12 @@ def test_kernels_called_from_two_threads_at_once_each_get_their_own_bits():
         torch.set_num_threads(2)
         return [kernels.small_linear(x, packed) for _ in range(200)]
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(many, xs))
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(many, xs))
+    finally:
+        torch.set_num_threads(threads)
     assert all(torch.equal(out, want) for outs, want in zip(results, expected) for out in outs)
 
 

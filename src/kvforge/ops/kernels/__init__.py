@@ -9,9 +9,10 @@ to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode
 ~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
 the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
 one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
-ops. `silu_mul.c`: a gated MLP's silu(gate) * up in one pass. `threads.c`: the others split a call over torch's own OpenMP threads, by independent
-outputs (a linear's blocks, an attention's heads), so the bits do not depend on the thread count. They are built into one library when kvforge is installed (setup.py: no torch headers, called
-through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
+ops. `silu_mul.c`: a gated MLP's silu(gate) * up in one pass. `threads.c`: each call split over
+torch's own OpenMP threads by independent outputs (a linear's blocks, an attention's heads, a norm's
+rows), so the bits do not depend on the thread count. They are built into one library when kvforge
+is installed (setup.py: no torch headers, called through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
 `kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
 was not built (no C compiler at install), does not load, this CPU lacks AVX512-BF16, or
 `KVFORGE_KERNELS=0`, `available()` is False and callers keep torch's ops; `status()` says which,
@@ -80,14 +81,11 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_attend.restype = ctypes.c_int
     lib.kvforge_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_silu_mul.restype = None
-    lib.kvforge_set_threads.argtypes = [i64]
-    lib.kvforge_set_threads.restype = None
-    lib.kvforge_use_openmp.argtypes = [ptr, ptr, ptr]
+    lib.kvforge_use_openmp.argtypes = [ptr, ptr, ptr, ptr]
     lib.kvforge_use_openmp.restype = None
-    runtime = _openmp_runtime()
-    if runtime is not None:  # the kernels split their calls over torch's own threads (threads.c)
-        lib.kvforge_use_openmp(*(ctypes.cast(getattr(runtime, name), ptr)
-                                 for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")))
+    entries = _openmp_entries()  # the kernels split their calls over torch's own threads (threads.c), or run alone
+    lib.kvforge_use_openmp(*(entries or (None,) * len(_OPENMP_ENTRIES)))
+    lib.kvforge_threads = "openmp" if entries else "one"
     for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
@@ -98,25 +96,24 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process has loaded for torch (GNU libgomp, or LLVM's or Intel's,
-    which export the same GNU entry points), preferring the one in torch's own directory; None
-    where there is none to share (then the kernels run on the calling thread alone)."""
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
+_OPENMP_ENTRIES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "omp_get_max_threads")
+
+
+def _openmp_entries() -> list[int] | None:
+    """The addresses of the OpenMP entry points torch's own ops run on (looked up through
+    libtorch_cpu's handle, which resolves them in the runtime torch is linked to: GNU libgomp, or
+    LLVM's or Intel's, which export the same GNU entry points); None where torch's parallel backend
+    is not OpenMP or no such library is found (then the kernels run on the calling thread alone)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    loaded = {line.split(maxsplit=5)[5] for line in maps if len(line.split(maxsplit=5)) == 6}
-    runtimes = sorted(p for p in loaded if Path(p).name.startswith(("libgomp", "libiomp5", "libomp")))
-    torch_dir = str(Path(torch.__file__).parent)
-    for path in sorted(runtimes, key=lambda p: not p.startswith(torch_dir)):
-        try:
-            runtime = ctypes.CDLL(path)  # already loaded: the same handle, nothing new
-            if all(hasattr(runtime, name) for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")):
-                return runtime
-        except OSError:
-            continue
-    return None
+    libraries = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+    if not libraries:
+        return None
+    try:
+        torch_cpu = ctypes.CDLL(str(libraries[0]))  # already loaded by `import torch`: the same handle
+        return [ctypes.cast(getattr(torch_cpu, name), ctypes.c_void_p).value for name in _OPENMP_ENTRIES]
+    except (OSError, AttributeError):
+        return None
 
 
 _LOCK = threading.Lock()
@@ -136,18 +133,12 @@ def _library() -> ctypes.CDLL | None:
     return _announced[0]
 
 
-_width = [0]  # the thread count the library's pool was last given (0: not yet set)
-
-
-def _threaded() -> ctypes.CDLL:
-    """The library, its pool as wide as torch's thread count (`torch.set_num_threads` applies to
-    the kernels too; the library starts at one thread)."""
-    lib = _library()
-    threads = torch.get_num_threads()
-    if threads != _width[0]:
-        lib.kvforge_set_threads(threads)
-        _width[0] = threads
-    return lib
+def _on_torch_threads() -> ctypes.CDLL:
+    """The library, for a call that splits over torch's threads: `torch.get_num_threads()` runs
+    torch's once-per-thread setup, after which the runtime's `omp_get_max_threads` (threads.c)
+    answers torch's thread count in this thread too (a server's scheduler thread, say)."""
+    torch.get_num_threads()
+    return _library()
 
 
 def reload() -> None:
@@ -156,16 +147,14 @@ def reload() -> None:
     with _LOCK:
         _loaded.cache_clear()
         _announced.clear()
-        _width[0] = 0
 
 
 def status() -> dict:
     """What `--json` reports record: {"kernels": `kind()`, "why_not": the reason, or None,
-    "kernel_threads": "openmp" (torch's thread count, on torch's own OpenMP threads), "one" (no
-    OpenMP runtime to share: the calling thread alone) or None (no kernels)}."""
+    "kernel_threads": "openmp" (torch's thread count, on torch's own OpenMP threads), "one" (torch
+    runs no OpenMP runtime to share: the calling thread alone) or None (no kernels)}."""
     lib = _library()
-    threads = None if lib is None else "openmp" if _openmp_runtime() is not None else "one"
-    return {"kernels": kind(), "why_not": _loaded()[1], "kernel_threads": threads}
+    return {"kernels": kind(), "why_not": _loaded()[1], "kernel_threads": None if lib is None else lib.kvforge_threads}
 
 
 def kind() -> str:
@@ -218,7 +207,7 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
     # the buffer from row `start` on: each head's rows still `c` apart
-    _threaded().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
+    _on_torch_threads().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
                           length - start, columns, d, scale)
     return scores
 
@@ -236,7 +225,7 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
                          f"with length {length} and {tokens} tokens")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
     inverse = torch.empty(b, h, r, dtype=torch.float32)
-    _threaded().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
+    _on_torch_threads().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
                                length, tokens)
     return weights, inverse
 
@@ -263,7 +252,7 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
                          f"(a multiple of {value_part_step(d)})")
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
-    _threaded().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
+    _on_torch_threads().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
                           d, int(sums is not None), int(finish))
     return out
 
@@ -290,7 +279,7 @@ def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                          f"with length {length}")
     rows = rows.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
-    if _threaded().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
+    if _on_torch_threads().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
                                  scale, tokens) != 0:
         raise MemoryError(f"few_query_attention: no memory for the scores of {length} keys")
     return out
@@ -333,7 +322,7 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    _threaded().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+    _on_torch_threads().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                     x.shape[0], n, k)
     return out
 
@@ -354,7 +343,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) 
                          f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     weight = weight.contiguous()
     out = torch.empty_like(x)
-    _library().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+    _on_torch_threads().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
                                 int(one_plus))
     return out
 
@@ -375,6 +364,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
                          f"got {gate_up.dtype} {tuple(gate_up.shape)}")
     width = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
-    _threaded().kvforge_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], width)
+    _on_torch_threads().kvforge_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], width)
     return out
 

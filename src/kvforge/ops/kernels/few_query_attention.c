@@ -554,7 +554,7 @@ static void attend_groups(void *ctx, long i0, long i1) {
     if (!scores || !weights) {
         free(scores);
         free(weights);
-        j->failed = 1; /* an int store: a second thread's store is the same value */
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED); /* any part's failure fails the call */
         return;
     }
 #ifndef KVFORGE_NO_AMX

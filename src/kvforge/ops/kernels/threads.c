@@ -1,9 +1,10 @@
 /* The kernels' threads: torch's own OpenMP team.
  *
- * kvforge.ops.kernels finds the OpenMP runtime torch has loaded (its libgomp) and hands this file
- * its GOMP_parallel and thread queries (`kvforge_use_openmp`), and torch's thread count before each
- * call (`kvforge_set_threads`). A kernel call then runs on the same threads as torch's ops, which
- * spin and sleep by that runtime's one policy. Why not a pool or an OpenMP runtime of our own:
+ * kvforge.ops.kernels finds the OpenMP runtime torch is linked to (its libgomp) and hands this
+ * file its GOMP_parallel and thread queries (`kvforge_use_openmp`). A kernel call then runs on as
+ * many threads as torch's ops would from the calling thread (omp_get_max_threads: what
+ * torch.get_num_threads() returns there), on the same threads, which spin and sleep by that
+ * runtime's one policy. Why not a pool or an OpenMP runtime of our own:
  * beside torch's they fight for the cores (measured, a pthread pool spinning 2 ms after each
  * call: smollm2-135m's 1K-token bf16 prefill at 2 threads 0.40 -> 2.36 s on an Intel Xeon with
  * AMX, as oneDNN's team waited on the core it held); why not compile with -fopenmp: that links a libgomp at build time, which need not
@@ -21,16 +22,15 @@ typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned thread
 typedef int (*omp_query_fn)(void);
 
 static gomp_parallel_fn gomp_parallel;
-static omp_query_fn thread_num, team_size;
-static int width = 1; /* torch's thread count */
+static omp_query_fn thread_num, team_size, max_threads;
 
-void kvforge_use_openmp(void *parallel, void *get_thread_num, void *get_num_threads) {
+/* The runtime's entry points, or all NULL: every call on the caller alone. */
+void kvforge_use_openmp(void *parallel, void *get_thread_num, void *get_num_threads, void *get_max_threads) {
     gomp_parallel = (gomp_parallel_fn)parallel;
     thread_num = (omp_query_fn)get_thread_num;
     team_size = (omp_query_fn)get_num_threads;
+    max_threads = (omp_query_fn)get_max_threads;
 }
-
-void kvforge_set_threads(long threads) { width = threads < 1 ? 1 : (int)threads; }
 
 struct job {
     kvforge_part fn;
@@ -49,16 +49,17 @@ static void team_member(void *arg) {
     }
 }
 
-/* fn(ctx, begin, end) over items [0, items), split into at most `width` runs of whole grains;
+/* fn(ctx, begin, end) over items [0, items), split into at most torch's thread count of runs of
+ * whole grains (as few as that many runs need: 5 grains on 4 threads are 3 runs of 2, 2, 1);
  * returns when every part has finished. */
 void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain) {
     if (items <= 0) return;
-    const long grains = (items + grain - 1) / grain;
-    const long parts = grains < width ? grains : width;
-    if (parts <= 1 || gomp_parallel == NULL) {
+    const long grains = (items + grain - 1) / grain, width = gomp_parallel ? max_threads() : 1;
+    const long per_part = (grains + width - 1) / (width < 1 ? 1 : width), parts = (grains + per_part - 1) / per_part;
+    if (parts <= 1) {
         fn(ctx, 0, items);
         return;
     }
-    struct job job = {fn, ctx, items, (grains + parts - 1) / parts * grain, parts};
+    struct job job = {fn, ctx, items, per_part * grain, parts};
     gomp_parallel(team_member, &job, (unsigned)parts, 0);
 }
