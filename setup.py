@@ -28,9 +28,9 @@ BUILDS = [(SOURCES + [DIR + "small_linear_amx.c"], ["-mamx-tile", "-mamx-bf16"])
 def sources_hash(directory: Path) -> str:
     """The kernels' sources, hashed; the library carries it (`kvforge_sources`) and
     `kvforge.ops.kernels` refuses a library built from other sources (an editable install whose
-    `.c` files changed since)."""
+    `.c` or `.h` files changed since)."""
     h = hashlib.sha256()
-    for path in sorted(directory.glob("*.c")):
+    for path in sorted(directory.glob("*.[ch]")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -41,9 +41,9 @@ _NAME = "_kvforge_kernels"  # setup.py's extension: the library's file name up t
 
 
 def _sources_hash(directory: Path) -> str:
-    """setup.py's `sources_hash` of the `.c` files beside this module (the same bytes hashed)."""
+    """setup.py's `sources_hash` of the `.c` and `.h` files beside this module (the same bytes hashed)."""
     h = hashlib.sha256()
-    for path in sorted(directory.glob("*.c")):
+    for path in sorted(directory.glob("*.[ch]")):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 

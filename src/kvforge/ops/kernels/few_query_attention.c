@@ -24,6 +24,7 @@
  * a row the same bits, which lossless speculative decoding needs. Requires AVX-512 F, BW, VL and
  * BF16 (`kvforge_supported`, cpu_check.c) and D in {16, 32, ..., 256}. */
 #include <immintrin.h>
+#include "cephes_exp.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -143,23 +144,11 @@ INLINE void qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lon
     }
 }
 
-/* exp(x) for x <= 0 (a score minus its row's maximum): Cephes' expf polynomial after reduction
- * by ln 2 (within 2 ulp of expf), scaled by 2^n; below -87.3 (-inf included) exactly 0. */
+/* exp(x) for x <= 0 (a score minus its row's maximum): cephes_exp.h; below -87.3 (-inf
+ * included) exactly 0. */
 INLINE __m512 exp_nonpositive(__m512 x) {
     const __mmask16 vanishes = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(~vanishes, _mm512_scalef_ps(y, n));
+    return _mm512_maskz_mov_ps(~vanishes, exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.3f))));
 }
 
 INLINE __mmask16 first(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }

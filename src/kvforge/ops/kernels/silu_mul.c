@@ -11,6 +11,7 @@
  * range (|y| < 1.2e-38) reads 0 where torch keeps the subnormal (vcvtneps2bf16 flushes it). An
  * element's bits depend only on its own gate and up. */
 #include <immintrin.h>
+#include "cephes_exp.h"
 #include <stdint.h>
 
 static inline __m512 load_bf16(const uint16_t *p) {
@@ -21,25 +22,12 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
-/* exp(x): Cephes' expf after reduction by ln 2, scaled by 2^n; +inf above 88.72 (as expf
- * overflows), 0 below -87.3. */
+/* exp(x): cephes_exp.h; +inf above 88.72 (as expf overflows), 0 below -87.3. */
 static inline __m512 exp_ps(__m512 x) {
     const __mmask16 overflows = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
     const __mmask16 vanishes = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.72f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_scalef_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f))), n);
-    y = _mm512_maskz_mov_ps(~vanishes, y);
-    return _mm512_mask_mov_ps(y, overflows, _mm512_set1_ps(__builtin_inff()));
+    const __m512 y = exp_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.72f)));
+    return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(~vanishes, y), overflows, _mm512_set1_ps(__builtin_inff()));
 }
 
 typedef void (*kvforge_part)(void *ctx, long begin, long end);
