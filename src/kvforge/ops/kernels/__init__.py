@@ -12,12 +12,12 @@ one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one c
 ops. `silu_mul.c`: a gated MLP's silu(gate) * up in one pass. `threads.c`: each call split over
 torch's own OpenMP threads by independent outputs (a linear's blocks, an attention's heads, a norm's
 rows), so the bits do not depend on the thread count. They are built into one library when kvforge
-is installed (setup.py: no torch headers, called through ctypes with raw pointers), for AVX-512 whatever CPU builds them; the library's own
-`kvforge_supported` (cpu_check.c) says at run time whether this CPU runs them. Where the library
-was not built (no C compiler at install), does not load, this CPU lacks AVX512-BF16, or
-`KVFORGE_KERNELS=0`, `available()` is False and callers keep torch's ops; `status()` says which,
-every `--json` report records it, and a library that should be there and is not is announced once
-on stderr.
+is installed (setup.py: no torch headers, called through ctypes with raw pointers), for AVX-512
+whatever CPU builds them; the library's own `kvforge_supported` (cpu_check.c) says at run time
+whether this CPU runs them. Where the library was not built (no C compiler at install), does not
+load, this CPU lacks AVX512-BF16, or `KVFORGE_KERNELS=0`, `available()` is False and callers keep
+torch's ops; `status()` says which, every `--json` report records it, and a library that should be
+there and is not is announced once on stderr.
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
     # the buffer from row `start` on: each head's rows still `c` apart
-    _on_torch_threads().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h, r, c,
-                          length - start, columns, d, scale)
+    _on_torch_threads().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h,
+                                   r, c, length - start, columns, d, scale)
     return scores
 
 
@@ -225,8 +225,8 @@ def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tup
                          f"with length {length} and {tokens} tokens")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
     inverse = torch.empty(b, h, r, dtype=torch.float32)
-    _on_torch_threads().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c, weights.shape[-1],
-                               length, tokens)
+    _on_torch_threads().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c,
+                                        weights.shape[-1], length, tokens)
     return weights, inverse
 
 
@@ -252,8 +252,8 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
                          f"(a multiple of {value_part_step(d)})")
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
-    _on_torch_threads().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c, start, length,
-                          d, int(sums is not None), int(finish))
+    _on_torch_threads().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c,
+                                   start, length, d, int(sums is not None), int(finish))
     return out
 
 
@@ -279,8 +279,8 @@ def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                          f"with length {length}")
     rows = rows.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
-    if _on_torch_threads().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length, d,
-                                 scale, tokens) != 0:
+    if _on_torch_threads().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length,
+                                          d, scale, tokens) != 0:
         raise MemoryError(f"few_query_attention: no memory for the scores of {length} keys")
     return out
 
@@ -322,8 +322,8 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    _on_torch_threads().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                    x.shape[0], n, k)
+    _on_torch_threads().kvforge_small_linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                             out.data_ptr(), x.shape[0], n, k)
     return out
 
 
@@ -343,13 +343,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) 
                          f"got {x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
     weight = weight.contiguous()
     out = torch.empty_like(x)
-    _on_torch_threads().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                                int(one_plus))
+    _on_torch_threads().kvforge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                         x.shape[-1], eps, int(one_plus))
     return out
 
 
 def silu_mul_fits(gate_up: torch.Tensor) -> bool:
-    """Whether `silu_mul` can run here: contiguous CPU bf16 rows whose halves are multiples of 16
+    """Whether `silu_mul` can run on these rows in this process: contiguous CPU bf16 rows whose halves are multiples of 16
     wide, nothing to backpropagate through."""
     return (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
             and gate_up.dim() >= 1 and gate_up.shape[-1] % 32 == 0 and gate_up.shape[-1] > 0 and _library() is not None
@@ -366,4 +366,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
     _on_torch_threads().kvforge_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], width)
     return out
-

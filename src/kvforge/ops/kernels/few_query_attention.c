@@ -24,11 +24,12 @@
  * a row the same bits, which lossless speculative decoding needs. Requires AVX-512 F, BW, VL and
  * BF16 (`kvforge_supported`, cpu_check.c) and D in {16, 32, ..., 256}. */
 #include <immintrin.h>
-#include "cephes_exp.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "cephes_exp.h"
+#include "threads.h"
 
 #define BLOCK 16    /* keys scored per block: one 16-lane vector of scores */
 #define MAX_DIM 256 /* the scratch: the tail block, the transposed keys */
@@ -452,9 +453,6 @@ static void pv_amx(const uint16_t *weights, const float *inverse, const uint16_t
 /* The entry points split their heads (BH) over the kernels' threads (threads.c): a head's
  * rows are computed by one thread with the one-thread arithmetic, so the bits do not depend on
  * the thread count. */
-typedef void (*kvforge_part)(void *ctx, long begin, long end);
-void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
-
 struct attention_job {
     const uint16_t *q, *k, *v;
     float *scores, *out, scale;
@@ -512,7 +510,8 @@ static void pv_heads(void *ctx, long g0, long g1) {
         return;
     }
 #endif
-#define PV(d) pv(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, d, j->resume, j->finish)
+#define PV(d) \
+    pv(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, d, j->resume, j->finish)
     BY_DIM(PV, dim)
 }
 

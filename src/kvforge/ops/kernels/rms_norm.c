@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include "threads.h"
 
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -20,9 +21,6 @@ static inline __m512 load_bf16(const uint16_t *p) {
 static inline __m512 round_bf16(__m512 v) { /* to the nearest bf16 and back to fp32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
-
-typedef void (*kvforge_part)(void *ctx, long begin, long end);
-void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
 
 struct norm_job {
     const uint16_t *x, *w;

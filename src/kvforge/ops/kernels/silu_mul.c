@@ -11,8 +11,9 @@
  * range (|y| < 1.2e-38) reads 0 where torch keeps the subnormal (vcvtneps2bf16 flushes it). An
  * element's bits depend only on its own gate and up. */
 #include <immintrin.h>
-#include "cephes_exp.h"
 #include <stdint.h>
+#include "cephes_exp.h"
+#include "threads.h"
 
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -29,9 +30,6 @@ static inline __m512 exp_ps(__m512 x) {
     const __m512 y = exp_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.72f)));
     return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(~vanishes, y), overflows, _mm512_set1_ps(__builtin_inff()));
 }
-
-typedef void (*kvforge_part)(void *ctx, long begin, long end);
-void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
 
 struct silu_job {
     const uint16_t *gate_up;

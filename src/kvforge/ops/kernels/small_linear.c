@@ -14,6 +14,7 @@
  * Requires AVX512-BF16 (`kvforge_supported`, in few_query_attention.c), N % 16 == 0, K even. */
 #include <immintrin.h>
 #include <stdint.h>
+#include "threads.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define AHEAD 8 /* pairs prefetched ahead in each block: the weights stream from memory */
@@ -107,9 +108,6 @@ static long row_tile(long left) { return left < MAX_ROWS ? left : MAX_ROWS; }
 /* Rows in tiles of up to 9; every row tile reads a group of 12 blocks (192 outputs: 590 KB of
  * weight at K = 1536, within L2) before the next group, so the weights stream from memory once. */
 #define GROUP 12
-
-typedef void (*kvforge_part)(void *ctx, long begin, long end);
-void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain);
 
 #ifndef KVFORGE_NO_AMX
 int kvforge_amx_usable(long k);

@@ -4,20 +4,23 @@
  * file its GOMP_parallel and thread queries (`kvforge_use_openmp`). A kernel call then runs on as
  * many threads as torch's ops would from the calling thread (omp_get_max_threads: what
  * torch.get_num_threads() returns there), on the same threads, which spin and sleep by that
- * runtime's one policy. Why not a pool or an OpenMP runtime of our own:
- * beside torch's they fight for the cores (measured, a pthread pool spinning 2 ms after each
- * call: smollm2-135m's 1K-token bf16 prefill at 2 threads 0.40 -> 2.36 s on an Intel Xeon with
- * AMX, as oneDNN's team waited on the core it held); why not compile with -fopenmp: that links a libgomp at build time, which need not
- * be the one torch loads, and pip's isolated build has no torch to ask.
+ * runtime's one policy.
+ *
+ * Why not a pool or an OpenMP runtime of our own: beside torch's they fight for the cores
+ * (measured, a pthread pool spinning 2 ms after each call: smollm2-135m's 1K-token bf16 prefill
+ * at 2 threads 0.40 -> 2.36 s on an Intel Xeon with AMX, as oneDNN's team waited on the core it
+ * held). Why not compile with -fopenmp: that links a libgomp at build time, which need not be the
+ * one torch loads, and pip's isolated build has no torch to ask.
  *
  * Work is split by independent outputs only (a linear's blocks of 16 outputs, an attention's
- * heads): each output is computed by one thread with exactly the one-thread arithmetic, so the
- * bits do not depend on the thread count. A part is a run of whole `grain`s, so each thread still
- * takes its widest register tiles. Without a runtime (none found, or `kvforge_use_openmp` not
- * called) every call runs on the caller alone. */
+ * heads, a norm's rows): each output is computed by one thread with exactly the one-thread
+ * arithmetic, so the bits do not depend on the thread count. A part is a run of whole `grain`s,
+ * so each thread still takes its widest register tiles. Without a runtime (none found, or
+ * `kvforge_use_openmp` not called) every call runs on the caller alone. */
 #include <stddef.h>
 
-typedef void (*kvforge_part)(void *ctx, long begin, long end);
+#include "threads.h"
+
 typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
 typedef int (*omp_query_fn)(void);
 
@@ -49,9 +52,8 @@ static void team_member(void *arg) {
     }
 }
 
-/* fn(ctx, begin, end) over items [0, items), split into at most torch's thread count of runs of
- * whole grains (as few as that many runs need: 5 grains on 4 threads are 3 runs of 2, 2, 1);
- * returns when every part has finished. */
+/* At most torch's thread count of runs, as few as that needs (5 grains on 4 threads: 3 runs of
+ * 2, 2, 1). */
 void kvforge_parallel(kvforge_part fn, void *ctx, long items, long grain) {
     if (items <= 0) return;
     const long grains = (items + grain - 1) / grain, width = gomp_parallel ? max_threads() : 1;
