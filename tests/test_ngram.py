@@ -57,6 +57,28 @@ def test_prompt_lookup_takes_the_earliest_occurrence_of_the_longest_suffix():
     assert drafter.propose([1, 2, 3], 2) == []
 
 
+def _scanned_lookup(context, k, n_min, n_max, latest):
+    """Prompt lookup by scanning the whole context: the reference the indexed drafter must equal."""
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        starts = [s for s in range(len(context) - n) if context[s : s + n] == context[-n:]]
+        if starts:
+            start = (starts[-1] if latest else starts[0]) + n
+            return context[start : start + k]
+    return []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.integers(0, 2), st.booleans(),
+       st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=4), st.integers(1, 5), st.booleans()), min_size=1, max_size=25))
+def test_indexed_prompt_lookup_equals_a_scan_as_contexts_grow_or_change(n_min, extra, latest, steps):
+    """One drafter, contexts that grow step by step (and now and then another context): every
+    proposal equals the scan's."""
+    drafter, context = PromptLookupDrafter(n_min, n_min + extra, latest), []
+    for tokens, k, restart in steps:
+        context = list(tokens) if restart else context + list(tokens)
+        assert drafter.propose(context, k) == _scanned_lookup(context, k, n_min, n_min + extra, latest)
+
+
 # --- verification --------------------------------------------------------------------------
 def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
     logits = torch.full((2, 4, 6), -5.0)
@@ -393,6 +415,53 @@ def test_a_group_drafts_only_where_it_shortens_the_row_that_finishes_last():
     assert group.choose(drafts, rows, 100, [40] * 3 + [30] * 5) > 0  # the good rows are the last to finish
     assert group.choose(drafts, [good] * 8, 100, [40] * 8) > 0  # every row gains
     assert group.choose([[1] * 8], [good], 100, [40]) == DraftGate(_cost(1.3)).choose([[1] * 8], [good], 100)  # one row: as before
+
+
+def test_a_group_of_tied_rows_counts_the_least_accept_length_it_expects():
+    """Eight rows with the same budget left and a = 0.66 each expect 1.7 accepted tokens, yet all
+    eight accept one only with chance 0.66^8 = 0.04: the group saves a step that rarely, so no
+    width pays (width 2 costs 1.25 plain steps, width 9 three); at a = 0.97 it does."""
+    from kvforge.speculative.gate import Acceptance, DraftGate, _least_accepted
+
+    assert _least_accepted([0.66] * 8, [8] * 8) == pytest.approx(sum(0.66 ** (8 * j) for j in range(1, 9)))
+    assert _least_accepted([0.9, 0.9], [8, 0]) == 0.0  # a row with nothing drafted gains nothing
+    assert _least_accepted([0.5], [3]) == pytest.approx(0.5 + 0.25 + 0.125)  # one row: its expectation
+    middling, sure = Acceptance(decay=1.0), Acceptance(decay=1.0)
+    middling.hits, middling.misses, sure.hits, sure.misses = 660, 340, 970, 30
+    group = DraftGate(_cost(3.0), group=True)
+    assert group.choose([[1] * 8] * 8, [middling] * 8, 100, [40] * 8) == 0
+    assert group.choose([[1] * 8] * 8, [sure] * 8, 100, [40] * 8) > 0
+
+
+def test_a_wider_steps_host_work_counts_in_its_cost():
+    """Verifying a wider step draws more tokens: the host seconds observed at a width count in
+    that width's cost, so a draft that pays on the forward alone can stop paying."""
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    rate = Acceptance(decay=1.0)
+    rate.hits, rate.misses = 500, 500
+    gate = DraftGate(_cost(1.0))  # width costs nothing in the forward
+    assert gate.choose([[1] * 8], [rate], 100) > 0
+    gate.record(1, 1, 100, 1e-3, 0.0)
+    for width in range(2, 10):
+        gate.record(1, width, 100, 1e-3, 2e-3)  # two plain forwards of host work at every wider width
+    assert gate.cost.step_seconds(1, 5, 100) == pytest.approx(3e-3)
+    assert gate.choose([[1] * 8], [rate], 100) == 0
+
+
+def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
+    """The prior holds widths 1..k+1 for the batch's bucket and every smaller bucket (a batch
+    shrinks as its requests finish), each measured once."""
+    from kvforge.speculative.gate import step_cost
+
+    engine = Engine(tiny_loaded("llama"))
+    cost = step_cost(engine)
+    cost.calibrate(5, widths=4)
+    assert sorted(cost.prior) == [1, 2, 4]
+    assert all(sorted(table) == [1, 2, 3, 4] and min(table.values()) > 0 for table in cost.prior.values())
+    measured = {bucket: dict(table) for bucket, table in cost.prior.items()}
+    cost.calibrate(4, widths=9)  # measured already: kept
+    assert cost.prior == measured
 
 
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():

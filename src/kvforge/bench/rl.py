@@ -1,7 +1,8 @@
 """`kvforge bench rl`: a small RL loop end to end, rollouts plain and drafted in one run.
 
 Each epoch rolls out P problems of a generated task (`data.rl_tasks`) x G samples at temperature
-1 in the rollout engine, twice, arms interleaved (their order alternates by epoch): `plain`
+1 in the rollout engine, twice, arms interleaved group by group (their order alternates from one
+group to the next, so a drift in the CPU's speed falls on both alike): `plain`
 (no drafter) and `drafted` (the n-gram drafter with the rollout history: each sample drafts from
 its previous-epoch rollout first, then its group's n-grams, the history and the prompt, under
 the cost gate). Both arms use the same noise keys, so their samples must be token-identical; the
@@ -99,15 +100,13 @@ def bench_rl(
     try:
         for epoch in range(1, epochs + 1):
             config = GenerationConfig(max_tokens, temperature=1.0, seed=seed, epoch=epoch if noise == "fresh" else 0)
-            order = list(arms) + (list(VLLM_ARMS) if vllm else [])
-            order = order if epoch % 2 else order[::-1]
             outcome = {}
-            for arm in order:
+            if arms:
+                say(f"epoch {epoch}/{epochs}: {' and '.join(arms)} rollouts")
+                outcome.update(_roll_out(engine, train, encoded, group, config, arms, history, first=epoch % 2))
+            for arm in list(VLLM_ARMS) if vllm else []:
                 say(f"epoch {epoch}/{epochs}: {arm} rollouts")
-                if arm in arms:
-                    outcome[arm] = _roll_out(engine, train, encoded, group, config, arms[arm], history if arm == "drafted" else None)
-                else:
-                    outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
+                outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
             identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] if arms else None
             rewards = {arm: [[reward(p, text) for text in texts] for p, texts in zip(train, o["texts"])] for arm, o in outcome.items()}
             for arm in [*arms, *(VLLM_ARMS if vllm else ())]:
@@ -172,26 +171,35 @@ def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[flo
     return row
 
 
-def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, draft: DraftConfig, history) -> dict:
-    """One arm's pass over the problems: the samples' tokens and texts per problem, the wall
-    seconds, and the drafting statistics summed over the groups."""
-    tokens, texts, total = [], [], SpecStats(draft.k)
-    probes = hits = 0
-    start = time.perf_counter()
-    for problem, ids in zip(train, encoded):
-        outputs, stats = generate_group(engine, ids, group, config, draft, history=history, rollout_key=problem.key)
-        tokens.append([g.token_ids for g in outputs])
-        texts.append([g.text for g in outputs])
-        if stats is not None:
-            total.add(stats)
-            probes, hits = probes + stats.probes, hits + stats.hits
-    seconds = time.perf_counter() - start
-    summary = total.as_dict()
-    return {
-        "tokens": tokens, "texts": texts, "seconds": seconds, "completion_tokens": sum(len(t) for ts in tokens for t in ts),
-        "rows_drafted": total.rows_drafted, **{key: summary[key] for key in ("mean_accept_len", "host_ms_per_step", "accept_by_source", "match_by_source")},
-        "prefetch_hit_rate": hits / probes if probes else None,
-    }
+def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms: dict[str, DraftConfig], history, first: int) -> dict:
+    """Every arm's pass over the problems, the arms taking turns on each problem (the order flips
+    from one problem to the next; `first` 1 starts with the first arm, 0 with the last): per arm the
+    samples' tokens and texts per problem, its wall seconds and its drafting statistics summed over
+    the groups. The drafted arm drafts from and records into `history`."""
+    names = list(arms)
+    runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0} for arm, draft in arms.items()}
+    for i, (problem, ids) in enumerate(zip(train, encoded)):
+        for arm in names if (i + first) % 2 else names[::-1]:
+            run = runs[arm]
+            start = time.perf_counter()
+            outputs, stats = generate_group(engine, ids, group, config, arms[arm], history=history if arm == "drafted" else None, rollout_key=problem.key)
+            run["seconds"] += time.perf_counter() - start
+            run["tokens"].append([g.token_ids for g in outputs])
+            run["texts"].append([g.text for g in outputs])
+            if stats is not None:
+                run["stats"].add(stats)
+                run["probes"], run["hits"] = run["probes"] + stats.probes, run["hits"] + stats.hits
+    outcome = {}
+    for arm, run in runs.items():
+        total, probes = run["stats"], run["probes"]
+        summary = total.as_dict()
+        outcome[arm] = {
+            "tokens": run["tokens"], "texts": run["texts"], "seconds": run["seconds"],
+            "completion_tokens": sum(len(t) for ts in run["tokens"] for t in ts), "rows_drafted": total.rows_drafted,
+            **{key: summary[key] for key in ("mean_accept_len", "host_ms_per_step", "accept_by_source", "match_by_source")},
+            "prefetch_hit_rate": run["hits"] / probes if probes else None,
+        }
+    return outcome
 
 
 def _heldout_reward(engine, task: str, count: int, max_tokens: int) -> float | None:

@@ -7,10 +7,12 @@ A step's forward pads every row to the longest draft, so its cost is set by B, W
 how many rows draft: one drafting row makes every row of the batch W wide. The gate therefore picks
 one draft length K per step (0: a plain step) to maximise expected committed tokens per second,
 
-    rate(K) = sum_r (1 + sum_{i=1..min(K, len d_r)} a_r^i) / (forward(B, K + 1, C) + host),
+    rate(K) = sum_r (1 + sum_{i=1..min(K, len d_r)} a_r^i) / step(B, K + 1, C),
 
 with a_r the row's chance that a drafted token is accepted given the ones before it (geometric
-accept lengths). Rows whose drafts are worth little ride in the same forward at no extra cost.
+accept lengths) and step(B, W, C) a step's seconds: the forward and the host work around it
+(verifying a wider step draws more tokens). Rows whose drafts are worth little ride in the same
+forward at no extra cost.
 
 That is the objective of rows that finish apart (the server's requests: each returns when its own
 tokens are done). Rows that finish together (`group=True`: an offline `generate` of a batch, the
@@ -18,25 +20,31 @@ G samples of an RL group) return when the last of them does, and a token one row
 the call only if that row is the last to finish. So a group's gate maximises the seconds a step
 saves, net of what its width costs:
 
-    saved(K) = E_crit(K) x (forward(B, 1, C) + host) + (sum_r E_r(K) - |crit| E_crit(K)) x row,
-    net(K)   = saved(K) - (forward(B, K + 1, C) - forward(B, 1, C)),
+    saved(K) = E_crit(K) x step(B, 1, C) + (sum_r E_r(K) - |crit| E_crit(K)) x row,
+    net(K)   = saved(K) - (step(B, K + 1, C) - step(B, 1, C)),
 
 with E_r(K) the row's expected accepted tokens, crit the rows with the most of their token budget
-left (the likeliest to finish last), E_crit(K) the least of theirs (the group saves a step only if
-each of them gains one), and `row` one row's share of a step, (forward(B, 2, C) - forward(B, 1, C)) / B
-(what a row that finishes earlier saves each later step). A step whose rows all keep the same
-budget drafts only when every row's draft is worth it; a single row is judged as before.
+left (the likeliest to finish last), E_crit(K) the expected least accept length among them (the
+group saves a step only if each of them gains one): sum_{j=1..K} prod_{r in crit} a_r^j over the
+rows whose drafts reach j tokens, far below the least of their expectations when many rows tie
+(eight rows at a = 0.66: 0.04 against 1.7); and `row` one row's share of a step,
+(forward(B, 2, C) - forward(B, 1, C)) / B (what a row that finishes earlier saves each later step).
+A step whose rows all keep the same budget drafts only when every row's draft is likely to land;
+a single row is judged as before.
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
 would have committed (`verify.py`: both are plain decoding's), so a row that stops drafting keeps
 learning and drafts again as soon as its drafts would land, however many steps it ran plain.
 
-`StepCost` is the forward's cost: measured once per engine and batch size (forwards of widths 1
-and 2 over a short scratch cache, a line through them for the wider ones: a CPU's cost per extra
-row is flat over a step's few rows, from nearly 0 on AMX tiles to a whole row's cost where bf16 is
-emulated) and refined from the step timings, per context band. Only timing depends on the gate;
-the committed tokens are plain decoding's whatever it decides.
+`StepCost` is the forward's cost: measured once per engine and batch size at every width the gate
+may pick (forwards over a scratch cache one context band long) and refined from the step timings,
+per context band. Every width is measured, not a line through two: the cost of a wider step is
+neither flat nor linear, and grows with the context (smollm2-135m in bf16 on AMX tiles, 8 rows at
+200 tokens of context: widths 1, 2, 3, 5, 9 take 35, 40, 47, 55, 72 ms, each 16 more rows one more
+row of tiles; a line through widths 1 and 2 over a 16-row cache put width 3 at 36 ms, and the gate
+drafted steps that cost more than they saved). Only timing depends on the gate; the committed
+tokens are plain decoding's whatever it decides.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from typing import Sequence
 import torch
 
 CONTEXT_BAND = 256  # rows of context per band of the observed costs: attention grows with context
-SCRATCH_ROWS = 16  # the calibration cache's context: the prior holds the context-free part
+SCRATCH_ROWS = CONTEXT_BAND  # the calibration cache's context: a first band's attention beside the projections
 
 
 class Acceptance:
@@ -101,7 +109,7 @@ class StepCost:
     engine: object  # None: no prior (vLLM's step is measured only as it runs)
     prior: dict[int, dict[int, float]] = field(default_factory=dict)
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    host: float = 0.0
+    host: dict[tuple[int, int], float] = field(default_factory=dict)  # a step's host seconds by (batch, width)
     decay: float = 0.5
     # every row's trials over this engine (slowly forgotten): the prior of a new row's acceptance
     population: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
@@ -140,29 +148,48 @@ class StepCost:
         best = max(bands.values(), key=len, default={})
         return best if len(best) >= 2 else None
 
-    def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
-        key = (batch, width, context // CONTEXT_BAND)
-        old = self.observed.get(key)
-        self.observed[key] = forward_s if old is None else self.decay * old + (1 - self.decay) * forward_s
-        self.host = host_s if not self.host else self.decay * self.host + (1 - self.decay) * host_s
+    def host_seconds(self, batch: int, width: int) -> float:
+        """A step's host seconds at this batch and width: observed, else the nearest width observed
+        at this batch, else any batch's at this width (0 with nothing observed)."""
+        if (batch, width) in self.host:
+            return self.host[batch, width]
+        here = [w for b, w in self.host if b == batch]
+        if here:
+            return self.host[batch, min(here, key=lambda w: abs(w - width))]
+        return max((t for (b, w), t in self.host.items() if w == width), default=0.0)
 
-    def calibrate(self, batch: int) -> None:
-        """Measure widths 1 and 2 at `batch`'s bucket, once (the smaller of two timings of width 1,
-        around one of width 2)."""
-        bucket = _bucket(batch)
-        if self.engine is None or bucket in self.prior:
+    def step_seconds(self, batch: int, width: int, context: int) -> float:
+        """Predicted seconds of a whole step: its forward and the host work around it."""
+        return self.seconds(batch, width, context) + self.host_seconds(batch, width)
+
+    def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
+        for table, key, value in ((self.observed, (batch, width, context // CONTEXT_BAND), forward_s), (self.host, (batch, width), host_s)):
+            old = table.get(key)
+            table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
+
+    def calibrate(self, batch: int, widths: int = 2) -> None:
+        """Measure widths 1..`widths` at `batch`'s bucket and every smaller one not yet measured
+        (a batch shrinks as its requests finish), once each (the smaller of two timings, in two
+        passes over the widths)."""
+        if self.engine is None:
             return
+        bucket = _bucket(batch)
+        while bucket >= 1 and bucket not in self.prior:
+            self.prior[bucket] = self._measure(bucket, widths)
+            bucket //= 2
+
+    def _measure(self, bucket: int, widths: int) -> dict[int, float]:
         engine, table = self.engine, {}
         with torch.inference_mode():
             _, cache = engine.prefill([[1] * SCRATCH_ROWS] * bucket)
-            for width in (1, 2, 1):
+            for width in [*range(1, widths + 1)] * 2:
                 ids = torch.ones(bucket, width, dtype=torch.long, device=engine.device)
                 positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
                 start = time.perf_counter()
                 engine.forward(ids, positions, cache, "all")
                 table[width] = min(table.get(width, float("inf")), time.perf_counter() - start)
                 cache.rollback([width] * bucket)
-        self.prior[bucket] = table
+        return table
 
 
 def _line(table: dict[int, float], width: int) -> float:
@@ -174,6 +201,18 @@ def _line(table: dict[int, float], width: int) -> float:
         return next(iter(table.values()))
     a, b = sorted(sorted(table, key=lambda w: abs(w - width))[:2])
     return max(table[a] + (table[b] - table[a]) * (width - a) / (b - a), min(table.values()))
+
+
+def _least_accepted(rates: Sequence[float], lengths: Sequence[int]) -> float:
+    """Expected least accept length among rows with independent geometric accepts (per-token
+    rates `rates`, drafts of `lengths` tokens): the sum over j of the chance that every row
+    accepts at least j tokens."""
+    total, reach = 0.0, 1.0
+    for j in range(1, min(lengths, default=0) + 1):
+        for a in rates:
+            reach *= a
+        total += reach
+    return total
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, StepCost]" = weakref.WeakKeyDictionary()
@@ -198,9 +237,10 @@ class DraftGate:
         """A new row's acceptance, its prior the rate of the rows this engine has drafted for."""
         return Acceptance(population=self.cost.population)
 
-    def prepare(self, batch: int) -> None:
-        """Measure the engine's forward at this batch size if not yet measured (outside a step's timing)."""
-        self.cost.calibrate(batch)
+    def prepare(self, batch: int, widths: int = 2) -> None:
+        """Measure the engine's forward at this batch size, widths 1..`widths`, if not yet measured
+        (outside a step's timing)."""
+        self.cost.calibrate(batch, widths)
 
     def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int,
                remaining: Sequence[int] | None = None) -> int:
@@ -213,26 +253,26 @@ class DraftGate:
             return 0
         if self.group and remaining is not None and batch > 1:
             return self._group_choice(drafts, acceptance, context, remaining, longest)
-        best_k, best_rate = 0, batch / (self.cost.seconds(batch, 1, context) + self.cost.host)
+        best_k, best_rate = 0, batch / self.cost.step_seconds(batch, 1, context)
         for k in range(1, longest + 1):
             gain = sum(1 + a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance))
-            rate = gain / (self.cost.seconds(batch, k + 1, context) + self.cost.host)
+            rate = gain / self.cost.step_seconds(batch, k + 1, context)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
     def _group_choice(self, drafts, acceptance, context: int, remaining: Sequence[int], longest: int) -> int:
         batch = len(drafts)
-        plain = self.cost.seconds(batch, 1, context)
-        row = max(0.0, self.cost.seconds(batch, 2, context) - plain) / batch
+        plain = self.cost.step_seconds(batch, 1, context)
+        row = max(0.0, self.cost.seconds(batch, 2, context) - self.cost.seconds(batch, 1, context)) / batch
         last = max(remaining)
         critical = [i for i, left in enumerate(remaining) if left == last]
         best_k, best_net = 0, 0.0
         for k in range(1, longest + 1):
             expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
-            whole = min(expected[i] for i in critical)
-            saved = whole * (plain + self.cost.host) + (sum(expected) - whole * len(critical)) * row
-            net = saved - (self.cost.seconds(batch, k + 1, context) - plain)
+            whole = _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
+            saved = whole * plain + (sum(expected) - whole * len(critical)) * row
+            net = saved - (self.cost.step_seconds(batch, k + 1, context) - plain)
             if net > best_net:
                 best_k, best_net = k, net
         return best_k

@@ -323,7 +323,7 @@ def speculative_step(
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
     if gate is not None:
-        gate.prepare(len(requests))
+        gate.prepare(len(requests), k + 1)
     step_start, lookup_s = time.perf_counter(), 0.0
     proposals, prefetched, sources = [], [], []  # per row: the draft proposed, 1 when it is the previous step's prefetch hit, its source
     for r in requests:
