@@ -433,6 +433,25 @@ def test_a_group_of_tied_rows_counts_the_least_accept_length_it_expects():
     assert group.choose([[1] * 8] * 8, [sure] * 8, 100, [40] * 8) > 0
 
 
+def test_a_group_whose_rows_stop_before_their_budget_does_not_bet_on_the_budget():
+    """The rows with the most budget left finish last only if they run to their budget; where the
+    engine's group rows stop at their end of sequence first, a gain of theirs saves only their
+    share of later steps."""
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    good, bad = Acceptance(decay=1.0), Acceptance(decay=1.0)
+    good.hits, good.misses, bad.hits, bad.misses = 900, 100, 0, 1000
+    group = DraftGate(_cost(1.3), group=True)
+    args = ([[1] * 8] * 8, [good] * 3 + [bad] * 5, 100, [40] * 3 + [30] * 5)
+    assert group.cost.budget_share == 0.5 and group.choose(*args) > 0
+    for _ in range(200):
+        group.finished(ran_out=False)
+    assert group.cost.budget_share < 0.01
+    assert group.choose(*args) == 0
+    DraftGate(group.cost).finished(ran_out=True)  # rows that finish apart say nothing of groups
+    assert group.cost.budget_share < 0.01
+
+
 def test_a_wider_steps_host_work_counts_in_its_cost():
     """Verifying a wider step draws more tokens: the host seconds observed at a width count in
     that width's cost, so a draft that pays on the forward alone can stop paying."""

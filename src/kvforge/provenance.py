@@ -38,12 +38,14 @@ def _version(package: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def git_commit() -> str | None:
-    """The checkout's commit (with "+dirty" when tracked files differ), or None outside a checkout."""
+    """The checkout's commit (with "+dirty" when tracked files other than the benchmarks' own
+    outputs differ: a benchmark that writes its figure into `benchmarks/results` ran the commit's
+    code all the same), or None outside a checkout."""
     if not (REPO_ROOT / ".git").exists():
         return None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     if head.returncode != 0:

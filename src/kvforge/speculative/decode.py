@@ -87,6 +87,10 @@ def speculative_generate(
     active, cache = _drop_finished(requests, cache)
     while active:
         speculative_step(engine, cache, active, k, gate, prefetcher, stats)
+        if gate is not None:
+            for r in active:
+                if r.finished:
+                    gate.finished(len(r.seq.token_ids) >= r.config.max_new_tokens)
         active, cache = _drop_finished(active, cache)
     results = []
     for r in requests:

@@ -20,7 +20,7 @@ G samples of an RL group) return when the last of them does, and a token one row
 the call only if that row is the last to finish. So a group's gate maximises the seconds a step
 saves, net of what its width costs:
 
-    saved(K) = E_crit(K) x step(B, 1, C) + (sum_r E_r(K) - |crit| E_crit(K)) x row,
+    saved(K) = q E_crit(K) x step(B, 1, C) + (sum_r E_r(K) - q |crit| E_crit(K)) x row,
     net(K)   = saved(K) - (step(B, K + 1, C) - step(B, 1, C)),
 
 with E_r(K) the row's expected accepted tokens, crit the rows with the most of their token budget
@@ -29,8 +29,12 @@ group saves a step only if each of them gains one): sum_{j=1..K} prod_{r in crit
 rows whose drafts reach j tokens, far below the least of their expectations when many rows tie
 (eight rows at a = 0.66: 0.04 against 1.7); and `row` one row's share of a step,
 (forward(B, 2, C) - forward(B, 1, C)) / B (what a row that finishes earlier saves each later step).
-A step whose rows all keep the same budget drafts only when every row's draft is likely to land;
-a single row is judged as before.
+The rows with the most budget left are the last to finish only if they run to their budget: a row
+that stops at its end-of-sequence token first leaves the last step to another row. q is the share
+of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
+forgotten); with probability 1 - q their gain saves only their share of later steps. A step whose
+rows all keep the same budget drafts only when every row's draft is likely to land; a single row
+is judged as before.
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
@@ -113,6 +117,17 @@ class StepCost:
     decay: float = 0.5
     # every row's trials over this engine (slowly forgotten): the prior of a new row's acceptance
     population: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
+    finished: float = 0.0  # group rows finished (slowly forgotten), and those of them that ran to their budget
+    ran_out: float = 0.0
+
+    @property
+    def budget_share(self) -> float:
+        """q of the module docstring: the chance a group row runs to its token budget."""
+        return (self.ran_out + 0.5) / (self.finished + 1.0)
+
+    def record_finish(self, ran_out: bool) -> None:
+        self.finished = 0.99 * self.finished + 1.0
+        self.ran_out = 0.99 * self.ran_out + float(ran_out)
 
     def seconds(self, batch: int, width: int, context: int) -> float:
         """Predicted forward seconds: observed at this batch, width and band; else a width observed
@@ -270,7 +285,7 @@ class DraftGate:
         best_k, best_net = 0, 0.0
         for k in range(1, longest + 1):
             expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
-            whole = _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
+            whole = self.cost.budget_share * _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
             saved = whole * plain + (sum(expected) - whole * len(critical)) * row
             net = saved - (self.cost.step_seconds(batch, k + 1, context) - plain)
             if net > best_net:
@@ -279,3 +294,8 @@ class DraftGate:
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
         self.cost.record(batch, width, context, forward_s, host_s)
+
+    def finished(self, ran_out: bool) -> None:
+        """A row of a group finished: at its token budget (`ran_out`) or before it."""
+        if self.group:
+            self.cost.record_finish(ran_out)
