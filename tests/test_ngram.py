@@ -71,7 +71,7 @@ def _scanned_lookup(context, k, n_min, n_max, latest):
 @given(st.integers(1, 3), st.integers(0, 2), st.booleans(),
        st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=4), st.integers(1, 5), st.booleans()), min_size=1, max_size=25))
 def test_indexed_prompt_lookup_equals_a_scan_as_contexts_grow_or_change(n_min, extra, latest, steps):
-    """One drafter, contexts that grow step by step (and now and then another context): every
+    """One drafter, contexts that grow step by step (and at times another context): every
     proposal equals the scan's."""
     drafter, context = PromptLookupDrafter(n_min, n_min + extra, latest), []
     for tokens, k, restart in steps:
@@ -466,11 +466,18 @@ def test_a_wider_steps_host_work_counts_in_its_cost():
         gate.record(1, width, 100, 1e-3, 2e-3)  # two plain forwards of host work at every wider width
     assert gate.cost.step_seconds(1, 5, 100) == pytest.approx(3e-3)
     assert gate.choose([[1] * 8], [rate], 100) == 0
+    cost = gate.cost
+    cost.host = {(8, 1): 2e-3, (8, 3): 5e-3}
+    assert cost.host_seconds(8, 2) == 2e-3  # the nearest width measured at the batch (ties: the narrower)
+    assert cost.host_seconds(7, 9) == 5e-3  # a batch not seen: the nearest batch's nearest width
+    assert cost.host_seconds(7, 1) == 2e-3
+    cost.host = {(8, 1): 2e-3, (8, 3): 1e-3}
+    assert cost.host_seconds(6, 2) == 2e-3  # never below the nearest batch's plain step
 
 
 def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
     """The prior holds widths 1..k+1 for the batch's bucket and every smaller bucket (a batch
-    shrinks as its requests finish), each measured once."""
+    shrinks as its requests finish), each width measured once."""
     from kvforge.speculative.gate import step_cost
 
     engine = Engine(tiny_loaded("llama"))
@@ -479,8 +486,8 @@ def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
     assert sorted(cost.prior) == [1, 2, 4]
     assert all(sorted(table) == [1, 2, 3, 4] and min(table.values()) > 0 for table in cost.prior.values())
     measured = {bucket: dict(table) for bucket, table in cost.prior.items()}
-    cost.calibrate(4, widths=9)  # measured already: kept
-    assert cost.prior == measured
+    cost.calibrate(4, widths=6)  # widths 5 and 6 measured, the others kept
+    assert all(cost.prior[b] == {**measured[b], 5: cost.prior[b][5], 6: cost.prior[b][6]} for b in (1, 2, 4))
 
 
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():

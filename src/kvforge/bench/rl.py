@@ -24,7 +24,8 @@ whatever the gate chose) and the share of steps that drafted.
 Held-out reward (greedy, plain) is reported before the first update and after the last.
 
 With `engines` naming vllm (`--engines kvforge,vllm`), vLLM's arms (`rl_vllm.py`: `vllm-plain`,
-`vllm-drafted`, `vllm-off`) roll out the same problems each epoch, interleaved with kvforge's, and
+`vllm-drafted`, `vllm-off`) roll out the same problems each epoch after kvforge's, their order
+flipping from one epoch to the next, and
 take every update in place through vLLM's own reload. vLLM samples with its own sampler (fresh
 draws every epoch); each vLLM row reports its speedup over `vllm-plain` and its reward over its
 own samples. The update trains on kvforge's drafted samples, or on `vllm-plain`'s without kvforge.
@@ -44,6 +45,7 @@ from kvforge.data.rl_tasks import TASKS, problems, reward
 from kvforge.generation import GenerationConfig
 from kvforge.grpo import GrpoConfig, GrpoTrainer, Rollout
 from kvforge.prompting import encode_prompt
+from kvforge.speculative.gate import step_cost
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.rollout import DraftConfig, generate_group
 from kvforge.speculative.step import SpecStats
@@ -88,6 +90,7 @@ def bench_rl(
     warm_prompt = encode_prompt(tokenizer, problems(task, "heldout", 1)[0].prompt, chat=True)
     for draft in arms.values():  # first-call costs and the gate's calibration, outside the timings
         generate_group(engine, warm_prompt, group, warm, draft)
+    step_cost(engine).forget_rows()  # the warm-up's few tokens teach the gate nothing of the rollouts
     vllm = None
     if "vllm" in engines:
         from kvforge.bench.rl_vllm import VLLM_ARMS, VllmRollouts, rollout_seed
@@ -104,7 +107,7 @@ def bench_rl(
             if arms:
                 say(f"epoch {epoch}/{epochs}: {' and '.join(arms)} rollouts")
                 outcome.update(_roll_out(engine, train, encoded, group, config, arms, history, first=epoch % 2))
-            for arm in list(VLLM_ARMS) if vllm else []:
+            for arm in (VLLM_ARMS if epoch % 2 else VLLM_ARMS[::-1]) if vllm else ():
                 say(f"epoch {epoch}/{epochs}: {arm} rollouts")
                 outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
             identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] if arms else None

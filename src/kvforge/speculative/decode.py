@@ -84,14 +84,10 @@ def speculative_generate(
     now = time.perf_counter()
     for row, (r, token) in enumerate(zip(requests, first)):
         commit(r, [token], engine.model.tokenizer, context_limit, now, logits[row : row + 1])
-    active, cache = _drop_finished(requests, cache)
+    active, cache = _drop_finished(requests, cache, gate)
     while active:
         speculative_step(engine, cache, active, k, gate, prefetcher, stats)
-        if gate is not None:
-            for r in active:
-                if r.finished:
-                    gate.finished(len(r.seq.token_ids) >= r.config.max_new_tokens)
-        active, cache = _drop_finished(active, cache)
+        active, cache = _drop_finished(active, cache, gate)
     results = []
     for r in requests:
         flush_text(r.seq, on_text)
@@ -101,12 +97,16 @@ def speculative_generate(
     return results, stats
 
 
-def _drop_finished(requests: list[SpecRequest], cache):
+def _drop_finished(requests: list[SpecRequest], cache, gate: DraftGate | None = None):
     """The requests still running, and the cache holding their rows: a finished request's slot
-    takes the last request's rows (`KVCache.leave`), so the others' rows are not copied."""
+    takes the last request's rows (`KVCache.leave`), so the others' rows are not copied. The
+    gate learns whether each finished one ran to its token budget (a failed one says nothing)."""
     active = list(requests)
     for row in reversed(range(len(active))):
         if active[row].finished:
+            done = active[row]
+            if gate is not None and done.error is None:
+                gate.finished(len(done.seq.token_ids) >= done.config.max_new_tokens)
             last = active.pop()
             if row < len(active):
                 active[row] = last

@@ -25,16 +25,17 @@ saves, net of what its width costs:
 
 with E_r(K) the row's expected accepted tokens, crit the rows with the most of their token budget
 left (the likeliest to finish last), E_crit(K) the expected least accept length among them (the
-group saves a step only if each of them gains one): sum_{j=1..K} prod_{r in crit} a_r^j over the
-rows whose drafts reach j tokens, far below the least of their expectations when many rows tie
+group saves a step only if each of them gains one): sum_{j=1..J} prod_{r in crit} a_r^j, J the
+shortest of their drafts (cut to K), far below the least of their expectations when many rows tie
 (eight rows at a = 0.66: 0.04 against 1.7); and `row` one row's share of a step,
 (forward(B, 2, C) - forward(B, 1, C)) / B (what a row that finishes earlier saves each later step).
 The rows with the most budget left are the last to finish only if they run to their budget: a row
 that stops at its end-of-sequence token first leaves the last step to another row. q is the share
 of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
-forgotten); with probability 1 - q their gain saves only their share of later steps. A step whose
-rows all keep the same budget drafts only when every row's draft is likely to land; a single row
-is judged as before.
+forgotten); with probability 1 - q their gain saves only their share of later steps. A group's step drafts only
+when net(K) is at least its width's extra cost again (`GROUP_MARGIN`). A step whose rows all keep
+the same budget drafts only when every row's draft is likely to land; a single row is judged as
+before.
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
@@ -61,6 +62,14 @@ from typing import Sequence
 import torch
 
 CONTEXT_BAND = 256  # rows of context per band of the observed costs: attention grows with context
+# A group's step drafts only when it expects to save its width's extra cost twice over. Rows'
+# rates come from few trials, and the gate drafts exactly where they look highest, so what lands
+# falls short of what it expected; and a real verification step costs more than the scratch cache
+# measured (smollm2-135m in bf16 on AMX, 8 sampled rows: width 2 took 11 ms over a 43 ms plain step
+# where calibration said 3). Groups that finish together gain little from a step: without the
+# margin, `bench rl` fresh-noise groups drafted up to 7 % of rows and ran at 0.89-0.93x of plain
+# decoding at three of five epochs.
+GROUP_MARGIN = 1.0
 SCRATCH_ROWS = CONTEXT_BAND  # the calibration cache's context: a first band's attention beside the projections
 
 
@@ -129,6 +138,12 @@ class StepCost:
         self.finished = 0.99 * self.finished + 1.0
         self.ran_out = 0.99 * self.ran_out + float(ran_out)
 
+    def forget_rows(self) -> None:
+        """Forget what the rows taught (acceptance, budget share), keep the measured costs: after a
+        warm-up, whose few tokens say nothing of the requests to come."""
+        self.population = Acceptance(decay=0.99)
+        self.finished = self.ran_out = 0.0
+
     def seconds(self, batch: int, width: int, context: int) -> float:
         """Predicted forward seconds: observed at this batch, width and band; else a width observed
         at this batch and band scaled by the shape of the cost over widths (the prior's, or with no
@@ -164,14 +179,17 @@ class StepCost:
         return best if len(best) >= 2 else None
 
     def host_seconds(self, batch: int, width: int) -> float:
-        """A step's host seconds at this batch and width: observed, else the nearest width observed
-        at this batch, else any batch's at this width (0 with nothing observed)."""
+        """A step's host seconds at this batch and width: observed, else observed at the nearest
+        batch (then the nearest width there, at least its width 1's: a wider step verifies more);
+        0 with nothing observed."""
+        if not self.host:
+            return 0.0
         if (batch, width) in self.host:
             return self.host[batch, width]
-        here = [w for b, w in self.host if b == batch]
-        if here:
-            return self.host[batch, min(here, key=lambda w: abs(w - width))]
-        return max((t for (b, w), t in self.host.items() if w == width), default=0.0)
+        nearest = min({b for b, _ in self.host}, key=lambda b: (abs(b - batch), b))
+        widths = [w for b, w in self.host if b == nearest]
+        seconds = self.host[nearest, min(widths, key=lambda w: (abs(w - width), w))]
+        return max(seconds, self.host.get((nearest, 1), 0.0))
 
     def step_seconds(self, batch: int, width: int, context: int) -> float:
         """Predicted seconds of a whole step: its forward and the host work around it."""
@@ -183,21 +201,23 @@ class StepCost:
             table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
     def calibrate(self, batch: int, widths: int = 2) -> None:
-        """Measure widths 1..`widths` at `batch`'s bucket and every smaller one not yet measured
-        (a batch shrinks as its requests finish), once each (the smaller of two timings, in two
-        passes over the widths)."""
+        """Measure widths 1..`widths` at `batch`'s bucket and every smaller one (a batch shrinks as
+        its requests finish), each width once (the smaller of two timings, in two passes over the
+        widths not yet measured)."""
         if self.engine is None:
             return
         bucket = _bucket(batch)
-        while bucket >= 1 and bucket not in self.prior:
-            self.prior[bucket] = self._measure(bucket, widths)
+        while bucket >= 1:
+            missing = [w for w in range(1, widths + 1) if w not in self.prior.get(bucket, {})]
+            if missing:
+                self.prior.setdefault(bucket, {}).update(self._measure(bucket, missing))
             bucket //= 2
 
-    def _measure(self, bucket: int, widths: int) -> dict[int, float]:
+    def _measure(self, bucket: int, widths: list[int]) -> dict[int, float]:
         engine, table = self.engine, {}
         with torch.inference_mode():
             _, cache = engine.prefill([[1] * SCRATCH_ROWS] * bucket)
-            for width in [*range(1, widths + 1)] * 2:
+            for width in widths * 2:
                 ids = torch.ones(bucket, width, dtype=torch.long, device=engine.device)
                 positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
                 start = time.perf_counter()
@@ -287,8 +307,9 @@ class DraftGate:
             expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
             whole = self.cost.budget_share * _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
             saved = whole * plain + (sum(expected) - whole * len(critical)) * row
-            net = saved - (self.cost.step_seconds(batch, k + 1, context) - plain)
-            if net > best_net:
+            extra = self.cost.step_seconds(batch, k + 1, context) - plain
+            net = saved - extra
+            if net > best_net and net > GROUP_MARGIN * extra:
                 best_k, best_net = k, net
         return best_k
 
