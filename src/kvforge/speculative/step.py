@@ -358,7 +358,7 @@ def speculative_step(
     future = None
     if prefetcher is not None and width:  # a plain step (the gate's choice) is likely followed by another: no tables
         # the tables hold the n-gram chain's next drafts: a row whose drafter chose another source
-        # (a previous rollout, prompt lookup: a slice or a scan, cheap) looks that up at its next step
+        # (a previous rollout, prompt lookup: a slice or an index lookup, cheap) looks that up at its next step
         prefetching = {r.key: (r.ngram, r.context[:], d) for r, d, source in zip(requests, drafts, sources)
                        if r.ngram is not None and source in PREFETCHED_SOURCES}
         future = prefetcher.start(prefetching) if prefetching else None

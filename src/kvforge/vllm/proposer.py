@@ -70,7 +70,8 @@ class ProposerConfig:
     # False: index and track as usual but never draft (what vLLM's speculative machinery costs alone)
     drafting: bool = True
     # True: the rows finish together (offline `LLM.generate` of RL groups, one max_tokens for all):
-    # the gate judges a draft by how much it shortens the row with the fewest tokens so far
+    # the gate judges a draft by how much it shortens the rows with the fewest tokens so far (their
+    # chance of running to the budget left at the gate's 1/2: vLLM does not say how a request ended)
     # (`gate.DraftGate`, group); False: by the tokens it commits per second (a server's requests)
     group: bool = False
 
