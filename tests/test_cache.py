@@ -79,6 +79,25 @@ def test_non_contiguous_positions_clear_the_fast_path_flag():
     assert cache.next_positions().tolist() == [6]
 
 
+def test_a_rollback_to_different_ends_keeps_each_sequence_aligned_and_equal_ends_restore_contiguity():
+    """Sequences rolled back by different amounts stay contiguous each (`aligned`, read to their own
+    ends); a verification whose padding slots sit inside a sequence is not aligned until its rollback
+    drops them; once the ends meet again the layer is contiguous."""
+    layer = KVCache.empty(1, 2, H, D)[0]
+    layer.append(*_rows(2, 0, 5))
+    layer.rollback([0, 2])
+    assert (layer.ends, layer.aligned, layer.contiguous) == ([5, 3], True, False)
+    k, v, _ = _rows(2, 0, 3)
+    layer.append(k, v, torch.tensor([[5, 6, 7], [3, -1, -1]]))  # one real row and two padding slots for sequence 1
+    assert not layer.aligned
+    layer.rollback([0, 2])
+    assert (layer.ends, layer.aligned) == ([8, 4], True)
+    layer.append(*_rows(2, 0, 1)[:2], torch.tensor([[8], [4]]))
+    assert layer.aligned
+    layer.rollback([4, 0])
+    assert (layer.ends, layer.aligned, layer.contiguous) == (None, True, True)
+
+
 def test_provenance_is_kept_per_row():
     cache = KVCache.empty(1, 1, H, D)
     cache[0].append(*_rows(1, 0, 2), kind=RowKind.EXACT)

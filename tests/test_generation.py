@@ -132,6 +132,38 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
     assert once.call_count > 0
 
 
+def test_sequences_of_different_lengths_attend_to_their_own_ends_with_the_bits_of_each_alone():
+    """After a step that leaves a group's samples at different lengths (a drafted step rolled back
+    by what each accepted), the batch's next steps read each sequence to its own end in one kernel
+    call, no mask, and each sample's logits equal its own alone to the bit."""
+    from unittest import mock
+
+    from kvforge.ops import kernels
+
+    if not kernels.available(16):
+        pytest.skip("no AVX512-BF16 or no C compiler here")
+    engine = Engine(tiny_loaded("llama", dtype=torch.bfloat16))
+    prompt = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    draft = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    keep = [3, 1, 2]  # rows each sample keeps of the three
+    with torch.inference_mode():
+        _, cache = engine.prefill([prompt] * 3)
+        engine.forward(draft, torch.arange(40, 43).expand(3, -1), cache, "all")
+        cache.rollback([3 - n for n in keep])
+        assert all(layer.aligned and layer.ends == [40 + n for n in keep] for layer in cache.layers)
+        ids = torch.tensor([[20], [21], [22]])
+        positions = torch.tensor([[40 + n] for n in keep])
+        with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as kernel:
+            together = engine.forward(ids, positions, cache, "all")
+        assert kernel.call_count == engine.num_layers
+        assert all(call.kwargs["lengths"] == [41 + n for n in keep] for call in kernel.call_args_list)
+        for b, n in enumerate(keep):  # the same steps for the sample alone
+            _, own = engine.prefill([prompt])
+            engine.forward(draft[b : b + 1], torch.arange(40, 43).view(1, -1), own, "all")
+            own.rollback([3 - n])
+            assert torch.equal(engine.forward(ids[b : b + 1], positions[b : b + 1], own, "all")[0], together[b])
+
+
 @pytest.fixture(scope="module")
 def real_tokenizers():
     """The packaged models' tokenizers (byte-level BPE and SentencePiece), where they are installed."""

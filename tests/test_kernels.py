@@ -198,6 +198,25 @@ def test_attention_in_one_call_gives_the_three_passes_bits(dim, rows, tokens, le
         kernels.few_query_attention(q, k, v, length, 0.1, tokens=rows + 1)
 
 
+@pytest.mark.parametrize("dim", [48, 64])
+@pytest.mark.parametrize("rows, tokens", [(3, 1), (27, 9), (40, 5)])
+def test_attention_over_sequences_of_their_own_lengths_gives_each_sequence_its_own_bits(dim, rows, tokens):
+    """`lengths`: each sequence read to its own end, in one call, equals a call over that sequence
+    alone with its own length, to the bit (AMX tiles for 64 where the CPU has them, AVX-512 for 48),
+    at 1 and 2 threads."""
+    k, v, g = _buffer(3, 2, 136, dim, seed=dim + rows)
+    q = torch.randn(3, 2, rows, dim, generator=g).bfloat16()
+    lengths = [37, 130, tokens + 4]
+    alone = torch.cat([kernels.few_query_attention(q[b : b + 1], k[b : b + 1].contiguous(), v[b : b + 1].contiguous(), n, 0.1, tokens)
+                       for b, n in enumerate(lengths)])
+    for threads in (1, 2):
+        together = _at_threads(threads, lambda: kernels.few_query_attention(q, k, v, 130, 0.1, tokens, lengths=lengths))
+        assert torch.equal(together, alone)
+    for bad in ([37, 120, 20], [37, 130], [tokens - 1 or 0, 130, 40]):  # longest not `length`, one per sequence, each holds the step
+        with pytest.raises(ValueError, match="lengths"):
+            kernels.few_query_attention(q, k, v, 130, 0.1, tokens, lengths=bad)
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 40), (208, 64)])
 def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(shape):
     """1..32 rows through every row tile (1..9 rows, and passes of 9 with the rest; 208 outputs = 13

@@ -67,6 +67,10 @@ class LayerCache:
     # kinds are views of the first B: a sequence joins by writing its rows into the next slot
     # (`join`) and leaves by the last one moving into its slot (`leave`). None: no spare slots.
     slots: tuple[torch.Tensor, ...] | None = None
+    # With `ends`: True while sequence b's rows [0, ends[b]) hold its positions 0..ends[b]-1 (a
+    # batch whose sequences are contiguous but of different lengths: its attention needs no mask
+    # either, each sequence read to its own end). False where unknown.
+    aligned: bool = False
 
     @classmethod
     def empty(cls, batch: int, heads: int, dim: int, dtype: torch.dtype, device, capacity: int, value_dim: int | None = None) -> "LayerCache":
@@ -155,6 +159,7 @@ class LayerCache:
         self.ends = None if min(ends) == max(ends) else ends
         self.shared = 0 if b else other.shared  # another prompt's rows: nothing is the same in every sequence
         self.contiguous = _is_contiguous(self.row_positions())
+        self.aligned = _is_aligned(self.row_positions(), self.ends)
 
     def leave(self, b: int) -> None:
         """Remove sequence `b` in place: the batch's last sequence moves into its slot (its rows
@@ -179,6 +184,7 @@ class LayerCache:
             self._trim_rows(self.length - length)
         self.ends = None if not ends or min(ends) == max(ends) else ends
         self.contiguous = _is_contiguous(self.row_positions())
+        self.aligned = _is_aligned(self.row_positions(), self.ends)
 
     def append(
         self,
@@ -208,16 +214,24 @@ class LayerCache:
 
     def _append_at_ends(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kind) -> None:
         t = k.shape[2]
+        if self.aligned:  # each sequence's new rows continue its own positions
+            expected = torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)
+            self.aligned = bool((positions == expected).all())
         ends = [e + t for e in self.ends]
         self._reserve(max(ends) - self.length)
         kinds = kind if isinstance(kind, torch.Tensor) else torch.full(positions.shape, int(kind), dtype=torch.uint8, device=positions.device)
-        for b, end in enumerate(ends):
-            self.k[b, :, end - t : end] = k[b]
-            self.v[b, :, end - t : end] = v[b]
-            self.positions[b, end - t : end] = positions[b]
-            self.kinds[b, end - t : end] = kinds[b if kinds.shape[0] > 1 else 0] if kinds.dim() == 2 else kinds
+        # one indexed write per tensor: sequence b's t rows go to rows [ends[b] - t, ends[b])
+        b, h, _, d = k.shape
+        seq = torch.arange(b, device=positions.device).repeat_interleave(t)
+        rows = (torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)).reshape(-1)
+        self.k[seq, :, rows] = k.transpose(1, 2).reshape(b * t, h, d).to(self.k.dtype)
+        self.v[seq, :, rows] = v.transpose(1, 2).reshape(b * t, h, v.shape[-1]).to(self.v.dtype)
+        self.positions[seq, rows] = positions.reshape(-1)
+        self.kinds[seq, rows] = kinds.expand(b, t).reshape(-1)
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
+        if self.ends is None:
+            self.contiguous = self.aligned
 
     def rewrite(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace held rows in place: row index[b, r] of sequence b takes k[b, :, r] and
@@ -249,14 +263,17 @@ class LayerCache:
         ends = [e - n for e, n in zip(self.ends or [self.length] * len(drop), drop)]
         if min(ends) < 0:
             raise ValueError(f"cannot drop {max(drop)} rows from a layer holding {self.length}")
+        aligned = self.contiguous or self.aligned  # rows dropped from aligned sequences' own ends leave them aligned
         self._trim_rows(self.length - max(ends))
         for b, end in enumerate(ends):
             if end < self.length:
                 self.positions[b, end : self.length] = -1
                 self.kinds[b, end : self.length] = int(RowKind.PADDING)
-                self.contiguous = False
         self.shared = min(self.shared, min(ends))
         self.ends = None if min(ends) == max(ends) else ends
+        # else a verification's padding slots sat inside a sequence: they may be gone
+        self.aligned = aligned or _is_aligned(self.row_positions(), self.ends)
+        self.contiguous = self.aligned and self.ends is None
 
     def select_rows(self, index: torch.Tensor) -> "LayerCache":
         """A new layer holding rows `index` (1-D, into this layer's rows) of every sequence."""
@@ -287,6 +304,8 @@ class LayerCache:
             layer.ends = None if min(ends) == max(ends) else ends
             if layer.ends is None and ends[0] < layer.length:  # the chosen sequences all end early
                 layer._trim_rows(layer.length - ends[0])
+            layer.contiguous = _is_contiguous(layer.row_positions())
+            layer.aligned = _is_aligned(layer.row_positions(), layer.ends)
         return layer
 
     def nbytes(self) -> int:
@@ -665,3 +684,12 @@ def _grow(t: torch.Tensor, capacity: int, dim: int, fill: int) -> torch.Tensor:
 def _is_contiguous(positions: torch.Tensor) -> bool:
     expected = torch.arange(positions.shape[1], device=positions.device)
     return bool((positions == expected).all())
+
+
+def _is_aligned(positions: torch.Tensor, ends: list[int] | None) -> bool:
+    """Whether sequence b's rows [0, ends[b]) (every row, for `ends` None) hold positions 0..ends[b]-1."""
+    expected = torch.arange(positions.shape[1], device=positions.device)
+    if ends is None:
+        return bool((positions == expected).all())
+    inside = expected < torch.tensor(ends, device=positions.device).unsqueeze(1)
+    return bool(((positions == expected) | ~inside).all())

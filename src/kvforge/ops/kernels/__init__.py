@@ -31,6 +31,7 @@ import platform
 import sys
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -77,7 +78,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
-    lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64]
+    lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, ptr, i64]
     lib.kvforge_attend.restype = ctypes.c_int
     lib.kvforge_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_silu_mul.restype = None
@@ -264,23 +265,28 @@ def value_part_step(dim: int) -> int:
 
 
 def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float,
-                        tokens: int = 1) -> torch.Tensor:
+                        tokens: int = 1, lengths: Sequence[int] | None = None) -> torch.Tensor:
     """bf16 query rows (B, H, R, D) over rows [0, length) of bf16 buffers k, v (B, H, C, D) ->
     (B, H, R, D) fp32: `few_query_scores`, `few_query_softmax(..., tokens)` and
     `few_query_values` in one call, a few rows at a time so their scores stay in cache between
-    the passes (a long prefill's scores otherwise go through memory three times); the same bits."""
+    the passes (a long prefill's scores otherwise go through memory three times); the same bits.
+    `lengths` (B,): sequence b's rows are [0, lengths[b]), its step's last token at row
+    lengths[b] - 1 (`length` their largest); each row has the bits of a call over its sequence
+    alone with its own length."""
     b, h, r, d = rows.shape
     c = k.shape[2]
+    ragged = None if lengths is None else torch.tensor(list(lengths), dtype=torch.long)
     if (not k.is_contiguous() or not v.is_contiguous() or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
             or rows.dtype != torch.bfloat16 or k.shape != v.shape or k.shape[:2] != (b, h) or k.shape[3] != d
-            or not 0 < length <= c or not 1 <= tokens <= max(r, 1) or r % tokens or not _widths_ok(d) or not _on_cpu(rows, k, v)):
+            or not 0 < length <= c or not 1 <= tokens <= max(r, 1) or r % tokens or not _widths_ok(d) or not _on_cpu(rows, k, v)
+            or ragged is not None and (ragged.numel() != b or int(ragged.max()) != length or int(ragged.min()) < tokens)):
         raise ValueError(f"few_query_attention: CPU bf16 rows {rows.dtype} {tuple(rows.shape)} in steps of {tokens} tokens over "
                          f"contiguous bf16 buffers, got {k.dtype} {tuple(k.shape)} / {v.dtype} {tuple(v.shape)} "
-                         f"with length {length}")
+                         f"with length {length}" + ("" if ragged is None else f" and lengths {ragged.tolist()}"))
     rows = rows.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32)
     if _on_torch_threads().kvforge_attend(rows.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, c, length,
-                                          d, scale, tokens) != 0:
+                                          d, scale, tokens, None if ragged is None else ragged.data_ptr(), h) != 0:
         raise MemoryError(f"few_query_attention: no memory for the scores of {length} keys")
     return out
 

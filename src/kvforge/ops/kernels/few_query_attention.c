@@ -460,6 +460,8 @@ struct attention_job {
     float *inverse;
     long rows, capacity, start, length, columns, wstride, dim, tokens;
     int resume, finish, failed;
+    const long *lengths; /* kvforge_attend: each sequence's own length (NULL: `length` for all) */
+    long heads;          /* kvforge_attend with `lengths`: the heads of one sequence */
 };
 
 static void qk_heads(void *ctx, long g0, long g1) {
@@ -527,17 +529,20 @@ void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v
  * time: a group's scores and weights (32 x 4K keys: 512 KB of scores) stay in L2 between the
  * passes, where three whole-call passes send a prefill chunk's (3 heads x 96 rows x 4K keys: 4.7
  * MB) through memory three times. Each row's arithmetic is the passes' own, so the bits are too.
- * The threads take whole (head, row group) items. Requires length >= 1. Returns 0, or -1 where
- * a thread's scratch could not be allocated (its rows not written). */
+ * The threads take whole (head, row group) items. With `lengths` (one per sequence of `heads`
+ * heads), each sequence's heads read their own rows [0, lengths[b]), its step's last token at row
+ * lengths[b] - 1 (a batch whose sequences have different lengths), `length` their largest: each
+ * row's bits are those of a call over its sequence alone. Requires every length >= 1. Returns 0,
+ * or -1 where a thread's scratch could not be allocated (its rows not written). */
 #define ATTEND_ROWS 32
 
 static void attend_groups(void *ctx, long i0, long i1) {
     struct attention_job *j = ctx;
-    const long rows = j->rows, length = j->length, dim = j->dim, capacity = j->capacity, tokens = j->tokens;
-    const long wstride = (length + 1) & ~1L, groups = (rows + ATTEND_ROWS - 1) / ATTEND_ROWS;
+    const long rows = j->rows, longest = j->length, dim = j->dim, capacity = j->capacity, tokens = j->tokens;
+    const long groups = (rows + ATTEND_ROWS - 1) / ATTEND_ROWS;
     const float scale = j->scale;
-    float *scores = malloc(sizeof(float) * ATTEND_ROWS * length);
-    uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * wstride);
+    float *scores = malloc(sizeof(float) * ATTEND_ROWS * longest);
+    uint16_t *weights = malloc(sizeof(uint16_t) * ATTEND_ROWS * ((longest + 1) & ~1L));
     float inverse[ATTEND_ROWS];
     if (!scores || !weights) {
         free(scores);
@@ -552,6 +557,7 @@ static void attend_groups(void *ctx, long i0, long i1) {
     for (long i = i0; i < i1; i++) {
         const long g = i / groups, r0 = i % groups * ATTEND_ROWS;
         const long nr = rows - r0 < ATTEND_ROWS ? rows - r0 : ATTEND_ROWS;
+        const long length = j->lengths ? j->lengths[g / j->heads] : longest, wstride = (length + 1) & ~1L;
         const uint16_t *qg = j->q + (g * rows + r0) * dim, *kg = j->k + g * capacity * dim, *vg = j->v + g * capacity * dim;
         float *og = j->out + (g * rows + r0) * dim;
 #ifndef KVFORGE_NO_AMX
@@ -577,9 +583,9 @@ static void attend_groups(void *ctx, long i0, long i1) {
 }
 
 int kvforge_attend(const uint16_t *q, const uint16_t *k, const uint16_t *v, float *out, long bh, long rows,
-                   long capacity, long length, long dim, float scale, long tokens) {
+                   long capacity, long length, long dim, float scale, long tokens, const long *lengths, long heads) {
     struct attention_job job = {.q = q, .k = k, .v = v, .out = out, .scale = scale, .rows = rows, .capacity = capacity,
-                                .length = length, .dim = dim, .tokens = tokens};
+                                .length = length, .dim = dim, .tokens = tokens, .lengths = lengths, .heads = heads};
     kvforge_parallel(attend_groups, &job, bh * ((rows + ATTEND_ROWS - 1) / ATTEND_ROWS), 1);
     return job.failed ? -1 : 0;
 }
