@@ -63,12 +63,10 @@ import torch
 
 CONTEXT_BAND = 256  # rows of context per band of the observed costs: attention grows with context
 # A group's step drafts only when it expects to save its width's extra cost twice over. Rows'
-# rates come from few trials, and the gate drafts exactly where they look highest, so what lands
-# falls short of what it expected; and a real verification step costs more than the scratch cache
-# measured (smollm2-135m in bf16 on AMX, 8 sampled rows: width 2 took 11 ms over a 43 ms plain step
-# where calibration said 3). Groups that finish together gain little from a step: without the
-# margin, `bench rl` fresh-noise groups drafted up to 7 % of rows and ran at 0.89-0.93x of plain
-# decoding at three of five epochs.
+# rates come from few trials and the gate drafts exactly where they look highest, so what lands
+# falls short of what it expected, and a group that finishes together gains little from any one
+# step: without the margin, `bench rl`'s fresh-noise groups (smollm2-135m, bf16, AMX) drafted
+# more steps and ran slower than plain decoding.
 GROUP_MARGIN = 1.0
 SCRATCH_ROWS = CONTEXT_BAND  # the calibration cache's context: a first band's attention beside the projections
 
@@ -192,8 +190,10 @@ class StepCost:
         return max(seconds, self.host.get((nearest, 1), 0.0))
 
     def step_seconds(self, batch: int, width: int, context: int) -> float:
-        """Predicted seconds of a whole step: its forward and the host work around it."""
-        return self.seconds(batch, width, context) + self.host_seconds(batch, width)
+        """Predicted seconds of a whole step: its forward and the host work around it, never below
+        a plain step's (timings that disagree by noise must not make a wider step look free)."""
+        seconds = self.seconds(batch, width, context) + self.host_seconds(batch, width)
+        return seconds if width == 1 else max(seconds, self.step_seconds(batch, 1, context))
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
         for table, key, value in ((self.observed, (batch, width, context // CONTEXT_BAND), forward_s), (self.host, (batch, width), host_s)):
@@ -309,7 +309,9 @@ class DraftGate:
             saved = whole * plain + (sum(expected) - whole * len(critical)) * row
             extra = self.cost.step_seconds(batch, k + 1, context) - plain
             net = saved - extra
-            if net > best_net and net > GROUP_MARGIN * extra:
+            # with a measured prior, a width that looks free is noise; without one (vLLM's step,
+            # measured as it runs) it is a width not yet tried
+            if net > best_net and net > GROUP_MARGIN * extra and (extra > 0 or not self.cost.prior):
                 best_k, best_net = k, net
         return best_k
 
