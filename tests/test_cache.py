@@ -98,6 +98,19 @@ def test_a_rollback_to_different_ends_keeps_each_sequence_aligned_and_equal_ends
     assert (layer.ends, layer.aligned, layer.contiguous) == (None, True, True)
 
 
+def test_a_padded_append_after_a_trim_is_not_taken_for_aligned_rows():
+    """A layer trimmed while contiguous, then continued with left-padded rows (padding slots
+    inside a sequence), is not aligned, and a rollback to different ends does not make it so."""
+    layer = KVCache.empty(1, 2, H, D)[0]
+    layer.append(*_rows(2, 0, 4))
+    layer.trim(1)
+    k, v, _ = _rows(2, 0, 3)
+    layer.append(k, v, torch.tensor([[3, 4, 5], [-1, 3, 4]]))
+    assert not layer.contiguous and not layer.aligned
+    layer.rollback([1, 0])
+    assert layer.ends == [5, 6] and not layer.aligned and not layer.contiguous
+
+
 def test_provenance_is_kept_per_row():
     cache = KVCache.empty(1, 1, H, D)
     cache[0].append(*_rows(1, 0, 2), kind=RowKind.EXACT)

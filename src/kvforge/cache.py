@@ -69,7 +69,7 @@ class LayerCache:
     slots: tuple[torch.Tensor, ...] | None = None
     # With `ends`: True while sequence b's rows [0, ends[b]) hold its positions 0..ends[b]-1 (a
     # batch whose sequences are contiguous but of different lengths: its attention needs no mask
-    # either, each sequence read to its own end). False where unknown.
+    # either, each sequence read to its own end). False where unknown; without `ends`, `contiguous`.
     aligned: bool = False
 
     @classmethod
@@ -210,6 +210,7 @@ class LayerCache:
         if self.contiguous:
             expected = torch.arange(start, end, device=positions.device)
             self.contiguous = bool((positions == expected).all())
+        self.aligned = self.contiguous  # every sequence ends at `length`: aligned is contiguous
         self.length = end
 
     def _append_at_ends(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kind) -> None:
@@ -225,9 +226,9 @@ class LayerCache:
         seq = torch.arange(b, device=positions.device).repeat_interleave(t)
         rows = (torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)).reshape(-1)
         self.k[seq, :, rows] = k.transpose(1, 2).reshape(b * t, h, d).to(self.k.dtype)
-        self.v[seq, :, rows] = v.transpose(1, 2).reshape(b * t, h, v.shape[-1]).to(self.v.dtype)
-        self.positions[seq, rows] = positions.reshape(-1)
-        self.kinds[seq, rows] = kinds.expand(b, t).reshape(-1)
+        self.v[seq, :, rows] = v.transpose(1, 2).reshape(b * t, v.shape[1], v.shape[-1]).to(self.v.dtype)
+        self.positions[seq, rows] = positions.reshape(-1).to(self.positions.dtype)
+        self.kinds[seq, rows] = kinds.expand(b, t).reshape(-1).to(self.kinds.dtype)
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
         if self.ends is None:
@@ -263,7 +264,7 @@ class LayerCache:
         ends = [e - n for e, n in zip(self.ends or [self.length] * len(drop), drop)]
         if min(ends) < 0:
             raise ValueError(f"cannot drop {max(drop)} rows from a layer holding {self.length}")
-        aligned = self.contiguous or self.aligned  # rows dropped from aligned sequences' own ends leave them aligned
+        aligned = self.aligned if self.ends is not None else self.contiguous  # dropping rows from aligned sequences' ends keeps them aligned
         self._trim_rows(self.length - max(ends))
         for b, end in enumerate(ends):
             if end < self.length:
@@ -533,6 +534,7 @@ class KVCache:
                 row += n
             out.contiguous = _is_contiguous(out.positions)
             out.ends = None if min(ends) == max(ends) else ends  # each sequence continues after its own rows
+            out.aligned = _is_aligned(out.positions, out.ends)
             layers.append(RecurrentLayerCache.joined(out, parts) if isinstance(first, RecurrentLayerCache) else out)
         return cls(layers)
 

@@ -3,7 +3,7 @@
 Shapes: B requests in the batch, K the longest draft this step, V vocabulary.
 
 Each request's cache rows hold its committed tokens except the last one (pending). A step feeds
-every request's pending token and its draft (padded to K with invisible slots) through the model
+every request's pending token and its draft (filled to K: `verification_batch`) through the model
 at once, verifies each row (`verify.py`: the token plain decoding would pick at each position,
 greedy or drawn from the request's `SampleKey`), commits the accepted draft tokens and the bonus
 token, and rolls the cache back to the committed rows (per request: requests accept different

@@ -1,6 +1,6 @@
 """Verification of draft tokens. Knows nothing of where drafts come from.
 
-Shapes: B requests, K draft slots (drafts shorter than K are padded), V vocabulary.
+Shapes: B requests, K draft slots (past a draft's length, slots that are never accepted), V vocabulary.
 
 The model has scored, in one forward, each request's last committed token followed by its draft;
 row i of its logits is the distribution of the token after draft position i. Each position's token
