@@ -3,8 +3,8 @@ each row's drafts are worth.
 
 Shapes: B rows in the step, W = K + 1 the verification width, C the longest row's context.
 
-A step's forward pads every row to the longest draft, so its cost is set by B, W and C, not by
-how many rows draft: one drafting row makes every row of the batch W wide. The gate therefore picks
+A step's forward makes every row as wide as the longest draft, so its cost is set by B, W and C,
+not by how many rows draft: one drafting row makes every row of the batch W wide. The gate therefore picks
 one draft length K per step (0: a plain step) to maximise expected committed tokens per second,
 
     rate(K) = sum_r (1 + sum_{i=1..min(K, len d_r)} a_r^i) / step(B, K + 1, C),
@@ -32,10 +32,11 @@ shortest of their drafts (cut to K), far below the least of their expectations w
 The rows with the most budget left are the last to finish only if they run to their budget: a row
 that stops at its end-of-sequence token first leaves the last step to another row. q is the share
 of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
-forgotten); with probability 1 - q their gain saves only their share of later steps. A group's step drafts only
-when net(K) is at least its width's extra cost again (`GROUP_MARGIN`). A step whose rows all keep
-the same budget drafts only when every row's draft is likely to land; a single row is judged as
-before.
+forgotten); with probability 1 - q their gain saves only their share of later steps. A group's
+step drafts only when net(K) is at least its width's extra cost again (`GROUP_MARGIN`), and, with
+a measured prior, never at a width whose extra cost does not show (noise, not a free step). A
+step whose rows all keep the same budget drafts only when every row's draft is likely to land; a
+single row is judged as before.
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
