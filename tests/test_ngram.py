@@ -464,7 +464,7 @@ def test_a_wider_steps_host_work_counts_in_its_cost():
     gate.record(1, 1, 100, 1e-3, 0.0)
     for width in range(2, 10):
         gate.record(1, width, 100, 1e-3, 2e-3)  # two plain forwards of host work at every wider width
-    assert gate.cost.step_seconds(1, 5, 100) == pytest.approx(3e-3)
+    assert gate.cost.step_seconds(1, 5, 100)[4] == pytest.approx(3e-3)
     assert gate.choose([[1] * 8], [rate], 100) == 0
     cost = gate.cost
     cost.host = {(8, 1): 2e-3, (8, 3): 5e-3}

@@ -215,16 +215,14 @@ class LayerCache:
 
     def _append_at_ends(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kind) -> None:
         t = k.shape[2]
-        if self.aligned:  # each sequence's new rows continue its own positions
-            expected = torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)
-            self.aligned = bool((positions == expected).all())
+        # sequence b's t rows go to rows [ends[b], ends[b] + t), which continue its positions when aligned
+        rows = torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)
+        self.aligned = self.aligned and bool((positions == rows).all())
         ends = [e + t for e in self.ends]
         self._reserve(max(ends) - self.length)
         kinds = kind if isinstance(kind, torch.Tensor) else torch.full(positions.shape, int(kind), dtype=torch.uint8, device=positions.device)
-        # one indexed write per tensor: sequence b's t rows go to rows [ends[b] - t, ends[b])
-        b, h, _, d = k.shape
-        seq = torch.arange(b, device=positions.device).repeat_interleave(t)
-        rows = (torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)).reshape(-1)
+        b, h, _, d = k.shape  # one indexed write per tensor
+        seq, rows = torch.arange(b, device=positions.device).repeat_interleave(t), rows.reshape(-1)
         self.k[seq, :, rows] = k.transpose(1, 2).reshape(b * t, h, d).to(self.k.dtype)
         self.v[seq, :, rows] = v.transpose(1, 2).reshape(b * t, v.shape[1], v.shape[-1]).to(self.v.dtype)
         self.positions[seq, rows] = positions.reshape(-1).to(self.positions.dtype)
@@ -690,8 +688,8 @@ def _is_contiguous(positions: torch.Tensor) -> bool:
 
 def _is_aligned(positions: torch.Tensor, ends: list[int] | None) -> bool:
     """Whether sequence b's rows [0, ends[b]) (every row, for `ends` None) hold positions 0..ends[b]-1."""
-    expected = torch.arange(positions.shape[1], device=positions.device)
     if ends is None:
-        return bool((positions == expected).all())
+        return _is_contiguous(positions)
+    expected = torch.arange(positions.shape[1], device=positions.device)
     inside = expected < torch.tensor(ends, device=positions.device).unsqueeze(1)
     return bool(((positions == expected) | ~inside).all())

@@ -46,9 +46,9 @@ learning and drafts again as soon as its drafts would land, however many steps i
 `StepCost` is the forward's cost: measured once per engine and batch size at every width the gate
 may pick (forwards over a scratch cache one context band long) and refined from the step timings,
 per context band. Every width is measured, not a line through two: the cost of a wider step is
-neither flat nor linear, and grows with the context (smollm2-135m in bf16 on AMX tiles, 8 rows at
-200 tokens of context: widths 1, 2, 3, 5, 9 take 35, 40, 47, 55, 72 ms, each 16 more rows one more
-row of tiles; a line through widths 1 and 2 over a 16-row cache put width 3 at 36 ms, and the gate
+neither flat nor linear, and grows with the context (smollm2-135m in bf16 on AMX tiles, one
+thread, 8 rows at 200 tokens of context: widths 1, 2, 3, 5, 9 take 35, 40, 47, 55, 72 ms, each 16
+more rows one more row of tiles; a line through widths 1 and 2 over a 16-row cache put width 3 at 36 ms, and the gate
 drafted steps that cost more than they saved). Only timing depends on the gate; the committed
 tokens are plain decoding's whatever it decides.
 """
@@ -190,11 +190,12 @@ class StepCost:
         seconds = self.host[nearest, min(widths, key=lambda w: (abs(w - width), w))]
         return max(seconds, self.host.get((nearest, 1), 0.0))
 
-    def step_seconds(self, batch: int, width: int, context: int) -> float:
-        """Predicted seconds of a whole step: its forward and the host work around it, never below
-        a plain step's (timings that disagree by noise must not make a wider step look free)."""
-        seconds = self.seconds(batch, width, context) + self.host_seconds(batch, width)
-        return seconds if width == 1 else max(seconds, self.step_seconds(batch, 1, context))
+    def step_seconds(self, batch: int, widest: int, context: int) -> list[float]:
+        """Predicted seconds of a whole step at widths 1..`widest` (index w - 1): its forward and
+        the host work around it, none below a plain step's (timings that disagree by noise must
+        not make a wider step look free)."""
+        plain, *wider = (self.seconds(batch, w, context) + self.host_seconds(batch, w) for w in range(1, widest + 1))
+        return [plain] + [max(seconds, plain) for seconds in wider]
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
         for table, key, value in ((self.observed, (batch, width, context // CONTEXT_BAND), forward_s), (self.host, (batch, width), host_s)):
@@ -289,17 +290,19 @@ class DraftGate:
             return 0
         if self.group and remaining is not None and batch > 1:
             return self._group_choice(drafts, acceptance, context, remaining, longest)
-        best_k, best_rate = 0, batch / self.cost.step_seconds(batch, 1, context)
+        step = self.cost.step_seconds(batch, longest + 1, context)
+        best_k, best_rate = 0, batch / step[0]
         for k in range(1, longest + 1):
             gain = sum(1 + a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance))
-            rate = gain / self.cost.step_seconds(batch, k + 1, context)
+            rate = gain / step[k]
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
     def _group_choice(self, drafts, acceptance, context: int, remaining: Sequence[int], longest: int) -> int:
         batch = len(drafts)
-        plain = self.cost.step_seconds(batch, 1, context)
+        step = self.cost.step_seconds(batch, longest + 1, context)
+        plain = step[0]
         row = max(0.0, self.cost.seconds(batch, 2, context) - self.cost.seconds(batch, 1, context)) / batch
         last = max(remaining)
         critical = [i for i, left in enumerate(remaining) if left == last]
@@ -308,7 +311,7 @@ class DraftGate:
             expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
             whole = self.cost.budget_share * _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
             saved = whole * plain + (sum(expected) - whole * len(critical)) * row
-            extra = self.cost.step_seconds(batch, k + 1, context) - plain
+            extra = step[k] - plain
             net = saved - extra
             # with a measured prior, a width that looks free is noise; without one (vLLM's step,
             # measured as it runs) it is a width not yet tried
