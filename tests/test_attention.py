@@ -186,9 +186,10 @@ def test_freed_memory_is_kept_once_per_process(monkeypatch):
     (2, 4, 4, 1, 65, 65, 64),  # everything shared: the step's own row too
     (5, 6, 3, 2, 150, 77, 32),
 ])
-def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_heads, tq, length, shared, dim):
+def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_heads, tq, length, shared, dim, monkeypatch):
     """A batch whose first rows are one prompt's (select_batch of one sequence) reads them once for
-    every sequence: the same result, to the bit, as each sequence reading its own copy."""
+    every sequence (at every size here: the path's own thresholds lifted): the same result, to the
+    bit, as each sequence reading its own copy."""
     from unittest import mock
 
     from kvforge import attention
@@ -196,6 +197,8 @@ def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_
 
     if not kernels.available(dim):
         pytest.skip("no AVX512-BF16 or no C compiler here")
+    monkeypatch.setattr(attention, "SHARED_MIN_READS", 64)
+    monkeypatch.setattr(attention, "SHARED_MAX_QUERIES", 16)
     g = torch.Generator().manual_seed(length)
     k = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
     v = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
@@ -205,3 +208,52 @@ def test_a_batch_reads_its_shared_rows_once_with_the_same_bits(batch, heads, kv_
         ours = grouped_attention(q, k, v, dim**-0.5, length=length, shared=shared)
     assert once.call_count == 1
     assert torch.equal(ours, grouped_attention(q, k, v, dim**-0.5, length=length))
+
+
+@pytest.mark.parametrize("batch, queries, shared, once", [
+    (16, 1, 1024, True), (8, 2, 4000, True),  # decode steps of many samples of a long prompt
+    (8, 1, 200, False), (64, 1, 63, False),  # too few shared rows: the fused kernel per sequence is faster
+    (8, 9, 4000, False), (1, 1, 8000, False),  # a verification's stacked scores; one sequence
+])
+def test_a_batch_reads_its_shared_rows_once_where_that_measured_faster(batch, queries, shared, once):
+    from kvforge import attention
+
+    assert attention._reads_shared_once(batch, queries, shared) is once
+
+
+@pytest.mark.parametrize("heads, kv_heads, tq, ends, shared, dim", [
+    (9, 3, 1, [300, 211, 257, 300], 200, 64),  # samples of a prompt after drafted steps, AMX tiles where the CPU has them
+    (9, 3, 9, [290, 282, 301], 281, 64),  # their verification, an odd shared length
+    (6, 3, 2, [150, 97, 131, 78, 150], 77, 48),  # AVX-512 (48 is no multiple of 32)
+])
+def test_sequences_that_end_apart_read_their_shared_rows_once_with_the_bits_of_each_alone(heads, kv_heads, tq, ends, shared, dim):
+    """An aligned batch whose sequences end at different rows (`ends`) and share their first rows
+    reads those once: each sequence's result equals the kernel's over that sequence alone with its
+    own length, to the bit, at 1 and 2 threads; per-head lengths out of range are refused."""
+    from kvforge import attention
+    from kvforge.ops import kernels
+
+    if not kernels.available(dim):
+        pytest.skip("no AVX512-BF16 or no C compiler here")
+    batch, length = len(ends), max(ends)
+    g = torch.Generator().manual_seed(length + tq)
+    k = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
+    v = torch.randn(batch, kv_heads, length + 7, dim, generator=g).bfloat16()
+    k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]
+    q = torch.randn(batch, heads, tq, dim, generator=g).bfloat16()
+    r = heads // kv_heads * tq
+    alone = torch.cat([
+        kernels.few_query_attention(q[b : b + 1].reshape(1, kv_heads, r, dim), k[b : b + 1].contiguous(), v[b : b + 1].contiguous(),
+                                    n, dim**-0.5, tq).to(v.dtype).view(1, heads, tq, dim)
+        for b, n in enumerate(ends)])
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            together = attention._shared_prefix(q, k, v, dim**-0.5, length, shared, ends)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(together, alone)
+    with pytest.raises(ValueError, match="per-head lengths"):
+        kernels.few_query_scores(q.reshape(batch, kv_heads, r, dim), k, length, 0.1, start=shared,
+                                 lengths=[shared - 1] + ends[1:])  # one before `start`

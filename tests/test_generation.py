@@ -95,7 +95,7 @@ def test_bad_settings_are_rejected():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(family):
+def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(family, monkeypatch):
     """An RL group or `n` completions: copies of one prompt are prefilled once and their rows copied
     (`LayerCache.shared`), and the batch's attention reads those rows once. Each sample's logits,
     at a decode step and at a verification-width step, equal the prompt's own alone to the bit (bf16:
@@ -107,8 +107,9 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
 
     if not kernels.available(16):
         pytest.skip("no AVX512-BF16 or no C compiler here")
+    monkeypatch.setattr(attention, "SHARED_MIN_READS", 64)  # a tiny model's short prompt takes the path too
     engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
-    prompt = torch.randint(3, 90, (80,), generator=torch.Generator().manual_seed(2)).tolist()  # >= SHARED_MIN_ROWS
+    prompt = torch.randint(3, 90, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     with mock.patch.object(engine, "pad_batch", wraps=engine.pad_batch) as padded:
         logits, cache = engine.prefill([prompt] * 3)
     assert padded.call_args.args[0] == [prompt]  # one prompt prefilled, not three
@@ -132,34 +133,42 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
     assert once.call_count > 0
 
 
-def test_sequences_of_different_lengths_attend_to_their_own_ends_with_the_bits_of_each_alone():
+@pytest.mark.parametrize("prompt_len", [40, 100])  # below and above the 64 shared rows `_shared_prefix` needs
+def test_sequences_of_different_lengths_attend_to_their_own_ends_with_the_bits_of_each_alone(prompt_len, monkeypatch):
     """After a step that leaves a group's samples at different lengths (a drafted step rolled back
-    by what each accepted), the batch's next steps read each sequence to its own end in one kernel
-    call, no mask, and each sample's logits equal its own alone to the bit."""
+    by what each accepted), the batch's next steps read each sequence to its own end, no mask, in
+    one kernel call per layer (a short prompt) or reading the prompt's shared rows once (a long
+    one), and each sample's logits equal its own alone to the bit."""
     from unittest import mock
 
+    from kvforge import attention
     from kvforge.ops import kernels
 
     if not kernels.available(16):
         pytest.skip("no AVX512-BF16 or no C compiler here")
+    monkeypatch.setattr(attention, "SHARED_MIN_READS", 64)  # a tiny model's short prompt takes the path too
     engine = Engine(tiny_loaded("llama", dtype=torch.bfloat16))
-    prompt = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    p = prompt_len
+    prompt = torch.randint(3, 90, (p,), generator=torch.Generator().manual_seed(3)).tolist()
     draft = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
     keep = [3, 1, 2]  # rows each sample keeps of the three
     with torch.inference_mode():
         _, cache = engine.prefill([prompt] * 3)
-        engine.forward(draft, torch.arange(40, 43).expand(3, -1), cache, "all")
+        engine.forward(draft, torch.arange(p, p + 3).expand(3, -1), cache, "all")
         cache.rollback([3 - n for n in keep])
-        assert all(layer.aligned and layer.ends == [40 + n for n in keep] for layer in cache.layers)
+        assert all(layer.aligned and layer.ends == [p + n for n in keep] for layer in cache.layers)
         ids = torch.tensor([[20], [21], [22]])
-        positions = torch.tensor([[40 + n] for n in keep])
-        with mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as kernel:
+        positions = torch.tensor([[p + n] for n in keep])
+        with (mock.patch.object(kernels, "few_query_attention", wraps=kernels.few_query_attention) as kernel,
+              mock.patch.object(attention, "_shared_prefix", wraps=attention._shared_prefix) as once):
             together = engine.forward(ids, positions, cache, "all")
-        assert kernel.call_count == engine.num_layers
-        assert all(call.kwargs["lengths"] == [41 + n for n in keep] for call in kernel.call_args_list)
+        calls = once.call_args_list if p >= 64 else kernel.call_args_list
+        assert (once.call_count, kernel.call_count) == ((engine.num_layers, 0) if calls is once.call_args_list else (0, engine.num_layers))
+        ends = [call.args[-1] for call in calls] if calls is once.call_args_list else [call.kwargs["lengths"] for call in calls]
+        assert ends == [[p + 1 + n for n in keep]] * engine.num_layers
         for b, n in enumerate(keep):  # the same steps for the sample alone
             _, own = engine.prefill([prompt])
-            engine.forward(draft[b : b + 1], torch.arange(40, 43).view(1, -1), own, "all")
+            engine.forward(draft[b : b + 1], torch.arange(p, p + 3).view(1, -1), own, "all")
             own.rollback([3 - n])
             assert torch.equal(engine.forward(ids[b : b + 1], positions[b : b + 1], own, "all")[0], together[b])
 

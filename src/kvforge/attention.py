@@ -74,9 +74,11 @@ def attend(
     if (layer.aligned and layer.ends is not None and new_rows == tq and few and unwindowed and layer.k.is_contiguous()
             and _compiled(q, layer.k, layer.v)):
         # sequences of different lengths, each contiguous (a group after a drafted step, a
-        # server's batch): each read to its own end in one call, no mask (the rows a group's
-        # samples share are read per sequence here, once on the path above)
+        # server's batch): each read to its own end, no mask; the rows a group's samples share
+        # are read once, as on the path above
         b, hq, _, d = q.shape
+        if _reads_shared_once(b, tq, layer.shared):
+            return _shared_prefix(q, layer.k, layer.v, scaling, layer.length, layer.shared, layer.ends)
         rows = q.reshape(b, layer.k.shape[1], hq // layer.k.shape[1] * tq, d)
         out = kernels.few_query_attention(rows, layer.k, layer.v, layer.length, scaling, tq, lengths=layer.ends)
         return out.to(layer.v.dtype).view(b, hq, tq, layer.v.shape[-1])
@@ -131,7 +133,7 @@ def grouped_attention(
     compiled = _compiled(q, k, v)
     if compiled and length is not None and tq > PREFILL_CHUNK:
         return _chunked_prefill(q, k, v, scaling, length)
-    if compiled and length is not None and b > 1 and shared >= SHARED_MIN_ROWS:
+    if compiled and length is not None and _reads_shared_once(b, tq, shared):
         return _shared_prefix(q, k, v, scaling, length, shared)
     rows = q.reshape(b, heads, group * tq, d)
     if compiled:
@@ -190,12 +192,25 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return out
 
 
-# A batch whose sequences share at least this many leading rows reads them once (below it the
-# extra copies of a few small tensors cost more than the rows read).
-SHARED_MIN_ROWS = 64
+# A batch whose sequences share their leading rows reads them once (`_shared_prefix`) where that
+# measured faster than the fused kernel reading them per sequence, whose scores stay in cache:
+# one or two query tokens per sequence, and (sequences x shared rows) at least SHARED_MIN_READS.
+# Measured with 9 query heads over 3 KV heads of 64 dims, one thread (shared / per sequence):
+# AMX tiles, 1 token: 8 x 500 rows 1.47, 8 x 1500 0.80, 8 x 4000 0.63, 16 x 500 0.98, 16 x 4000
+# 0.32; AVX-512, 1 token: 8 x 1500 1.14, 8 x 4000 0.97, 16 x 1500 0.98, 16 x 4000 0.54; a
+# 9-token verification 0.95-1.74 on both (its stacked scores go through memory three times).
+SHARED_MAX_QUERIES = 2
+SHARED_MIN_READS = 16384
 
 
-def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, length: int, shared: int) -> torch.Tensor:
+def _reads_shared_once(batch: int, queries: int, shared: int) -> bool:
+    """Whether a batch of `batch` sequences of `queries` query tokens each reads the `shared` rows
+    they have in common once (`_shared_prefix`) instead of per sequence."""
+    return batch > 1 and queries <= SHARED_MAX_QUERIES and shared >= 64 and batch * shared >= SHARED_MIN_READS
+
+
+def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, length: int, shared: int,
+                   ends: list[int] | None = None) -> torch.Tensor:
     """The compiled kernel's length path for a batch whose first `shared` rows are one prompt's in
     every sequence: each head's query rows of the whole batch, stacked, score the shared keys of
     sequence 0 (read once instead of B times: 16 samples of a 4K prompt read 1.5 GB of K/V a step
@@ -204,22 +219,29 @@ def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     row's sums over its own rows from the same key (even; a multiple of 32 on AMX tiles). A key's
     score does not depend on which rows share the call nor where its block starts, a softmax row on
     its scores alone, and a value sum is the same additions in the same order (`few_query_values`
-    in parts): the result equals `grouped_attention`'s without `shared` to the bit (tested)."""
+    in parts): the result equals `grouped_attention`'s without `shared` to the bit (tested).
+
+    `ends` (B,): sequence b's rows end at ends[b] (an aligned layer's sequences of different
+    lengths, `length` the longest), its step's last token at row ends[b] - 1; each sequence's own
+    rows, softmax and value sums stop at its end, and each row has the bits of a call over its
+    sequence alone (tested)."""
     b, hq, tq, d = q.shape
     heads = k.shape[1]
     r = hq // heads * tq
     split = shared - shared % kernels.value_part_step(d)  # where the value pass may resume (pairs; AMX: chunks of 32)
+    by_head = ends * heads if ends is not None else None  # the stacked layout's heads: (head, sequence) in order
     own_rows = q.reshape(b, heads, r, d)
     stacked = own_rows.transpose(0, 1).reshape(1, heads, b * r, d)
     scores = kernels.few_query_scores(stacked, k[:1], split, scaling, columns=length)  # -inf from `split` on
-    own = kernels.few_query_scores(own_rows, k, length, scaling, columns=length - split, start=split)
-    scores.view(heads, b, r, length)[..., split:] = own.transpose(0, 1)
-    weights, inverse = kernels.few_query_softmax(scores, length, tq)
-    sums = kernels.few_query_values(weights, inverse, v[:1], split, finish=False)
+    own = kernels.few_query_scores(own_rows, k, length, scaling, columns=length - split, start=split, lengths=ends)
+    scores = scores.view(heads, b, r, length)
+    scores[..., split:] = own.transpose(0, 1)
+    weights, inverse = kernels.few_query_softmax(scores, length, tq, lengths=by_head)
+    sums = kernels.few_query_values(weights.view(1, heads, b * r, -1), inverse.view(1, heads, b * r), v[:1], split, finish=False)
     sums = sums.view(heads, b, r, d).transpose(0, 1).contiguous()
-    own_weights = weights.view(heads, b, r, -1)[..., split:].transpose(0, 1)
-    own_inverse = inverse.view(heads, b, r).transpose(0, 1)
-    out = kernels.few_query_values(own_weights, own_inverse, v, length, start=split, sums=sums)
+    own_weights = weights[..., split:].transpose(0, 1)
+    own_inverse = inverse.transpose(0, 1)
+    out = kernels.few_query_values(own_weights, own_inverse, v, length, start=split, sums=sums, lengths=ends)
     return out.to(v.dtype).view(b, hq, tq, v.shape[-1])
 
 

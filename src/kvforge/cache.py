@@ -19,6 +19,7 @@ which attention's sums over rows depend on for their rounding.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -215,18 +216,20 @@ class LayerCache:
 
     def _append_at_ends(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kind) -> None:
         t = k.shape[2]
-        # sequence b's t rows go to rows [ends[b], ends[b] + t), which continue its positions when aligned
-        rows = torch.tensor(self.ends, device=positions.device).unsqueeze(1) + torch.arange(t, device=positions.device)
-        self.aligned = self.aligned and bool((positions == rows).all())
         ends = [e + t for e in self.ends]
         self._reserve(max(ends) - self.length)
-        kinds = kind if isinstance(kind, torch.Tensor) else torch.full(positions.shape, int(kind), dtype=torch.uint8, device=positions.device)
-        b, h, _, d = k.shape  # one indexed write per tensor
-        seq, rows = torch.arange(b, device=positions.device).repeat_interleave(t), rows.reshape(-1)
-        self.k[seq, :, rows] = k.transpose(1, 2).reshape(b * t, h, d).to(self.k.dtype)
-        self.v[seq, :, rows] = v.transpose(1, 2).reshape(b * t, v.shape[1], v.shape[-1]).to(self.v.dtype)
-        self.positions[seq, rows] = positions.reshape(-1).to(self.positions.dtype)
-        self.kinds[seq, rows] = kinds.expand(b, t).reshape(-1).to(self.kinds.dtype)
+        # sequence b's t rows go to rows [ends[b], ends[b] + t), which continue its positions when aligned
+        rows, flat_rows, flat_kv = _rows_at_ends(tuple(self.ends), t, self.k.shape[1], self.capacity, positions.device)
+        self.aligned = self.aligned and bool((positions == rows).all())
+        # one indexed copy per tensor into its flat view (slot views are whole buffers already)
+        self.k, self.v, self.positions, self.kinds = (x.contiguous() for x in (self.k, self.v, self.positions, self.kinds))
+        self.k.view(-1, self.k.shape[-1]).index_copy_(0, flat_kv, k.reshape(-1, k.shape[-1]).to(self.k.dtype))
+        self.v.view(-1, self.v.shape[-1]).index_copy_(0, flat_kv, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
+        self.positions.view(-1).index_copy_(0, flat_rows, positions.reshape(-1).to(self.positions.dtype))
+        if isinstance(kind, torch.Tensor):
+            self.kinds.view(-1).index_copy_(0, flat_rows, kind.expand(positions.shape).reshape(-1).to(self.kinds.dtype))
+        else:
+            self.kinds.view(-1).index_fill_(0, flat_rows, int(kind))
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
         if self.ends is None:
@@ -264,10 +267,11 @@ class LayerCache:
             raise ValueError(f"cannot drop {max(drop)} rows from a layer holding {self.length}")
         aligned = self.aligned if self.ends is not None else self.contiguous  # dropping rows from aligned sequences' ends keeps them aligned
         self._trim_rows(self.length - max(ends))
-        for b, end in enumerate(ends):
-            if end < self.length:
-                self.positions[b, end : self.length] = -1
-                self.kinds[b, end : self.length] = int(RowKind.PADDING)
+        if min(ends) < self.length:  # the shorter sequences' rows past their ends become padding slots
+            self.positions, self.kinds = self.positions.contiguous(), self.kinds.contiguous()
+            past = _rows_past_ends(tuple(ends), self.length, self.capacity, self.positions.device)
+            self.positions.view(-1).index_fill_(0, past, -1)
+            self.kinds.view(-1).index_fill_(0, past, int(RowKind.PADDING))
         self.shared = min(self.shared, min(ends))
         self.ends = None if min(ends) == max(ends) else ends
         # else a verification's padding slots sat inside a sequence: they may be gone
@@ -684,6 +688,29 @@ def _grow(t: torch.Tensor, capacity: int, dim: int, fill: int) -> torch.Tensor:
 def _is_contiguous(positions: torch.Tensor) -> bool:
     expected = torch.arange(positions.shape[1], device=positions.device)
     return bool((positions == expected).all())
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_at_ends(ends: tuple[int, ...], t: int, heads: int, capacity: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where t rows appended at each sequence's end go in a layer's buffers (B, H, capacity, .):
+    the rows (B, t), their index into a flat (B * capacity) positions buffer, and into a flat
+    (B * H * capacity) key or value buffer, in the order of the appended tensors' rows. Every
+    layer of a step asks the same: computed once (a handful of small ops per layer, a few
+    percent of a ragged decode step otherwise)."""
+    rows = torch.tensor(ends, device=device).unsqueeze(1) + torch.arange(t, device=device)  # (B, t)
+    sequences = torch.arange(len(ends), device=device)
+    flat_rows = (sequences.unsqueeze(1) * capacity + rows).reshape(-1)
+    flat_kv = ((sequences.view(-1, 1, 1) * heads + torch.arange(heads, device=device).view(1, -1, 1)) * capacity
+               + rows.unsqueeze(1)).reshape(-1)
+    return rows, flat_rows, flat_kv
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_past_ends(ends: tuple[int, ...], length: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """The rows [ends[b], length) of every sequence b, as indices into a flat (B * capacity)
+    positions buffer (computed once per step: every layer rolls back alike)."""
+    return torch.cat([torch.arange(b * capacity + end, b * capacity + length, device=device) for b, end in enumerate(ends)])
 
 
 def _is_aligned(positions: torch.Tensor, ends: list[int] | None) -> bool:

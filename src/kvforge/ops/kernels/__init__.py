@@ -72,9 +72,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     if not lib.kvforge_supported():
         return None, "this CPU lacks AVX512-BF16 (or AVX-512 BW, VL)"
     i64, f32, ptr = ctypes.c_long, ctypes.c_float, ctypes.c_void_p
-    lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32]
-    lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.kvforge_qk.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr]
+    lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr]
+    lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, ptr]
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
@@ -192,12 +192,35 @@ def available(dim: int) -> bool:
     return _widths_ok(dim) and _library() is not None
 
 
+def _head_lengths(lengths: Sequence[int] | None, b: int, h: int, low: int, high: int, name: str) -> torch.Tensor | None:
+    """`lengths` (one per head of (B, H) in order, or one per sequence for all its H heads) as the
+    int64 (B * H,) the kernels index by head, each checked to lie in [low, high]; None stays None."""
+    if lengths is None:
+        return None
+    lengths = tuple(lengths)
+    if len(lengths) == b and h > 1:
+        lengths = tuple(n for n in lengths for _ in range(h))
+    if len(lengths) != b * h or lengths and not low <= min(lengths) <= max(lengths) <= high:
+        raise ValueError(f"{name}: per-head lengths, one per sequence ({b}) or per head ({b * h}), each in [{low}, {high}], "
+                         f"got {list(lengths)}")
+    return _long_tensor(lengths)
+
+
+@functools.lru_cache(maxsize=64)
+def _long_tensor(values: tuple[int, ...]) -> torch.Tensor:
+    """An int64 tensor of `values`, made once: every layer of a step passes the same lengths (never
+    written: the kernels only read it)."""
+    return torch.tensor(values, dtype=torch.long)
+
+
 def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: float, columns: int | None = None,
-                     start: int = 0) -> torch.Tensor:
+                     start: int = 0, lengths: Sequence[int] | None = None) -> torch.Tensor:
     """bf16 query rows (B, H, R, D) against rows [start, length) of a bf16 buffer k (B, H, C, D)
     -> scaled scores (B, H, R, S) fp32, column j for key start + j, -inf past `length`; S =
     `columns` (length - start .. C - start, default C - start: a prefill chunk asks for `length`
-    alone instead of the whole buffer's width). A key's score does not depend on `start`."""
+    alone instead of the whole buffer's width). A key's score does not depend on `start`.
+    `lengths` (one per sequence, or per head in (B, H) order, each in [start, length]): a head reads
+    rows [start, its length) and its scores are -inf from there (sequences that end apart)."""
     b, h, r, d = rows.shape
     c = k.shape[2]
     columns = c - start if columns is None else columns
@@ -205,41 +228,48 @@ def few_query_scores(rows: torch.Tensor, k: torch.Tensor, length: int, scale: fl
             or k.shape[3] != d or not 0 <= start <= length <= start + columns <= c or not _widths_ok(d) or not _on_cpu(rows, k)):
         raise ValueError(f"few_query_scores: CPU bf16 rows {rows.dtype} {tuple(rows.shape)} against a contiguous bf16 buffer, "
                          f"got {k.dtype} {tuple(k.shape)} with length {length} from row {start} and {columns} columns")
+    # the kernel counts from the buffer's row `start`
+    heads = _head_lengths(None if lengths is None else [n - start for n in lengths], b, h, 0, length - start, "few_query_scores")
     rows = rows.contiguous()
     scores = torch.empty(b, h, r, columns, dtype=torch.float32)
     # the buffer from row `start` on: each head's rows still `c` apart
     _on_torch_threads().kvforge_qk(rows.data_ptr(), k.data_ptr() + start * d * k.element_size(), scores.data_ptr(), b * h,
-                                   r, c, length - start, columns, d, scale)
+                                   r, c, length - start, columns, d, scale, None if heads is None else heads.data_ptr())
     return scores
 
 
-def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def few_query_softmax(scores: torch.Tensor, length: int, tokens: int = 1, lengths: Sequence[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores (B, H, R, C) fp32 -> the softmax's weights, unnormalized (B, H, R, W) bf16 with W = C
     rounded up to even, and each row's normalizer (B, H, R) fp32 (the inverse of its weights' sum),
     for `few_query_values`. Row r is token r % `tokens` of a step whose last token is row length - 1:
     it sees the first length - (tokens - 1 - r % tokens) keys (the causal triangle among the step's
-    own rows); its weights are zero from there on (up to `length`; past it they are not written)."""
+    own rows); its weights are zero from there on (up to `length`; past it they are not written).
+    `lengths` (one per sequence, or per head in (B, H) order, each at most `length`): each head's own
+    `length`."""
     b, h, r, c = scores.shape
     if (scores.dtype != torch.float32 or not scores.is_contiguous() or not 0 <= length <= c or not 1 <= tokens <= max(r, 1)
             or r % tokens or not _on_cpu(scores)):
         raise ValueError(f"few_query_softmax: contiguous CPU fp32 scores, got {scores.dtype} {tuple(scores.shape)} "
                          f"with length {length} and {tokens} tokens")
+    heads = _head_lengths(lengths, b, h, 0, length, "few_query_softmax")
     weights = torch.empty(b, h, r, (c + 1) // 2 * 2, dtype=torch.bfloat16)
     inverse = torch.empty(b, h, r, dtype=torch.float32)
     _on_torch_threads().kvforge_softmax(scores.data_ptr(), weights.data_ptr(), inverse.data_ptr(), b * h, r, c,
-                                        weights.shape[-1], length, tokens)
+                                        weights.shape[-1], length, tokens, None if heads is None else heads.data_ptr())
     return weights, inverse
 
 
 def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tensor, length: int, start: int = 0,
-                     sums: torch.Tensor | None = None, finish: bool = True) -> torch.Tensor:
+                     sums: torch.Tensor | None = None, finish: bool = True, lengths: Sequence[int] | None = None) -> torch.Tensor:
     """`few_query_softmax`'s weights (B, H, R, W) and normalizers (B, H, R) over rows [start, length)
     of a bf16 buffer v (B, H, C, D) -> (B, H, R, D) fp32; weights column j is key start + j.
 
     In parts: `finish=False` returns the raw sums of the part (not normalized); a later part passes
     them as `sums` (written in place and returned) and starts where the last one ended, at a key
     that is a multiple of `value_part_step(D)`. A row's sums are then the same additions, in the
-    same order, as one pass from key 0."""
+    same order, as one pass from key 0. `lengths` (one per sequence, or per head in (B, H) order,
+    each in [start, length]): each head's own `length`."""
     b, h, r, w = weights.shape
     c, d = v.shape[2], v.shape[-1]
     if (not v.is_contiguous() or v.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or v.shape[:2] != (b, h)
@@ -251,10 +281,12 @@ def few_query_values(weights: torch.Tensor, inverse: torch.Tensor, v: torch.Tens
         raise ValueError(f"few_query_values: CPU bf16 weights {weights.dtype} {tuple(weights.shape)} over a contiguous bf16 "
                          f"buffer, got {v.dtype} {tuple(v.shape)} with length {length} from row {start} "
                          f"(a multiple of {value_part_step(d)})")
+    heads = _head_lengths(lengths, b, h, start, length, "few_query_values")
     weights, inverse = weights.contiguous(), inverse.contiguous()
     out = torch.empty(b, h, r, d, dtype=torch.float32) if sums is None else sums
     _on_torch_threads().kvforge_pv(weights.data_ptr(), inverse.data_ptr(), v.data_ptr(), out.data_ptr(), b * h, r, w, c,
-                                   start, length, d, int(sums is not None), int(finish))
+                                   start, length, d, int(sums is not None), int(finish),
+                                   None if heads is None else heads.data_ptr())
     return out
 
 

@@ -460,68 +460,85 @@ struct attention_job {
     float *inverse;
     long rows, capacity, start, length, columns, wstride, dim, tokens;
     int resume, finish, failed;
-    const long *lengths; /* kvforge_attend: each sequence's own length (NULL: `length` for all) */
+    const long *lengths; /* kvforge_attend: each sequence's own length (NULL: `length` for all); the three
+                          * passes: each head's own (BH of them), for a batch whose sequences end apart */
     long heads;          /* kvforge_attend with `lengths`: the heads of one sequence */
 };
 
+/* Head g's length in a pass over heads [g0, g1): its own where the job gives one per head. */
+INLINE long head_length(const struct attention_job *j, long g) { return j->lengths ? j->lengths[g] : j->length; }
+
 static void qk_heads(void *ctx, long g0, long g1) {
     const struct attention_job *j = ctx;
-    const long dim = j->dim, bh = g1 - g0;
+    if (j->lengths && g1 - g0 > 1) { /* each head its own length: one head per pass (the same arithmetic) */
+        for (long g = g0; g < g1; g++) qk_heads(ctx, g, g + 1);
+        return;
+    }
+    const long dim = j->dim, bh = g1 - g0, length = head_length(j, g0);
     const uint16_t *q = j->q + g0 * j->rows * dim, *k = j->k + g0 * j->capacity * dim;
     float *scores = j->scores + g0 * j->rows * j->columns;
 #ifndef KVFORGE_NO_AMX
     if (kvforge_amx_usable(dim)) { /* a head width takes one path at every row count: its rows round alike */
-        qk_amx(q, k, scores, bh, j->rows, j->capacity, j->length, j->columns, dim, j->scale);
+        qk_amx(q, k, scores, bh, j->rows, j->capacity, length, j->columns, dim, j->scale);
         return;
     }
 #endif
-#define QK(d) qk(q, k, scores, bh, j->rows, j->capacity, j->length, j->columns, d, j->scale)
+#define QK(d) qk(q, k, scores, bh, j->rows, j->capacity, length, j->columns, d, j->scale)
     BY_DIM(QK, dim)
 }
 
 void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, long rows, long capacity, long length,
-                long columns, long dim, float scale) {
+                long columns, long dim, float scale, const long *lengths) {
     struct attention_job job = {.q = q, .k = k, .scores = scores, .scale = scale, .rows = rows, .capacity = capacity,
-                                .length = length, .columns = columns, .dim = dim};
+                                .length = length, .columns = columns, .dim = dim, .lengths = lengths};
     kvforge_parallel(qk_heads, &job, bh, 1);
 }
 
 static void softmax_heads(void *ctx, long g0, long g1) {
     const struct attention_job *j = ctx;
-    softmax(j->scores + g0 * j->rows * j->columns, j->weights + g0 * j->rows * j->wstride, j->inverse + g0 * j->rows,
-            g1 - g0, j->rows, j->columns, j->wstride, j->length, j->tokens, 0);
+    for (long g = g0; g < g1; g = j->lengths ? g + 1 : g1) { /* each head its own length: one head per pass */
+        const long g_end = j->lengths ? g + 1 : g1;
+        softmax(j->scores + g * j->rows * j->columns, j->weights + g * j->rows * j->wstride, j->inverse + g * j->rows,
+                g_end - g, j->rows, j->columns, j->wstride, head_length(j, g), j->tokens, 0);
+    }
 }
 
 void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
-                     long wstride, long length, long tokens) {
+                     long wstride, long length, long tokens, const long *lengths) {
     struct attention_job job = {.scores = (float *)scores, .weights = weights, .inverse = inverse, .rows = rows,
-                                .columns = columns, .wstride = wstride, .length = length, .tokens = tokens};
+                                .columns = columns, .wstride = wstride, .length = length, .tokens = tokens,
+                                .lengths = lengths};
     kvforge_parallel(softmax_heads, &job, bh, 1);
 }
 
 static void pv_heads(void *ctx, long g0, long g1) {
     const struct attention_job *j = ctx;
-    const long dim = j->dim, bh = g1 - g0;
+    if (j->lengths && g1 - g0 > 1) { /* each head its own length: one head per pass (the same arithmetic) */
+        for (long g = g0; g < g1; g++) pv_heads(ctx, g, g + 1);
+        return;
+    }
+    const long dim = j->dim, bh = g1 - g0, length = head_length(j, g0);
     const uint16_t *weights = j->weights + g0 * j->rows * j->wstride, *v = j->v + g0 * j->capacity * dim;
     const float *inverse = j->inverse + g0 * j->rows;
     float *out = j->out + g0 * j->rows * dim;
 #ifndef KVFORGE_NO_AMX
     if (kvforge_amx_usable(dim)) {
-        pv_amx(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, dim, j->resume,
+        pv_amx(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, length, dim, j->resume,
                j->finish);
         return;
     }
 #endif
 #define PV(d) \
-    pv(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, j->length, d, j->resume, j->finish)
+    pv(weights, inverse, v, out, bh, j->rows, j->wstride, j->capacity, j->start, length, d, j->resume, j->finish)
     BY_DIM(PV, dim)
 }
 
 void kvforge_pv(const uint16_t *weights, const float *inverse, const uint16_t *v, float *out, long bh, long rows,
-                long wstride, long capacity, long start, long length, long dim, int resume, int finish) {
+                long wstride, long capacity, long start, long length, long dim, int resume, int finish,
+                const long *lengths) {
     struct attention_job job = {.weights = (uint16_t *)weights, .inverse = (float *)inverse, .v = v, .out = out,
                                 .rows = rows, .wstride = wstride, .capacity = capacity, .start = start, .length = length,
-                                .dim = dim, .resume = resume, .finish = finish};
+                                .dim = dim, .resume = resume, .finish = finish, .lengths = lengths};
     kvforge_parallel(pv_heads, &job, bh, 1);
 }
 
