@@ -336,25 +336,32 @@ def test_acceptance_counts_the_trials_of_each_proposal(proposals, committed, hit
     assert a.expected(3) == pytest.approx(sum(a.rate**i for i in (1, 2, 3)))
 
 
-def _cost(ratio: float, k: int = 8):
-    """A cost model whose width w forward costs 1 + (ratio - 1)(w - 1) / k ms (ratio at k + 1)."""
+def _cost(ratio: float, k: int = 8, shared: float = 0.0):
+    """A cost model whose width w forward costs 1 + (ratio - 1)(w - 1) / k ms a row (ratio at
+    k + 1); `shared`: the part of a step that does not grow with its rows (the weights' reads,
+    most of a small batch's step on a CPU), as if every step had 8 rows."""
     from kvforge.speculative.gate import StepCost
 
     cost = StepCost(engine=None)
-    cost.prior = {b: {w: 1e-3 * b * (1 + (ratio - 1) * (w - 1) / k) for w in range(1, k + 2)} for b in (1, 2, 4, 8, 16)}
+    cost.prior = {b: {w: 1e-3 * (shared * 8 + (1 - shared) * b) * (1 + (ratio - 1) * (w - 1) / k) for w in range(1, k + 2)}
+                  for b in (1, 2, 4, 8, 16)}
     return cost
 
 
 def test_the_step_cost_prefers_what_the_steps_measured():
     cost = _cost(2.0)
     assert cost.seconds(8, 9, 100) == pytest.approx(16e-3)  # the prior
-    assert cost.seconds(6, 9, 100) == pytest.approx(12e-3)  # batch 6: bucket 4 scaled by 6 / 4
+    assert cost.seconds(6, 9, 100) == pytest.approx(12e-3)  # batch 6: between buckets 4 and 8
     cost.record(8, 1, 100, 5e-3, 0.0)
     assert cost.seconds(8, 1, 100) == pytest.approx(5e-3)
     assert cost.seconds(8, 9, 100) == pytest.approx(10e-3)  # the observed base times the prior's ratio
     cost.record(8, 9, 100, 6e-3, 0.0)
     assert cost.seconds(8, 9, 100) == pytest.approx(6e-3)
     assert cost.seconds(8, 9, 5000) == pytest.approx(16e-3)  # another context band: the prior again
+    assert cost.row_seconds(8, 100) == pytest.approx(1e-3)  # one row fewer: a row's whole cost here
+    shared = _cost(2.0, shared=0.9)  # rows that share the weights' reads
+    assert shared.seconds(6, 1, 100) == pytest.approx(1e-3 * (7.2 + 0.6))  # between buckets 4 and 8
+    assert shared.row_seconds(8, 100) == pytest.approx(0.1e-3)
 
 
 @pytest.mark.parametrize(
@@ -409,12 +416,12 @@ def test_a_group_drafts_only_where_it_shortens_the_row_that_finishes_last():
     good.hits, good.misses, bad.hits, bad.misses = 900, 100, 0, 1000
     rows = [good] * 3 + [bad] * 5
     drafts = [[1] * 8] * 8
-    assert DraftGate(_cost(1.3)).choose(drafts, rows, 100, [40] * 8) > 0  # rows that finish apart: 3 rows' gains pay
-    group = DraftGate(_cost(1.3), group=True)
+    assert DraftGate(_cost(1.3, shared=0.9)).choose(drafts, rows, 100, [40] * 8) > 0  # rows that finish apart: 3 rows' gains pay
+    group = DraftGate(_cost(1.3, shared=0.9), group=True)
     assert group.choose(drafts, rows, 100, [40] * 8) == 0  # the bad rows finish last all the same
     assert group.choose(drafts, rows, 100, [40] * 3 + [30] * 5) > 0  # the good rows are the last to finish
     assert group.choose(drafts, [good] * 8, 100, [40] * 8) > 0  # every row gains
-    assert group.choose([[1] * 8], [good], 100, [40]) == DraftGate(_cost(1.3)).choose([[1] * 8], [good], 100)  # one row: as before
+    assert group.choose([[1] * 8], [good], 100, [40]) == DraftGate(_cost(1.3, shared=0.9)).choose([[1] * 8], [good], 100)  # one row: as before
 
 
 def test_a_group_of_tied_rows_counts_the_least_accept_length_it_expects():
@@ -441,7 +448,7 @@ def test_a_group_whose_rows_stop_before_their_budget_does_not_bet_on_the_budget(
 
     good, bad = Acceptance(decay=1.0), Acceptance(decay=1.0)
     good.hits, good.misses, bad.hits, bad.misses = 900, 100, 0, 1000
-    group = DraftGate(_cost(1.3), group=True)
+    group = DraftGate(_cost(1.3, shared=0.9), group=True)
     args = ([[1] * 8] * 8, [good] * 3 + [bad] * 5, 100, [40] * 3 + [30] * 5)
     assert group.cost.budget_share == 0.5 and group.choose(*args) > 0
     for _ in range(200):

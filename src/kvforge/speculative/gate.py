@@ -27,8 +27,9 @@ with E_r(K) the row's expected accepted tokens, crit the rows with the most of t
 left (the likeliest to finish last), E_crit(K) the expected least accept length among them (the
 group saves a step only if each of them gains one): sum_{j=1..J} prod_{r in crit} a_r^j, J the
 shortest of their drafts (cut to K), far below the least of their expectations when many rows tie
-(eight rows at a = 0.66: 0.04 against 1.7); and `row` one row's share of a step,
-(forward(B, 2, C) - forward(B, 1, C)) / B (what a row that finishes earlier saves each later step).
+(eight rows at a = 0.66: 0.04 against 1.7); and `row` what a row that finishes earlier saves
+each later step, a plain step of B rows less one of B - 1 (`StepCost.row_seconds`: on AMX tiles a
+quarter of what a row's share of a second token suggests, since rows share the weights' reads).
 The rows with the most budget left are the last to finish only if they run to their budget: a row
 that stops at its end-of-sequence token first leaves the last step to another row. q is the share
 of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
@@ -157,13 +158,35 @@ class StepCost:
         if here and shape is not None:
             w = min(here, key=lambda w: abs(w - width))
             return here[w] * _line(shape, width) / _line(shape, w)
+        if _bucket(batch) in self.prior:
+            return self._prior_seconds(batch, width)
         if shape is not None:
-            return _line(shape, width) * (batch / _bucket(batch) if _bucket(batch) in self.prior else 1.0)
+            return _line(shape, width)
         if len(here) >= 2:
             return _line(here, width)
         if width == 1:
             return 1e-9
         return here[min(here, key=lambda w: abs(w - width))] if here else 1.0
+
+    def _prior_seconds(self, batch: int, width: int) -> float:
+        """The prior's seconds at `batch` (its bucket measured): on the line between its bucket and
+        the next one up where that was measured (a step's cost is far from proportional to its
+        rows: on AMX tiles 8 rows cost about what 4 do), else its bucket's scaled by the rows."""
+        low = _bucket(batch)
+        below = _line(self.prior[low], width)
+        if batch == low:
+            return below
+        if 2 * low in self.prior:
+            return below + (_line(self.prior[2 * low], width) - below) * (batch - low) / low
+        return below * batch / low
+
+    def row_seconds(self, batch: int, context: int) -> float:
+        """What a plain step saves when one of its `batch` rows has left: the prior's plain step at
+        `batch` less at batch - 1; without a prior, a row's share of a second token per row
+        ((width 2 - width 1) / batch)."""
+        if batch > 1 and _bucket(batch - 1) in self.prior and _bucket(batch) in self.prior:
+            return max(0.0, self._prior_seconds(batch, 1) - self._prior_seconds(batch - 1, 1))
+        return max(0.0, self.seconds(batch, 2, context) - self.seconds(batch, 1, context)) / batch
 
     def _shape(self, batch: int, band: int) -> dict[int, float] | None:
         """Seconds by width whose ratios stand for this batch's: the prior, else the widths observed
@@ -303,7 +326,7 @@ class DraftGate:
         batch = len(drafts)
         step = self.cost.step_seconds(batch, longest + 1, context)
         plain = step[0]
-        row = max(0.0, self.cost.seconds(batch, 2, context) - self.cost.seconds(batch, 1, context)) / batch
+        row = self.cost.row_seconds(batch, context)
         last = max(remaining)
         critical = [i for i, left in enumerate(remaining) if left == last]
         best_k, best_net = 0, 0.0
