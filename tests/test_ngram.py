@@ -435,7 +435,7 @@ def test_a_group_of_tied_rows_counts_the_least_accept_length_it_expects():
     assert _least_accepted([0.5], [3]) == pytest.approx(0.5 + 0.25 + 0.125)  # one row: its expectation
     middling, sure = Acceptance(decay=1.0), Acceptance(decay=1.0)
     middling.hits, middling.misses, sure.hits, sure.misses = 660, 340, 970, 30
-    group = DraftGate(_cost(3.0), group=True)
+    group = DraftGate(_cost(3.0, shared=0.5), group=True)
     assert group.choose([[1] * 8] * 8, [middling] * 8, 100, [40] * 8) == 0
     assert group.choose([[1] * 8] * 8, [sure] * 8, 100, [40] * 8) > 0
 
