@@ -496,11 +496,12 @@ void kvforge_qk(const uint16_t *q, const uint16_t *k, float *scores, long bh, lo
 
 static void softmax_heads(void *ctx, long g0, long g1) {
     const struct attention_job *j = ctx;
-    for (long g = g0; g < g1; g = j->lengths ? g + 1 : g1) { /* each head its own length: one head per pass */
-        const long g_end = j->lengths ? g + 1 : g1;
-        softmax(j->scores + g * j->rows * j->columns, j->weights + g * j->rows * j->wstride, j->inverse + g * j->rows,
-                g_end - g, j->rows, j->columns, j->wstride, head_length(j, g), j->tokens, 0);
+    if (j->lengths && g1 - g0 > 1) { /* each head its own length: one head per pass */
+        for (long g = g0; g < g1; g++) softmax_heads(ctx, g, g + 1);
+        return;
     }
+    softmax(j->scores + g0 * j->rows * j->columns, j->weights + g0 * j->rows * j->wstride, j->inverse + g0 * j->rows,
+            g1 - g0, j->rows, j->columns, j->wstride, head_length(j, g0), j->tokens, 0);
 }
 
 void kvforge_softmax(const float *scores, uint16_t *weights, float *inverse, long bh, long rows, long columns,
