@@ -356,7 +356,9 @@ def test_the_step_cost_prefers_what_the_steps_measured():
     assert cost.seconds(8, 1, 100) == pytest.approx(5e-3)
     assert cost.seconds(8, 9, 100) == pytest.approx(10e-3)  # the observed base times the prior's ratio
     cost.record(8, 9, 100, 6e-3, 0.0)
-    assert cost.seconds(8, 9, 100) == pytest.approx(6e-3)
+    assert cost.seconds(8, 9, 100) == pytest.approx(10e-3)  # never below the observed plain step times the prior's ratio
+    cost.record(8, 9, 100, 18e-3, 0.0)
+    assert cost.seconds(8, 9, 100) == pytest.approx(12e-3)  # above it: what the steps measured (averaged)
     assert cost.seconds(8, 9, 5000) == pytest.approx(16e-3)  # another context band: the prior again
     assert cost.row_seconds(8, 100) == pytest.approx(1e-3)  # one row fewer: a row's whole cost here
     shared = _cost(2.0, shared=0.9)  # rows that share the weights' reads

@@ -145,16 +145,32 @@ class StepCost:
         self.finished = self.ran_out = 0.0
 
     def seconds(self, batch: int, width: int, context: int) -> float:
-        """Predicted forward seconds: observed at this batch, width and band; else a width observed
-        at this batch and band scaled by the shape of the cost over widths (the prior's, or with no
-        prior the widths observed at another band); else that shape itself. With nothing to go on, a
-        plain step is measured first (an unmeasured width 1 costs nothing), then a wider one is taken
-        to cost what the nearest measured width does, so it is tried."""
+        """Predicted forward seconds at one width (`forward_seconds`)."""
+        return self.forward_seconds(batch, width, context)[-1]
+
+    def forward_seconds(self, batch: int, widest: int, context: int) -> list[float]:
+        """Predicted forward seconds at widths 1..`widest` (index w - 1). Each: observed at this
+        batch, width and band; else a width observed at this batch and band scaled by the shape of
+        the cost over widths (the prior's, or with no prior the widths observed at another band);
+        else that shape itself. With nothing to go on, a plain step is measured first (an
+        unmeasured width 1 costs nothing), then a wider one is taken to cost what the nearest
+        measured width does, so it is tried. With a prior, a width costs at least the plain step
+        times the prior's ratio: a wide step's observed average rests on a few noisy timings, and
+        the gate drafts exactly where they came out low (a group gate that trusted them drafted 3x
+        the steps and ran 3 % slower than the one with the floor, on `bench rl`'s fresh-noise
+        groups, smollm2-135m, bf16, AMX)."""
         band = context // CONTEXT_BAND
         here = {w: t for (b, w, c), t in self.observed.items() if b == batch and c == band}
+        shape = self._shape(batch, band)
+        predicted = [self._predicted(batch, width, here, shape) for width in range(1, widest + 1)]
+        if _bucket(batch) in self.prior:
+            ratios = self.prior[_bucket(batch)]
+            predicted = [max(seconds, predicted[0] * _line(ratios, w) / _line(ratios, 1)) for w, seconds in enumerate(predicted, 1)]
+        return predicted
+
+    def _predicted(self, batch: int, width: int, here: dict[int, float], shape: dict[int, float] | None) -> float:
         if width in here:
             return here[width]
-        shape = self._shape(batch, band)
         if here and shape is not None:
             w = min(here, key=lambda w: abs(w - width))
             return here[w] * _line(shape, width) / _line(shape, w)
@@ -217,7 +233,8 @@ class StepCost:
         """Predicted seconds of a whole step at widths 1..`widest` (index w - 1): its forward and
         the host work around it, none below a plain step's (timings that disagree by noise must
         not make a wider step look free)."""
-        plain, *wider = (self.seconds(batch, w, context) + self.host_seconds(batch, w) for w in range(1, widest + 1))
+        forward = self.forward_seconds(batch, widest, context)
+        plain, *wider = (seconds + self.host_seconds(batch, w) for w, seconds in enumerate(forward, 1))
         return [plain] + [max(seconds, plain) for seconds in wider]
 
     def record(self, batch: int, width: int, context: int, forward_s: float, host_s: float) -> None:
