@@ -107,7 +107,8 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
 
     if not kernels.available(16):
         pytest.skip("no AVX512-BF16 or no C compiler here")
-    monkeypatch.setattr(attention, "SHARED_MIN_READS", 64)  # a tiny model's short prompt takes the path too
+    monkeypatch.setattr(attention, "SHARED_MIN_READS", 64)  # a tiny model's short prompt takes the path too,
+    monkeypatch.setattr(attention, "SHARED_MAX_QUERIES", 4)  # and its 4-token step
     engine = Engine(tiny_loaded(family, dtype=torch.bfloat16))
     prompt = torch.randint(3, 90, (80,), generator=torch.Generator().manual_seed(2)).tolist()
     with mock.patch.object(engine, "pad_batch", wraps=engine.pad_batch) as padded:
@@ -118,11 +119,12 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
     assert torch.equal(logits, alone_logits.expand(3, -1))
     steps = [torch.tensor([[5], [6], [7]]), torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]])]
     with torch.inference_mode(), mock.patch.object(attention, "_shared_prefix", wraps=attention._shared_prefix) as once:
-        together, start = [], len(prompt)
+        together, start, calls = [], len(prompt), []
         for ids in steps:
             positions = torch.arange(start, start + ids.shape[1]).expand(3, -1)
             together.append(engine.forward(ids, positions, cache, "all"))
             start += ids.shape[1]
+            calls.append(once.call_count - sum(calls))
         for b in range(3):
             _, own = engine.prefill([prompt])
             start = len(prompt)
@@ -130,7 +132,7 @@ def test_samples_of_one_prompt_prefill_it_once_and_decode_as_it_would_alone(fami
                 positions = torch.arange(start, start + ids.shape[1]).view(1, -1)
                 assert torch.equal(engine.forward(ids[b : b + 1], positions, own, "all")[0], batch_logits[b])
                 start += ids.shape[1]
-    assert once.call_count > 0
+    assert calls[0] > 0 and calls[1] == calls[0]  # both steps, the same layers (a sliding-window layer reads its window)
 
 
 @pytest.mark.parametrize("prompt_len", [40, 100])  # below and above the 64 shared rows `_shared_prefix` needs

@@ -75,7 +75,7 @@ def attend(
             and _compiled(q, layer.k, layer.v)):
         # sequences of different lengths, each contiguous (a group after a drafted step, a
         # server's batch): each read to its own end, no mask; the rows a group's samples share
-        # are read once, as on the path above
+        # are read once where that pays (`_reads_shared_once`), as on the path above
         b, hq, _, d = q.shape
         if _reads_shared_once(b, tq, layer.shared):
             return _shared_prefix(q, layer.k, layer.v, scaling, layer.length, layer.shared, layer.ends)
@@ -126,7 +126,8 @@ def grouped_attention(
     broadcasting a (B, 1, Tq, Tk) mask per layer (a third of a 9-row step at 4K).
 
     `shared` (with `length`): the buffers' first `shared` rows are the same in every sequence (a
-    prompt's samples); with the compiled kernel a batch then reads them once (`_shared_prefix`)."""
+    prompt's samples); with the compiled kernel a batch then reads them once (`_shared_prefix`)
+    where that measured faster (`_reads_shared_once`)."""
     b, hq, tq, d = q.shape
     heads = k.shape[1]
     group = hq // heads
@@ -201,12 +202,13 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
 # 9-token verification 0.95-1.74 on both (its stacked scores go through memory three times).
 SHARED_MAX_QUERIES = 2
 SHARED_MIN_READS = 16384
+SHARED_MIN_ROWS = 64  # below it the extra copies of a few small tensors cost more than the rows read
 
 
 def _reads_shared_once(batch: int, queries: int, shared: int) -> bool:
     """Whether a batch of `batch` sequences of `queries` query tokens each reads the `shared` rows
     they have in common once (`_shared_prefix`) instead of per sequence."""
-    return batch > 1 and queries <= SHARED_MAX_QUERIES and shared >= 64 and batch * shared >= SHARED_MIN_READS
+    return batch > 1 and queries <= SHARED_MAX_QUERIES and shared >= SHARED_MIN_ROWS and batch * shared >= SHARED_MIN_READS
 
 
 def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, length: int, shared: int,

@@ -221,10 +221,12 @@ class LayerCache:
         # sequence b's t rows go to rows [ends[b], ends[b] + t), which continue its positions when aligned
         rows, flat_rows, flat_kv = _rows_at_ends(tuple(self.ends), t, self.k.shape[1], self.capacity, positions.device)
         self.aligned = self.aligned and bool((positions == rows).all())
-        # one indexed copy per tensor into its flat view (slot views are whole buffers already)
+        # one indexed copy per tensor into its flat view (a slot buffer's leading sequences are
+        # contiguous already: `contiguous()` returns the same view)
         self.k, self.v, self.positions, self.kinds = (x.contiguous() for x in (self.k, self.v, self.positions, self.kinds))
-        self.k.view(-1, self.k.shape[-1]).index_copy_(0, flat_kv, k.reshape(-1, k.shape[-1]).to(self.k.dtype))
-        self.v.view(-1, self.v.shape[-1]).index_copy_(0, flat_kv, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
+        if self.k.numel():  # a recurrent layer's log holds no K/V (zero heads)
+            self.k.view(-1, self.k.shape[-1]).index_copy_(0, flat_kv, k.reshape(-1, k.shape[-1]).to(self.k.dtype))
+            self.v.view(-1, self.v.shape[-1]).index_copy_(0, flat_kv, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
         self.positions.view(-1).index_copy_(0, flat_rows, positions.reshape(-1).to(self.positions.dtype))
         if isinstance(kind, torch.Tensor):
             self.kinds.view(-1).index_copy_(0, flat_rows, kind.expand(positions.shape).reshape(-1).to(self.kinds.dtype))

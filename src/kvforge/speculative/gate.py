@@ -28,8 +28,8 @@ left (the likeliest to finish last), E_crit(K) the expected least accept length 
 group saves a step only if each of them gains one): sum_{j=1..J} prod_{r in crit} a_r^j, J the
 shortest of their drafts (cut to K), far below the least of their expectations when many rows tie
 (eight rows at a = 0.66: 0.04 against 1.7); and `row` what a row that finishes earlier saves
-each later step, a plain step of B rows less one of B - 1 (`StepCost.row_seconds`: on AMX tiles a
-quarter of what a row's share of a second token suggests, since rows share the weights' reads).
+each later step: the slope of a plain step's measured seconds over its rows (`StepCost.row_seconds`;
+on AMX tiles a fraction of a row's share of a second token, since rows share the weights' reads).
 The rows with the most budget left are the last to finish only if they run to their budget: a row
 that stops at its end-of-sequence token first leaves the last step to another row. q is the share
 of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
@@ -187,21 +187,37 @@ class StepCost:
     def _prior_seconds(self, batch: int, width: int) -> float:
         """The prior's seconds at `batch` (its bucket measured): on the line between its bucket and
         the next one up where that was measured (a step's cost is far from proportional to its
-        rows: on AMX tiles 8 rows cost about what 4 do), else its bucket's scaled by the rows."""
+        rows: on AMX tiles 8 rows cost about what 4 do), else its bucket's plus the fitted cost
+        of each row past it (`_row_slope`)."""
         low = _bucket(batch)
         below = _line(self.prior[low], width)
         if batch == low:
             return below
         if 2 * low in self.prior:
             return below + (_line(self.prior[2 * low], width) - below) * (batch - low) / low
-        return below * batch / low
+        slope = self._row_slope(low)
+        return below + slope * (batch - low) if slope is not None else below * batch / low
+
+    def _row_slope(self, largest: int) -> float | None:
+        """The least-squares slope (>= 0) of the prior's plain-step seconds over the batch buckets
+        measured up to `largest` (a difference of two single timings is mostly noise); None with
+        fewer than two."""
+        sizes = sorted(b for b in self.prior if b <= largest and 1 in self.prior[b])
+        if len(sizes) < 2:
+            return None
+        mean_b = sum(sizes) / len(sizes)
+        mean_t = sum(self.prior[b][1] for b in sizes) / len(sizes)
+        slope = sum((b - mean_b) * (self.prior[b][1] - mean_t) for b in sizes) / sum((b - mean_b) ** 2 for b in sizes)
+        return max(0.0, slope)
 
     def row_seconds(self, batch: int, context: int) -> float:
-        """What a plain step saves when one of its `batch` rows has left: the prior's plain step at
-        `batch` less at batch - 1; without a prior, a row's share of a second token per row
-        ((width 2 - width 1) / batch)."""
-        if batch > 1 and _bucket(batch - 1) in self.prior and _bucket(batch) in self.prior:
-            return max(0.0, self._prior_seconds(batch, 1) - self._prior_seconds(batch - 1, 1))
+        """What a plain step saves when one of its rows has left: the fitted slope of the prior's
+        plain steps over the buckets up to twice this batch's (`_row_slope`; measured at the
+        calibration's context, `SCRATCH_ROWS`, whatever `context` is); without a prior, a row's
+        share of a second token per row ((width 2 - width 1) / batch)."""
+        slope = self._row_slope(2 * _bucket(batch))
+        if slope is not None:
+            return slope
         return max(0.0, self.seconds(batch, 2, context) - self.seconds(batch, 1, context)) / batch
 
     def _shape(self, batch: int, band: int) -> dict[int, float] | None:
