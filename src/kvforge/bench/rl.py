@@ -2,7 +2,9 @@
 
 Each epoch rolls out P problems of a generated task (`data.rl_tasks`) x G samples at temperature
 1 in the rollout engine, twice, arms interleaved group by group (their order alternates from one
-group to the next, so a drift in the CPU's speed falls on both alike): `plain`
+group to the next, so a drift in the CPU's speed falls on both alike; with `repeats` R, each
+group's arms run R times in alternating order, A B B A ..., and each arm's seconds are the mean
+of its R timings of the same tokens: the timing noise of a few groups falls by about sqrt(R)): `plain`
 (no drafter) and `drafted` (the n-gram drafter with the rollout history: each sample drafts from
 its previous-epoch rollout first, then its group's n-grams, the history and the prompt, under
 the cost gate). Both arms use the same noise keys, so their samples must be token-identical; the
@@ -33,6 +35,7 @@ own samples. The update trains on kvforge's drafted samples, or on `vllm-plain`'
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -55,7 +58,7 @@ ENGINES = ("kvforge", "vllm")
 
 
 def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int, max_tokens: int, k: int, threads: int, heldout: int,
-                   lr: float, engines: tuple[str, ...] = ("kvforge",)) -> None:
+                   lr: float, engines: tuple[str, ...] = ("kvforge",), repeats: int = 1) -> None:
     """A `ValueError` naming the first setting `bench rl` cannot run with (checked before any model loads)."""
     if not engines or any(e not in ENGINES for e in engines):
         raise ValueError(f"unknown engines {','.join(engines) or '(none)'}: use kvforge, vllm or kvforge,vllm")
@@ -63,20 +66,21 @@ def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int,
         raise ValueError(f"unknown task {task!r}: use {' or '.join(TASKS)}")
     if noise not in NOISES:
         raise ValueError(f"unknown noise {noise!r}: use fresh or coupled")
-    if min(epochs, group, prompts, max_tokens, k, threads) < 1 or heldout < 0 or not lr > 0:
-        raise ValueError("--epochs, -G, --prompts, --max-new-tokens, --k and --threads must be >= 1, --heldout >= 0 and --lr > 0")
+    if min(epochs, group, prompts, max_tokens, k, threads, repeats) < 1 or heldout < 0 or not lr > 0:
+        raise ValueError("--epochs, -G, --prompts, --max-new-tokens, --k, --threads and --repeats must be >= 1, --heldout >= 0 and --lr > 0")
 
 
 def bench_rl(
     engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
     noise: str = "fresh", lr: float = 6e-6, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
-    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None, prefetch: bool = False,
+    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None, prefetch: bool = False, repeats: int = 1,
 ) -> dict:
     """The loop of the module docstring over `engine` (kvforge's rollouts; held-out answers always),
     `trainer_model` (a float32 transformers model of the same weights, trained) and, with "vllm" in
     `engines`, vLLM engines over `vllm_dir` (the model's Hugging Face directory). `prefetch`: the
-    drafted arms with the (accept length, bonus) prefetcher (its hit rate reported)."""
-    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines)
+    drafted arms with the (accept length, bonus) prefetcher (its hit rate reported). `repeats`: each
+    group's kvforge arms timed that many times (module docstring)."""
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines, repeats)
     say = progress or (lambda message: None)
     tokenizer = engine.model.tokenizer
     train = problems(task, "train", prompts)
@@ -106,11 +110,13 @@ def bench_rl(
             outcome = {}
             if arms:
                 say(f"epoch {epoch}/{epochs}: {' and '.join(arms)} rollouts")
-                outcome.update(_roll_out(engine, train, encoded, group, config, arms, history, first=epoch % 2))
+                outcome.update(_roll_out(engine, train, encoded, group, config, arms, history, first=epoch % 2, repeats=repeats))
             for arm in (VLLM_ARMS if epoch % 2 else VLLM_ARMS[::-1]) if vllm else ():
                 say(f"epoch {epoch}/{epochs}: {arm} rollouts")
                 outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
-            identical = outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] if arms else None
+            # every pass of the epoch (both arms, every repeat) committed the same tokens
+            identical = (outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] and all(outcome[arm]["repeatable"] for arm in arms)
+                         if arms else None)
             rewards = {arm: [[reward(p, text) for text in texts] for p, texts in zip(train, o["texts"])] for arm, o in outcome.items()}
             for arm in [*arms, *(VLLM_ARMS if vllm else ())]:
                 results.append(_row(epoch, arm, noise if arm in arms else "fresh", outcome, rewards[arm], identical if arm in arms else None,
@@ -147,7 +153,8 @@ def bench_rl(
 
         extra = {"vllm": vllm_package.__version__}
     return {
-        "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "prefetch": prefetch, "epochs": epochs, "group": group, "prompts": prompts,
+        "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "prefetch": prefetch, "repeats": repeats, "epochs": epochs,
+        "group": group, "prompts": prompts,
         "max_tokens": max_tokens, "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads,
         "train_threads": update["threads"] if update else train_threads, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
         **environment(engine), **extra, "threads": rollout_threads, "results": results,
@@ -174,30 +181,46 @@ def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[flo
     return row
 
 
-def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms: dict[str, DraftConfig], history, first: int) -> dict:
+def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms: dict[str, DraftConfig], history, first: int,
+              repeats: int = 1) -> dict:
     """Every arm's pass over the problems, the arms taking turns on each problem (the order flips
-    from one problem to the next; `first` 1 starts with the first arm, 0 with the last): per arm the
-    samples' tokens and texts per problem, its wall seconds and its drafting statistics summed over
-    the groups. The drafted arm drafts from and records into `history`."""
+    from one problem to the next, and between its `repeats`; `first` 1 starts with the first arm, 0
+    with the last): per arm the samples' tokens and texts per problem, its wall seconds (the mean
+    over the repeats) and its drafting statistics summed over the groups. The drafted arm drafts
+    from and records into `history` once, at its last repeat; its earlier repeats draft from
+    copies of what `history` held before the group (copied outside the timings). A repeat whose
+    tokens differ from the first's marks the arm `repeatable` False."""
     names = list(arms)
-    runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0} for arm, draft in arms.items()}
-    for i, (problem, ids) in enumerate(zip(train, encoded)):
-        for arm in names if (i + first) % 2 else names[::-1]:
-            run = runs[arm]
-            start = time.perf_counter()
-            outputs, stats = generate_group(engine, ids, group, config, arms[arm], history=history if arm == "drafted" else None, rollout_key=problem.key)
-            run["seconds"] += time.perf_counter() - start
-            run["tokens"].append([g.token_ids for g in outputs])
-            run["texts"].append([g.text for g in outputs])
-            if stats is not None:
-                run["stats"].add(stats)
-                run["probes"], run["hits"] = run["probes"] + stats.probes, run["hits"] + stats.hits
+    runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0, "repeatable": True}
+            for arm, draft in arms.items()}
+    turn = 0
+    for problem, ids in zip(train, encoded):
+        before = copy.deepcopy(history) if repeats > 1 and "drafted" in arms else None
+        for repeat in range(repeats):
+            for arm in names if (turn + first) % 2 else names[::-1]:
+                run = runs[arm]
+                drafts_from = None
+                if arm == "drafted":
+                    drafts_from = history if repeat == repeats - 1 else copy.deepcopy(before)
+                start = time.perf_counter()
+                outputs, stats = generate_group(engine, ids, group, config, arms[arm], history=drafts_from, rollout_key=problem.key)
+                run["seconds"] += (time.perf_counter() - start) / repeats
+                tokens = [g.token_ids for g in outputs]
+                if repeat:
+                    run["repeatable"] &= tokens == run["tokens"][-1]
+                    continue
+                run["tokens"].append(tokens)
+                run["texts"].append([g.text for g in outputs])
+                if stats is not None:
+                    run["stats"].add(stats)
+                    run["probes"], run["hits"] = run["probes"] + stats.probes, run["hits"] + stats.hits
+            turn += 1
     outcome = {}
     for arm, run in runs.items():
         total, probes = run["stats"], run["probes"]
         summary = total.as_dict()
         outcome[arm] = {
-            "tokens": run["tokens"], "texts": run["texts"], "seconds": run["seconds"],
+            "tokens": run["tokens"], "texts": run["texts"], "seconds": run["seconds"], "repeatable": run["repeatable"],
             "completion_tokens": sum(len(t) for ts in run["tokens"] for t in ts), "rows_drafted": total.rows_drafted,
             **{key: summary[key] for key in ("mean_accept_len", "host_ms_per_step", "accept_by_source", "match_by_source")},
             "prefetch_hit_rate": run["hits"] / probes if probes else None,
