@@ -2,9 +2,10 @@
 
 Each epoch rolls out P problems of a generated task (`data.rl_tasks`) x G samples at temperature
 1 in the rollout engine, twice, arms interleaved group by group (their order alternates from one
-group to the next, so a drift in the CPU's speed falls on both alike; with `repeats` R, each
-group's arms run R times in alternating order, A B B A ..., and each arm's seconds are the mean
-of its R timings of the same tokens: the timing noise of a few groups falls by about sqrt(R)): `plain`
+pass to the next, so a drift in the CPU's speed falls on both alike; with `repeats` R, each
+group's arms run R times, the order flipping between them, A B B A for R = 2, and each arm's
+seconds, drafting statistics and acceptance cover its R passes of the same tokens; the draft gate
+learns from every pass, as it would from R times the groups): `plain`
 (no drafter) and `drafted` (the n-gram drafter with the rollout history: each sample drafts from
 its previous-epoch rollout first, then its group's n-grams, the history and the prompt, under
 the cost gate). Both arms use the same noise keys, so their samples must be token-identical; the
@@ -183,13 +184,14 @@ def _row(epoch: int, arm: str, noise: str, outcome: dict, rewards: list[list[flo
 
 def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms: dict[str, DraftConfig], history, first: int,
               repeats: int = 1) -> dict:
-    """Every arm's pass over the problems, the arms taking turns on each problem (the order flips
-    from one problem to the next, and between its `repeats`; `first` 1 starts with the first arm, 0
-    with the last): per arm the samples' tokens and texts per problem, its wall seconds (the mean
-    over the repeats) and its drafting statistics summed over the groups. The drafted arm drafts
-    from and records into `history` once, at its last repeat; its earlier repeats draft from
-    copies of what `history` held before the group (copied outside the timings). A repeat whose
-    tokens differ from the first's marks the arm `repeatable` False."""
+    """Every arm's pass over the problems, the arms taking turns on each problem, `repeats` times
+    (the order flips from one pass to the next, a pass being one problem's repeat; `first` 1
+    starts with the first arm, 0 with the last): per arm the samples' tokens and texts per
+    problem, its wall seconds (the mean over the repeats) and its drafting statistics summed over
+    the groups and repeats. The drafted arm drafts from and records into `history` once, at its
+    last repeat; its earlier repeats draft from copies of what `history` held before the group
+    (copied outside the timings). A repeat whose tokens differ from the first's marks the arm
+    `repeatable` False."""
     names = list(arms)
     runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0, "repeatable": True}
             for arm, draft in arms.items()}
@@ -200,20 +202,20 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms
             for arm in names if (turn + first) % 2 else names[::-1]:
                 run = runs[arm]
                 drafts_from = None
-                if arm == "drafted":
-                    drafts_from = history if repeat == repeats - 1 else copy.deepcopy(before)
+                if arm == "drafted":  # the snapshot itself at the last repeat that needs one
+                    drafts_from = history if repeat == repeats - 1 else before if repeat == repeats - 2 else copy.deepcopy(before)
                 start = time.perf_counter()
                 outputs, stats = generate_group(engine, ids, group, config, arms[arm], history=drafts_from, rollout_key=problem.key)
                 run["seconds"] += (time.perf_counter() - start) / repeats
                 tokens = [g.token_ids for g in outputs]
+                if stats is not None:
+                    run["stats"].add(stats)
+                    run["probes"], run["hits"] = run["probes"] + stats.probes, run["hits"] + stats.hits
                 if repeat:
                     run["repeatable"] &= tokens == run["tokens"][-1]
                     continue
                 run["tokens"].append(tokens)
                 run["texts"].append([g.text for g in outputs])
-                if stats is not None:
-                    run["stats"].add(stats)
-                    run["probes"], run["hits"] = run["probes"] + stats.probes, run["hits"] + stats.hits
             turn += 1
     outcome = {}
     for arm, run in runs.items():
