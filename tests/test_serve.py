@@ -738,6 +738,7 @@ def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngra
     commit plain decoding's tokens; a seeded group samples the same tokens when run again."""
     from kvforge.generation import GenerationConfig
     from kvforge.serve.scheduler import ServeRequest
+    from kvforge.speculative.step import DraftConfig
 
     engine = tiny_engine
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -756,7 +757,7 @@ def test_a_group_is_prefilled_once_and_its_choices_decode_together_from_one_ngra
 
     monkeypatch.setattr(engine, "forward", spy_forward)
     group = [ServeRequest(prompt, greedy, draft="ngram") for _ in range(3)]
-    scheduler = _schedule(engine, [group], prefill=prefill)
+    scheduler = _schedule(engine, [group], prefill=prefill, draft=DraftConfig(gate=False))  # drafts verified whatever the timings
     assert len(prefills) == 1 and widths and set(widths) == {3}
     assert len({id(r.state.drafter.cache) for r in group}) == 1 and scheduler.stats.accepted > 0
     plain = engine.generate(prompt, greedy)[0].token_ids
