@@ -502,10 +502,11 @@ def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
 
 
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
-    """A drafter that is wrong for its first 10 proposals, then proposes plain decoding's own
+    """A drafter that is wrong over the first 10 tokens, then proposes plain decoding's own
     tokens: the gate stops verifying its drafts, keeps learning from the proposals it does not
-    verify, and drafts again once they would land; without the gate every proposal is verified.
-    The committed tokens are plain decoding's either way."""
+    verify (looked up every `PROBE_EVERY`-th step while no draft could pay), and drafts again once
+    they would land; without the gate every proposal is verified. The committed tokens are plain
+    decoding's either way."""
     from kvforge.speculative.gate import DraftGate, StepCost
 
     engine = _engine("llama")
@@ -521,18 +522,19 @@ def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():
         def propose(self, context, k):
             self.calls += 1
             done = len(context) - len(prompt)
-            return [wrong] * k if self.calls <= 10 else plain[done : done + k]
+            return [wrong] * k if done <= 10 else plain[done : done + k]
 
         def observe(self, tokens):
             pass
 
     cost = StepCost(engine)
     cost.prior = {1: {w: 1e-3 * (1 + (w - 1) / 8) for w in range(1, 6)}}  # width 5 costs 1.5x
+    cost.record = lambda *timings: None  # the prior alone: the gate's choices do not depend on this run's timings
     gated, gated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=DraftGate(cost))
     ungated, ungated_stats = speculative_generate(engine, [prompt], [LateOracle()], config, 4, gate=None)
     assert gated[0].token_ids == ungated[0].token_ids == plain
     assert gated_stats.drafted - gated_stats.accepted < ungated_stats.drafted - ungated_stats.accepted  # fewer wasted
-    assert gated_stats.accepted > 0 and gated_stats.steps < ungated_stats.steps + 5  # it drafted again
+    assert gated_stats.accepted > 0 and gated_stats.steps < ungated_stats.steps + 8  # it drafted again
 
 
 def test_the_ngram_drafter_turns_to_prompt_lookup_where_a_copy_continues_the_latest_match():

@@ -39,7 +39,7 @@ import torch
 from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, commit_token
 from kvforge.sampling import SampleKey
-from kvforge.speculative.gate import Acceptance, DraftGate, step_cost
+from kvforge.speculative.gate import PROBE_EVERY, Acceptance, DraftGate, step_cost
 from kvforge.speculative.ngram import Drafter, NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import PREFETCHED_SOURCES, Prefetcher
 from kvforge.speculative.verify import verify
@@ -331,16 +331,19 @@ def speculative_step(
     if gate is not None:
         gate.prepare(len(requests), k + 1)
     step_start, lookup_s = time.perf_counter(), 0.0
+    rooms = [_room(r, k, context_limit) for r in requests]
+    context = max(len(r.context) for r in requests)
+    remaining = [r.config.max_new_tokens - len(r.seq.token_ids) for r in requests]
+    # a step that would verify no draft however long the rows' drafts came out looks up none,
+    # but on every PROBE_EVERY-th step of a request: its acceptance keeps learning
+    probing_only = gate is not None and not gate.would_draft(rooms, [r.acceptance for r in requests], context, remaining)
     proposals, prefetched, sources = [], [], []  # per row: the draft proposed, 1 when it is the previous step's prefetch hit, its source
-    for r in requests:
+    for r, room in zip(requests, rooms):
         ready, r.ready = r.ready, None
-        budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
-        limit = min(context_limit, r.rows or context_limit)
-        room = min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, limit - r.offset - len(r.context) - 1)
         proposal, flag, source = [], 0, None
         if room > 0 and ready is not None:
             proposal, flag, source = ready[:room], 1, "prefetch"
-        elif room > 0:
+        elif room > 0 and not (probing_only and r.steps % PROBE_EVERY):
             t = time.perf_counter()
             try:
                 proposal, source = r.drafter.propose(r.context, room)[:room], getattr(r.drafter, "source", None)
@@ -354,8 +357,6 @@ def speculative_step(
     # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
     proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
-    context = max(len(r.context) for r in requests)
-    remaining = [r.config.max_new_tokens - len(r.seq.token_ids) for r in requests]
     step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining) if gate is not None else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
@@ -424,6 +425,15 @@ def speculative_step(
     stats.lookup_s += lookup_s
     stats.host_s += host_s - lookup_s
     return outcomes
+
+
+def _room(request: SpecRequest, k: int, context_limit: int) -> int:
+    """The most draft tokens `request` may verify this step: its budget (`k_for`, at most `k`),
+    cut to leave its pending token's bonus inside its token and row limits."""
+    r = request
+    budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
+    limit = min(context_limit, r.rows or context_limit)
+    return min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, limit - r.offset - len(r.context) - 1)
 
 
 def _verify_rows(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, requests: list[SpecRequest]) -> tuple[list[int], list[int]]:
