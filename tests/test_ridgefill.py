@@ -395,3 +395,45 @@ def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_pat
     assert len(back.tensors) == 2 * (layers - 3 - 1) and maps.splits == [2, 3]
     with pytest.raises(ValueError, match="only splits they hold"):
         maps.only([1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
+    """RidgeFill prefills in two phases of chunks (the server's chunked prefill): the layers below
+    the split chunk by chunk, then the choice of exact rows (all rows cached by then), then the late
+    layers over chunks of 8 exact rows, each chunk's filled rows written among its exact rows from
+    the maps (which read the row before each filled row, across a chunk's edge too). Each layer
+    holds the rows of one pass, of the same kinds, within rounding; the same rows are chosen; the
+    logits and the rescue's states agree and greedy decoding continues alike. On Gemma 3 the
+    sliding layers see 8 rows back, so a filled row is written where an exact row of a later chunk
+    sees it, and the choice is read below a late exact layer (split 3, read at layer 1)."""
+    from dataclasses import replace
+
+    from kvforge.generation import GenerationConfig
+
+    engine = Engine(tiny_loaded(family, seed=2))
+    split = 2 if family == "llama" else 3
+    if family == "gemma3":
+        engine.adapter.windows = [8, None, 8, 8]
+    ids = _ids(8)
+    config = RidgeFillConfig(split=split, tail=5, sinks=2, attended_rows=2, attended_span=1)
+    plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, split))
+    assert plan.choose is not None and plan.choose_at == 2
+    whole_logits, whole, whole_states = engine.prefill_with_states([ids], plan=plan)
+    steps, yields = engine.prefill_steps([ids], chunk_size=8, plan=plan), 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            yields += 1
+    chunked_logits, chunked, chunked_states = done.value.value
+    kept = final_depth(whole, T) == engine.num_layers
+    assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and 8 < int(kept.sum()) < T
+    assert yields == T // 8 + -(-int(kept.sum()) // 8) - 1  # five chunks below the split, then chunks of 8 exact rows
+    for layer in range(engine.num_layers):
+        assert torch.equal(whole[layer].row_positions(), chunked[layer].row_positions())
+        assert torch.equal(whole[layer].row_kinds(), chunked[layer].row_kinds())
+        assert (whole[layer].keys() - chunked[layer].keys()).abs().max() < TOL
+        assert (whole[layer].values() - chunked[layer].values()).abs().max() < TOL
+    assert (whole_logits - chunked_logits).abs().max() < TOL and (whole_states - chunked_states).abs().max() < TOL
+    greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert engine.generate(ids, replace(greedy, chunk_size=8), plan=plan)[0].token_ids == engine.generate(ids, greedy, plan=plan)[0].token_ids

@@ -810,22 +810,26 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
         assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
 
 
-@pytest.mark.parametrize("method", ["exact", "speed"])
+@pytest.mark.parametrize("method", ["exact", "speed", "ridgefill"])
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch, method):
     """Each loop iteration runs one chunk of the prompt being prefilled and one step of the
     running batch: the running stream commits a token between every two chunks, and both decode
     what they decode alone (the prompt as `generate` with the same chunk size and plan prefills it).
-    SPEED prompts chunk too: each row's depth is known from the prompt's length."""
+    SPEED prompts chunk too: each row's depth is known from the prompt's length. RidgeFill prompts
+    chunk in two phases: the layers below the split, then the late layers of its exact rows."""
     from dataclasses import replace
 
+    from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
     from kvforge.fill.speed import SpeedConfig, speed_plan
     from kvforge.generation import GenerationConfig
+    from kvforge.plan import final_depth
     from kvforge.serve.app import planned_prefiller
     from kvforge.serve.scheduler import Scheduler, ServeRequest
 
     engine = tiny_engine
-    make_plan = (lambda ids: None) if method == "exact" else (
-        lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers))
+    ridgefill = RidgeFillConfig(split=2, tail=4, sinks=2, attended_rows=2, attended_span=1, fill="identity")
+    make_plan = {"exact": lambda ids: None, "speed": lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers),
+                 "ridgefill": lambda ids: ridgefill_plan(engine, ids, ridgefill)}[method]
     running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(100)]
     arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
@@ -843,12 +847,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         events.append("chunk")  # a planned chunk
         return run_plan(ids, *rest)
 
+    run_layer, plan_layer = engine.run_layer, engine._plan_layer
+
+    def layer_spy(layer, h, *rest, **kw):
+        if layer == 0 and h.shape[1] > 1:  # a RidgeFill chunk below the split (the running request's steps are one token wide)
+            events.append("chunk")
+        return run_layer(layer, h, *rest, **kw)
+
+    def late_spy(layer, h, *rest, **kw):
+        if layer == ridgefill.split and kw.get("rows") is not None:  # a RidgeFill chunk of late layers
+            events.append("chunk")
+        return plan_layer(layer, h, *rest, **kw)
+
     monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "run_plan", plan_spy)
+    if method == "ridgefill":
+        monkeypatch.setattr(engine, "run_layer", layer_spy)
+        monkeypatch.setattr(engine, "_plan_layer", late_spy)
     done = threading.Semaphore(0)
     for r in (running, arriving):
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), "speed": planned_prefiller(engine, make_plan, chunk_size=8)}
+    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), method: planned_prefiller(engine, make_plan, chunk_size=8)}
     scheduler = Scheduler(engine, prefillers, max_batch=4)
     scheduler.submit(running)
     scheduler.start()
@@ -863,10 +882,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     finally:
         scheduler.stop()
     chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
-    assert len(chunks) == 13  # 100 tokens in chunks of 8
-    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
     monkeypatch.setattr(engine, "forward", forward)
     monkeypatch.setattr(engine, "run_plan", run_plan)
+    monkeypatch.setattr(engine, "run_layer", run_layer)
+    monkeypatch.setattr(engine, "_plan_layer", plan_layer)
+    late = 0
+    if method == "ridgefill":  # then chunks of 8 of the rows it keeps exact
+        kept = int((final_depth(engine.prefill([long_prompt], plan=make_plan(long_prompt))[1], 100) == engine.num_layers).sum())
+        late = -(-kept // 8)
+        assert 8 < kept < 100
+    assert len(chunks) == 13 + late  # 100 tokens in chunks of 8
+    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
     assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids
     expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
     assert arriving.seq.token_ids == expected

@@ -210,8 +210,9 @@ class Engine:
     ):
         """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
         (where a server runs its running requests' decode step: chunked prefill that shares the
-        time with decoding) and returns its result. A plan with fills or a choice (RidgeFill) runs
-        whole; one whose rows are exact or absent (SPEED) runs in chunks too."""
+        time with decoding) and returns its result. Plans run in chunks too: one whose rows are
+        exact or absent (SPEED) as an exact prefill does, one that fills its rows from one split
+        (RidgeFill) in two phases (`_fill_in_chunks`); other plans, and hybrids' fills, run whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
             # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
             # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
@@ -229,6 +230,8 @@ class Engine:
             plan.validate(ids.shape[1], self.num_layers)
             if chunk_size and ids.shape[1] > chunk_size and plan.fill is None and plan.choose is None:
                 return (yield from self._plan_in_chunks(ids, positions, cache, plan, chunk_size))
+            if chunk_size and ids.shape[1] > chunk_size and self._leaves_at_one_split(plan):
+                return (yield from self._fill_in_chunks(ids, positions, cache, plan, chunk_size))
             with torch.inference_mode():
                 h, states = self.run_plan(ids, positions, cache, plan)
                 return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, states
@@ -258,6 +261,58 @@ class Engine:
         with torch.inference_mode():
             return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, None
 
+    def _leaves_at_one_split(self, plan: PrefillPlan) -> bool:
+        """Whether `plan` fills every row it does not keep exact from one split on (RidgeFill), its
+        choice of exact rows made at or below the split, on a model without recurrent layers:
+        what `_fill_in_chunks` runs."""
+        left = plan.depth[plan.depth < self.num_layers]
+        if plan.fill is None or left.numel() == 0 or not bool((left == left[0]).all()):
+            return False
+        split = int(left[0])
+        return (plan.choose_at or split) <= split and not any(self.adapter.is_recurrent(layer) for layer in range(self.num_layers))
+
+    def _fill_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
+        """A plan whose rows leave at one split and are filled past it (`_leaves_at_one_split`) in
+        two phases of chunks, yielding between chunks: layers [0, split) over `chunk` rows at a time
+        (every row is exact there); then the plan's choice of exact rows, which reads the cache of
+        its layer and the tail's stream entering it, both whole by then; then layers [split, L) over
+        chunks of `chunk` exact rows each, a chunk's filled rows written from their h_split in
+        position order among its exact rows. Each exact row attends over the rows earlier chunks
+        left, as in one pass; the rows' bits are `generate`'s with the same chunk size."""
+        a, tokens = self.adapter, ids.shape[1]
+        depth = plan.depth.to(self.device)
+        split = int(depth.min())
+        read = (plan.choose_at or split) - 1 if plan.choose is not None else None  # the layer whose input the choice reads
+        streams, read_streams = [], []
+        for start in range(0, tokens, chunk):
+            if start:
+                yield
+            rows = slice(start, min(start + chunk, tokens))
+            with torch.inference_mode():
+                h = a.embed(ids[:, rows])
+                rope = a.rope(h, positions[:, rows])
+                for layer in range(split):
+                    if layer == read:
+                        read_streams.append(h)
+                    h = self.run_layer(layer, h, positions[:, rows], cache, rope)
+            streams.append(h)
+        with torch.inference_mode():
+            at_depth = torch.cat(streams, dim=1)  # every row's h_split
+            if plan.choose is not None:
+                depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
+        exact = (depth == self.num_layers).nonzero().squeeze(1).tolist()
+        starts = [0] + exact[chunk::chunk]  # each chunk holds `chunk` exact rows
+        for start, end in zip(starts, starts[1:] + [tokens]):
+            yield
+            rows = slice(start, end)
+            with torch.inference_mode():
+                h = at_depth[:, rows]
+                rope = a.rope(h, positions[:, rows])
+                for layer in range(split, self.num_layers):
+                    h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth, rows=rows)
+        with torch.inference_mode():
+            return a.head(h[:, -1:]).squeeze(1).float(), cache, at_depth
+
     def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are
         filled (their K/V written from the plan's predicted input, in position order among the
@@ -286,34 +341,50 @@ class Engine:
                     at_depth = h.clone()
                 else:
                     at_depth[:, leaving] = h[:, leaving]
-            past = depth <= layer
-            if not bool(past.any()):  # below every row's depth: the plain exact layer, no gathers
+            if not bool((depth <= layer).any()):  # below every row's depth: the plain exact layer, no gathers
                 h_before, h = h, self.run_layer(layer, h, positions, cache, rope)
                 continue
-            active = ~past
-            if plan.fill is None and not bool(active.any()):  # every row absent from here on (a chunk of shallow rows)
-                continue
-            h_active = h[:, active]
-            if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
-                h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
-                h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
-                continue
-
-            def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor, layer=layer, active=active, past=past) -> None:
-                present, kinds = active, RowKind.EXACT
-                if plan.fill is not None:
-                    written = past & readable_rows(positions[0], active, a.windows[layer])
-                    k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, written, _rope_rows(rope, written))
-                    present = active | written
-                    is_exact = active[present]
-                    k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
-                    kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
-                held.append(k, v, positions[:, present], kinds)
-
-            h_new = self.attention_layer(layer, h_active, positions[:, active], cache, _rope_rows(rope, active), store)
-            # Out of place: autograd may still need the old h when a plan is trained through.
-            h = h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+            h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth)
         return h, at_depth
+
+    def _plan_layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, rope: dict, depth: torch.Tensor,
+                    plan: PrefillPlan, at_depth: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
+        """One layer of a plan that some rows have left: the rows still within their depth run it
+        exactly, rows past it are filled (written before the exact rows attend, in position order
+        among them) or absent. `positions`, `depth` and `at_depth` are the whole prompt's; `h` and
+        `rope` hold the rows `rows` (a chunk of the prompt; None: all of it), the only rows this
+        call runs and writes. A filled row is written where an exact row of the whole prompt
+        can see it (a sliding window), whichever chunk that row is in."""
+        a = self.adapter
+        chunk = rows if rows is not None else slice(None)
+        exact_anywhere = depth > layer
+        active, past = exact_anywhere[chunk], ~exact_anywhere[chunk]
+        if plan.fill is None and not bool(active.any()):  # every row absent from here on (a chunk of shallow rows)
+            return h
+        h_active = h[:, active]
+        if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
+            if rows is not None:
+                raise ValueError("a plan runs a recurrent layer over the whole prompt, not a chunk of it")
+            h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
+            return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+        chunk_positions = positions[:, chunk]
+
+        def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor) -> None:
+            present, kinds = active, RowKind.EXACT
+            written = past & readable_rows(positions[0], exact_anywhere, a.windows[layer])[chunk] if plan.fill is not None else None
+            if written is not None and bool(written.any()):  # a chunk may hold no row to fill
+                whole = torch.zeros_like(exact_anywhere)
+                whole[chunk] = written
+                k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, whole, _rope_rows(rope, written))
+                present = active | written
+                is_exact = active[present]
+                k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
+                kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
+            held.append(k, v, chunk_positions[:, present], kinds)
+
+        h_new = self.attention_layer(layer, h_active, chunk_positions[:, active], cache, _rope_rows(rope, active), store)
+        # Out of place: autograd may still need the old h when a plan is trained through.
+        return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
 
     def _run_recurrent_plan(self, layer, h_active, active, past, at_depth, positions, cache, plan) -> torch.Tensor:
         """One recurrent layer of `run_plan`: a filled row runs the layer's projections and state

@@ -139,8 +139,10 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
     }
 
 
-def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int, steady: int = 8) -> dict:
-    """Streams decoding when a long prompt arrives: each stream's inter-token latencies (the time
+def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int, steady: int = 8,
+                method: str = "exact") -> dict:
+    """Streams decoding when a long prompt arrives (prefilled by `method`: exact, ridgefill or
+    speed): each stream's inter-token latencies (the time
     between two streamed chunks as the client reads them; a reader never blocks). Their median
     over a steady stretch before the arrival (every stream running, `steady` chunks each), and
     their 99th percentile over the gaps that overlap the long prompt's prefill (from its request's
@@ -175,7 +177,8 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     wait_until(lambda: all(len(times) >= n + steady or done for times, n, done in zip(arrivals, counts, ended)))
     sent = time.perf_counter()
     with httpx.Client() as http:
-        long = stream_completion(http, url, {"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0})
+        long = stream_completion(http, url, {"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0,
+                                             "kvforge": METHOD_OPTIONS[method]})
     first = sent + (long["ttft_s"] or 0.0)
     time.sleep(0.5)  # a few steps after it joins
     stop.set()
@@ -193,7 +196,7 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     pick = lambda values, q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else None  # noqa: E731
     median, p99 = pick(steady_gaps, 0.5), pick(during, 0.99)
     return {
-        "streams": len(stream_prompts), "arrival_tokens": len(long_prompt), "arrival_ttft_s": long["ttft_s"],
+        "streams": len(stream_prompts), "arrival_tokens": len(long_prompt), "arrival_method": method, "arrival_ttft_s": long["ttft_s"],
         "median_itl_ms": 1000 * median if median else None, "p99_itl_ms_during_prefill": 1000 * p99 if p99 else None,
         "max_itl_ms_during_prefill": 1000 * during[-1] if during else None, "chunks_during_prefill": len(during),
         "p99_over_median": p99 / median if median and p99 else None, "failed": int(not long["complete"]),
@@ -203,19 +206,22 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
                 attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None,
-                arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None) -> dict:
+                arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None, arrival_method: str = "exact") -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
     `speed_tail`: SPEED's full-depth tail (default 64). `arrival_tokens` > 0: also a prompt of
     that many tokens arriving while `streams` streams decode (`run_arrival`), once per server
-    chunk size in `chunks` (`--max-num-batched-tokens`; None: whole prompts)."""
+    chunk size in `chunks` (`--max-num-batched-tokens`; None: whole prompts), prefilled by
+    `arrival_method`."""
     from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     unknown = [m for m in methods if m not in METHOD_OPTIONS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
-    if "ridgefill" in methods and maps is None:
+    if arrival_method not in ("exact", "ridgefill", "speed"):
+        raise ValueError(f"unknown arrival method {arrival_method!r}: use exact, ridgefill or speed")
+    if "ridgefill" in (*methods, arrival_method) and maps is None:
         maps = find_artifact("maps", model)
     chunks = chunks or [512]
     levels = levels or [1]
@@ -239,7 +245,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
                     progress(f"a {arrival_tokens}-token prompt arriving while {streams} streams decode, chunks of {chunk or 'the whole prompt'}")
                 with httpx.Client() as http:  # warm-up
                     stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
-                arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], long_prompt, 400)})
+                arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], long_prompt, 400, method=arrival_method)})
             finally:
                 stop_server(server)
     server, url = start_server(create_app(served))

@@ -19,7 +19,7 @@ RidgeTailOpt = typer.Option(None, "--tail", help="RidgeFill full-depth tail toke
 SpeedTailOpt = typer.Option(None, "--speed-tail", help="SPEED full-depth tail tokens (default 64, or the adapter's).")
 BatchedTokensOpt = typer.Option(
     512, "--max-num-batched-tokens", min=0,
-    help="Exact prompts longer than this are prefilled in chunks of it, each beside a decode step of the running requests (0: whole prompts).")
+    help="Exact, SPEED and RidgeFill prompts longer than this are prefilled in chunks of it, each beside a decode step of the running requests (0: whole prompts).")
 
 
 @app.command()
@@ -119,6 +119,7 @@ def bench_serve_cmd(
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
     arrival_tokens: int = typer.Option(0, "--arrival-tokens", min=0, help="Also: a prompt of this many tokens arriving while --streams streams decode (their inter-token latency during its prefill against their median)."),
     streams: int = typer.Option(15, "--streams", min=1, help="Streams decoding when the --arrival-tokens prompt arrives."),
+    arrival_method: str = typer.Option("exact", "--arrival-method", help="How the --arrival-tokens prompt is prefilled: exact, ridgefill (the cached maps) or speed."),
     batched_tokens: str = typer.Option("512", "--max-num-batched-tokens", help="The server's prefill chunk, comma-separated: one --arrival-tokens run each (0: whole prompts); the first serves the concurrency levels."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -138,7 +139,8 @@ def bench_serve_cmd(
         raise ValueError("--max-num-batched-tokens takes token counts >= 0 (0: whole prompts)")
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
                          device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows,
-                         dtype=dtype, arrival_tokens=arrival_tokens, streams=streams, chunks=chunks)
+                         dtype=dtype, arrival_tokens=arrival_tokens, streams=streams, chunks=chunks,
+                         arrival_method=arrival_method)
     if json_out:
         emit_json(report)
         return
@@ -152,9 +154,9 @@ def bench_serve_cmd(
                       str(r["ran_exact"]), str(r["failed"]))
     Console().print(table)
     if report["arrival"]:
-        arrival = Table("prefill chunk", "streams", "arrival tokens", "its TTFT s", "median ITL ms", "p99 ITL during its prefill ms", "× median")
+        arrival = Table("prefill chunk", "streams", "arrival tokens", "method", "its TTFT s", "median ITL ms", "p99 ITL during its prefill ms", "× median")
         for a in report["arrival"]:
             shown = lambda value, digits: "—" if value is None else f"{value:.{digits}f}"  # noqa: E731
-            arrival.add_row(str(a["max_num_batched_tokens"] or "whole"), str(a["streams"]), str(a["arrival_tokens"]), shown(a["arrival_ttft_s"], 2),
+            arrival.add_row(str(a["max_num_batched_tokens"] or "whole"), str(a["streams"]), str(a["arrival_tokens"]), a["arrival_method"], shown(a["arrival_ttft_s"], 2),
                             shown(a["median_itl_ms"], 1), shown(a["p99_itl_ms_during_prefill"], 1), shown(a["p99_over_median"], 2))
         Console().print(arrival)

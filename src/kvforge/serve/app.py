@@ -98,8 +98,8 @@ class ServeConfig:
     speed_tail: int | None = None
     history_entries: int = DEFAULT_MAX_ENTRIES  # per scheduler, (n-gram, successor) pairs; 0: no history
     handoff_native_tail: int = 0  # a hand-off's last prompt tokens the target prefills itself (`translate_cache`)
-    # an exact prompt longer than this is prefilled in chunks of it, each beside a step of the
-    # running requests (vLLM's name; None: whole prompts)
+    # an exact, SPEED or RidgeFill prompt longer than this is prefilled in chunks of it, each
+    # beside a step of the running requests (vLLM's name; None: whole prompts)
     max_num_batched_tokens: int | None = 512
     # bytes of KV cache per weight set, allocated at the first request and split evenly across
     # --max-batch sequences; None: buffers that grow with the sequences
