@@ -432,16 +432,14 @@ def test_a_group_of_tied_rows_counts_the_least_accept_length_it_expects():
     """Eight rows with the same budget left and a = 0.66 each expect 1.7 accepted tokens, yet all
     eight accept one only with chance 0.66^8 = 0.04: the group saves a step that rarely, so no
     width pays (width 2 costs 1.25 plain steps, width 9 three); at a = 0.97 it does."""
-    from kvforge.speculative.gate import Acceptance, DraftGate, _least_accepted
+    from kvforge.speculative.gate import Acceptance, DraftGate
 
-    assert _least_accepted([0.66] * 8, [8] * 8) == pytest.approx(sum(0.66 ** (8 * j) for j in range(1, 9)))
-    assert _least_accepted([0.9, 0.9], [8, 0]) == 0.0  # a row with nothing drafted gains nothing
-    assert _least_accepted([0.5], [3]) == pytest.approx(0.5 + 0.25 + 0.125)  # one row: its expectation
     middling, sure = Acceptance(decay=1.0), Acceptance(decay=1.0)
     middling.hits, middling.misses, sure.hits, sure.misses = 660, 340, 970, 30
     group = DraftGate(_cost(3.0, shared=0.5), group=True)
     assert group.choose([[1] * 8] * 8, [middling] * 8, 100, [40] * 8) == 0
     assert group.choose([[1] * 8] * 8, [sure] * 8, 100, [40] * 8) > 0
+    assert group.choose([[1] * 8] * 7 + [[]], [sure] * 8, 100, [40] * 8) == 0  # a tied row with no draft: no step saved
 
 
 def test_a_group_whose_rows_stop_before_their_budget_does_not_bet_on_the_budget():
@@ -499,6 +497,24 @@ def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
     measured = {bucket: dict(table) for bucket, table in cost.prior.items()}
     cost.calibrate(4, widths=6)  # widths 5 and 6 measured, the others kept
     assert all(cost.prior[b] == {**measured[b], 5: cost.prior[b][5], 6: cost.prior[b][6]} for b in (1, 2, 4))
+    # and, per bucket of two rows or more, a plain step over sequences that end apart against one over sequences ending together
+    assert sorted(cost.ragged) == [2, 4] and all(ratio > 0 for ratio in cost.ragged.values())
+
+
+def test_a_group_ending_together_drafts_only_where_the_saving_covers_ending_apart():
+    """A drafted step whose rows accept different lengths leaves a group's sequences ending apart,
+    and every later plain step costs more (`StepCost.ragged`): while they end together, a step is
+    charged that excess too; once they end apart, not."""
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    rate = Acceptance(decay=1.0)
+    rate.hits, rate.misses = 930, 70
+    cost = _cost(1.3, shared=0.9)
+    group, drafts, rows = DraftGate(cost, group=True), [[1] * 8] * 8, [rate] * 8
+    assert group.choose(drafts, rows, 100, [40] * 8, together=True) > 0  # nothing measured: no excess
+    cost.ragged = {8: 1.5}  # half a plain step more, every step, once apart
+    assert group.choose(drafts, rows, 100, [40] * 8, together=True) == 0
+    assert group.choose(drafts, rows, 100, [40] * 8, together=False) > 0
 
 
 def test_without_the_gate_every_step_drafts_and_tokens_stay_exact():

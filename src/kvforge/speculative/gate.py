@@ -21,7 +21,7 @@ the call only if that row is the last to finish. So a group's gate maximises the
 saves, net of what its width costs:
 
     saved(K) = q E_crit(K) x step(B, 1, C) + (sum_r E_r(K) - q |crit| E_crit(K)) x row,
-    net(K)   = saved(K) - (step(B, K + 1, C) - step(B, 1, C)),
+    net(K)   = saved(K) - (step(B, K + 1, C) - step(B, 1, C)) - apart,
 
 with E_r(K) the row's expected accepted tokens, crit the rows with the most of their token budget
 left (the likeliest to finish last), E_crit(K) the expected least accept length among them (the
@@ -34,10 +34,18 @@ The rows with the most budget left are the last to finish only if they run to th
 that stops at its end-of-sequence token first leaves the last step to another row. q is the share
 of the group rows this engine decoded that ran to their budget (one pseudo-trial at 1/2, slowly
 forgotten); with probability 1 - q their gain saves only their share of later steps. A group's
-step drafts only when net(K) is at least its width's extra cost again (`GROUP_MARGIN`), and, with
+step drafts only when net(K) is at least its extra cost (the wider step's and `apart`) again (`GROUP_MARGIN`), and, with
 a measured prior, never at a width whose extra cost does not show (noise, not a free step). A
 step whose rows all keep the same budget drafts only when every row's draft is likely to land; a
-single row is judged as before.
+single row is judged as before. `apart` is what a first drafted step costs every later one: the
+group's sequences end at the same row until a drafted step's rows accept different lengths, and
+from then on each row's appends and attention run to its own end, every plain step some percent
+dearer (`StepCost.ragged_seconds`, calibrated: 8 rows of smollm2-135m in bf16 on AMX tiles, one
+thread, 3-7 %). So while they end together a drafted step is charged that excess once more: the
+steps after it, drafting as it does, each save what it saves and bear the excess; a step whose
+saving does not cover it leaves the rows together (on `bench rl`'s fresh-noise groups a gate
+without it drafted 2 % of steps and ran 2 % slower than one that never drafts). apart is 0 once
+they end apart. (Rows that finish apart, the server's, end apart anyway.)
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
@@ -59,6 +67,7 @@ tokens are plain decoding's whatever it decides.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -135,6 +144,9 @@ class StepCost:
     decay: float = 0.5
     # every row's trials over this engine (slowly forgotten): the prior of a new row's acceptance
     population: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
+    # per calibrated bucket: a plain step's seconds on a batch whose sequences end at different
+    # rows over one whose sequences end together (`ragged_seconds`)
+    ragged: dict[int, float] = field(default_factory=dict)
     finished: float = 0.0  # group rows finished (slowly forgotten), and those of them that ran to their budget
     ran_out: float = 0.0
 
@@ -241,6 +253,14 @@ class StepCost:
         best = max(bands.values(), key=len, default={})
         return best if len(best) >= 2 else None
 
+    def ragged_seconds(self, batch: int, context: int) -> float:
+        """What every later plain step costs more once a batch's sequences end at different rows
+        (a drafted step whose rows accepted different lengths leaves them so: each row's appends
+        and attention then run to its own end) than while they end together: the calibrated ratio
+        at the batch's bucket over a plain step; 0 where not measured."""
+        ratio = self.ragged.get(_bucket(batch), 1.0)
+        return max(0.0, ratio - 1.0) * self.seconds(batch, 1, context)
+
     def host_seconds(self, batch: int, width: int) -> float:
         """A step's host seconds at this batch and width: observed, else observed at the nearest
         batch (then the nearest width there, at least its width 1's: a wider step verifies more);
@@ -278,6 +298,8 @@ class StepCost:
             missing = [w for w in range(1, widths + 1) if w not in self.prior.get(bucket, {})]
             if missing:
                 self.prior.setdefault(bucket, {}).update(self._measure(bucket, missing))
+            if bucket > 1 and bucket not in self.ragged:
+                self.ragged[bucket] = self._measure_ragged(bucket)
             bucket //= 2
 
     def _measure(self, bucket: int, widths: list[int]) -> dict[int, float]:
@@ -294,6 +316,28 @@ class StepCost:
         return table
 
 
+    def _measure_ragged(self, bucket: int, repeats: int = 5) -> float:
+        """A plain step's seconds over a scratch batch whose sequences end one row apart, over the
+        same batch ending together (each the least of `repeats` timings, taken in turns: a
+        difference of a few percent)."""
+        engine, best = self.engine, {}
+        with torch.inference_mode():
+            caches = {name: engine.prefill([[1] * SCRATCH_ROWS] * bucket)[1] for name in ("together", "apart")}
+            apart = caches["apart"]
+            engine.forward(torch.ones(bucket, 2, dtype=torch.long, device=engine.device),
+                           apart.next_positions().view(-1, 1) + torch.arange(2, device=engine.device), apart, "all")
+            apart.rollback([b % 2 for b in range(bucket)])
+            for _ in range(repeats):
+                for name, cache in caches.items():
+                    ids = torch.ones(bucket, 1, dtype=torch.long, device=engine.device)
+                    positions = cache.next_positions().view(-1, 1)
+                    start = time.perf_counter()
+                    engine.forward(ids, positions, cache, "all")
+                    best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+                    cache.rollback([1] * bucket)
+        return best["apart"] / best["together"]
+
+
 def _line(table: dict[int, float], width: int) -> float:
     """Seconds at `width`: measured, or on the line through the two nearest widths measured (one
     width measured: its seconds)."""
@@ -303,18 +347,6 @@ def _line(table: dict[int, float], width: int) -> float:
         return next(iter(table.values()))
     a, b = sorted(sorted(table, key=lambda w: abs(w - width))[:2])
     return max(table[a] + (table[b] - table[a]) * (width - a) / (b - a), min(table.values()))
-
-
-def _least_accepted(rates: Sequence[float], lengths: Sequence[int]) -> float:
-    """Expected least accept length among rows with independent geometric accepts (per-token
-    rates `rates`, drafts of `lengths` tokens): the sum over j of the chance that every row
-    accepts at least j tokens."""
-    total, reach = 0.0, 1.0
-    for j in range(1, min(lengths, default=0) + 1):
-        for a in rates:
-            reach *= a
-        total += reach
-    return total
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, StepCost]" = weakref.WeakKeyDictionary()
@@ -345,16 +377,17 @@ class DraftGate:
         self.cost.calibrate(batch, widths)
 
     def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int,
-               remaining: Sequence[int] | None = None) -> int:
+               remaining: Sequence[int] | None = None, together: bool = False) -> int:
         """The draft length K (0: verify nothing) with the most expected committed tokens per
         second for a step of these rows, each with its proposed draft; for a group (`remaining`:
-        each row's token budget left), the most seconds saved (module docstring)."""
+        each row's token budget left; `together`: its sequences end at the same row), the most
+        seconds saved (module docstring)."""
         batch = len(drafts)
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 0
         if self.group and remaining is not None and batch > 1:
-            return self._group_choice(drafts, acceptance, context, remaining, longest)
+            return self._group_choice(drafts, acceptance, context, remaining, longest, together)
         step = self.cost.step_seconds(batch, longest + 1, context)
         best_k, best_rate = 0, batch / step[0]
         for k in range(1, longest + 1):
@@ -365,26 +398,40 @@ class DraftGate:
         return best_k
 
     def would_draft(self, rooms: Sequence[int], acceptance: Sequence[Acceptance], context: int,
-                    remaining: Sequence[int] | None = None) -> bool:
+                    remaining: Sequence[int] | None = None, together: bool = False) -> bool:
         """Whether `choose` could pick a draft for rows that may verify `rooms` tokens, whatever
         they propose: `choose` over drafts of every row's whole room is an upper bound, since a
         longer draft never lowers a step's expected gain (nor, for a group, the least accept
         length among its critical rows) and a width's cost does not depend on the drafts."""
-        return self.choose([range(max(0, room)) for room in rooms], acceptance, context, remaining) > 0
+        return self.choose([range(max(0, room)) for room in rooms], acceptance, context, remaining, together) > 0
 
-    def _group_choice(self, drafts, acceptance, context: int, remaining: Sequence[int], longest: int) -> int:
+    def _group_choice(self, drafts, acceptance, context: int, remaining: Sequence[int], longest: int, together: bool) -> int:
         batch = len(drafts)
         step = self.cost.step_seconds(batch, longest + 1, context)
         plain = step[0]
+        # a first drafted step leaves the rows ending apart, and every later step bears the excess
+        apart = self.cost.ragged_seconds(batch, context) if together else 0.0
         row = self.cost.row_seconds(batch, context)
         last = max(remaining)
         critical = [i for i, left in enumerate(remaining) if left == last]
+        rates, lengths = [a.rate for a in acceptance], [len(d) for d in drafts]
+        # grown one draft token at a time: each row's a^k, the rows' summed expected accepts
+        # (E_r(K) = sum_{i <= min(K, len d_r)} a_r^i), and E_crit(K) = sum_{j <= min(K, J)} (prod_crit a)^j
+        power, expected = [1.0] * batch, 0.0
+        crit_rate, crit_length = math.prod(rates[i] for i in critical), min(lengths[i] for i in critical)
+        reach, least = 1.0, 0.0
         best_k, best_net = 0, 0.0
         for k in range(1, longest + 1):
-            expected = [a.expected(min(k, len(d))) for d, a in zip(drafts, acceptance)]
-            whole = self.cost.budget_share * _least_accepted([acceptance[i].rate for i in critical], [min(k, len(drafts[i])) for i in critical])
-            saved = whole * plain + (sum(expected) - whole * len(critical)) * row
-            extra = step[k] - plain
+            for r in range(batch):
+                if k <= lengths[r]:
+                    power[r] *= rates[r]
+                    expected += power[r]
+            if k <= crit_length:
+                reach *= crit_rate
+                least += reach
+            whole = self.cost.budget_share * least
+            saved = whole * plain + (expected - whole * len(critical)) * row
+            extra = step[k] - plain + apart
             net = saved - extra
             # with a measured prior, a width that looks free is noise; without one (vLLM's step,
             # measured as it runs) it is a width not yet tried

@@ -334,9 +334,10 @@ def speculative_step(
     rooms = [_room(r, k, context_limit) for r in requests]
     context = max(len(r.context) for r in requests)
     remaining = [r.config.max_new_tokens - len(r.seq.token_ids) for r in requests]
+    together = len({r.offset + len(r.context) for r in requests}) == 1  # the sequences end at the same row
     # a step that would verify no draft however long the rows' drafts came out looks up none,
     # but on every PROBE_EVERY-th step of a request: its acceptance keeps learning
-    probing_only = gate is not None and not gate.would_draft(rooms, [r.acceptance for r in requests], context, remaining)
+    probing_only = gate is not None and not gate.would_draft(rooms, [r.acceptance for r in requests], context, remaining, together)
     proposals, prefetched, sources = [], [], []  # per row: the draft proposed, 1 when it is the previous step's prefetch hit, its source
     for r, room in zip(requests, rooms):
         ready, r.ready = r.ready, None
@@ -357,7 +358,7 @@ def speculative_step(
     # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
     proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
-    step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining) if gate is not None else k
+    step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining, together) if gate is not None else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
     starts = [r.offset + len(r.context) - 1 for r in requests]
