@@ -44,8 +44,8 @@ dearer (`StepCost.ragged_seconds`, calibrated: 8 rows of smollm2-135m in bf16 on
 thread, 3-7 %). So while they end together a drafted step is charged that excess once more: the
 steps after it, drafting as it does, each save what it saves and bear the excess; a step whose
 saving does not cover it leaves the rows together (on `bench rl`'s fresh-noise groups a gate
-without it drafted 2 % of steps and ran 2 % slower than one that never drafts). apart is 0 once
-they end apart. (Rows that finish apart, the server's, end apart anyway.)
+without the charge drafted a few steps whose groups then ran apart, and lost to one that never
+drafts). apart is 0 once they end apart. (Rows that finish apart, the server's, end apart anyway.)
 
 `Acceptance` learns a_r from every proposal, verified or not: a draft that was not verified is
 compared with the tokens the step then committed, which are the tokens a verification of it
@@ -85,9 +85,9 @@ GROUP_MARGIN = 1.0
 SCRATCH_ROWS = CONTEXT_BAND  # the calibration cache's context: a first band's attention beside the projections
 # While even drafts as long as the rows may verify would not pay (`DraftGate.would_draft`), a
 # request looks up a draft only every PROBE_EVERY-th step, to keep its acceptance learning: the
-# lookups of the steps between are spent for nothing (about 1.5 % of a step of 8 RL samples of
-# smollm2-135m in bf16 on AMX tiles, one thread), and a rate learned from a quarter of the steps
-# moves within a few dozen of them
+# lookups of the steps between would be spent for nothing (8 rows' lookups took about 1.5 % of a
+# step of 8 RL samples of smollm2-135m in bf16 on AMX tiles, one thread), and a rate learned from a
+# quarter of the steps moves within a few dozen of them
 PROBE_EVERY = 4
 
 
