@@ -487,6 +487,7 @@ def test_a_wider_steps_host_work_counts_in_its_cost():
 def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
     """The prior holds widths 1..k+1 for the batch's bucket and every smaller bucket (a batch
     shrinks as its requests finish), each width measured once."""
+    from kvforge.speculative.gate import SCRATCH_ROWS as SCRATCH
     from kvforge.speculative.gate import step_cost
 
     engine = Engine(tiny_loaded("llama"))
@@ -497,8 +498,70 @@ def test_calibration_measures_every_width_the_gate_may_pick_down_to_one_row():
     measured = {bucket: dict(table) for bucket, table in cost.prior.items()}
     cost.calibrate(4, widths=6)  # widths 5 and 6 measured, the others kept
     assert all(cost.prior[b] == {**measured[b], 5: cost.prior[b][5], 6: cost.prior[b][6]} for b in (1, 2, 4))
-    # and, per bucket of two rows or more, a plain step over sequences that end apart against one over sequences ending together
+    assert cost.ragged == {}  # a gate for rows that finish apart never asks what ending apart costs
+    # a group's gate: per bucket of two rows or more, plain steps over sequences that end apart and together
+    ends, forward = [], engine.forward
+    engine.forward = lambda ids, positions, cache, logits: (ids.shape[1] == 1 and ends.append(cache[0].ends)) or forward(ids, positions, cache, logits)
+    cost.calibrate(4, widths=6, ragged=True)
+    del engine.forward
     assert sorted(cost.ragged) == [2, 4] and all(ratio > 0 for ratio in cost.ragged.values())
+    assert ends.count(None) == ends.count([SCRATCH + 2, SCRATCH + 1]) + ends.count([SCRATCH + 2, SCRATCH + 1] * 2) == 10  # 5 timings each way per bucket
+
+
+def test_while_no_draft_could_pay_a_request_looks_one_up_every_few_steps():
+    """`would_draft` says no while even drafts as long as the rows may verify would not pay: the
+    drafter is consulted only on every `PROBE_EVERY`-th step, which is enough for its rate to
+    keep learning; without the gate, at every step. The tokens are plain decoding's either way."""
+    from kvforge.speculative.gate import PROBE_EVERY, DraftGate, StepCost
+
+    engine = Engine(tiny_loaded("llama"))
+    prompt, config = list(range(10, 30)), GenerationConfig(max_new_tokens=33, ignore_eos=True)
+    plain = engine.generate(prompt, config)[0].token_ids
+
+    class Counting:
+        calls = 0
+
+        def propose(self, context, k):
+            self.calls += 1
+            return [3] * k
+
+        def observe(self, tokens):
+            pass
+
+    cost = StepCost(engine)
+    cost.prior = {1: {w: 1e-3 * w**3 for w in range(1, 6)}}  # every wider step dearer than anything it could land
+    cost.record = lambda *timings: None
+    gated, ungated = Counting(), Counting()
+    out, stats = speculative_generate(engine, [prompt], [gated], config, 4, gate=DraftGate(cost))
+    assert out[0].token_ids == plain and stats.drafted == 0 and stats.steps == 32
+    assert gated.calls == 32 // PROBE_EVERY
+    out, stats = speculative_generate(engine, [prompt], [ungated], config, 4, gate=None)
+    assert out[0].token_ids == plain and ungated.calls == stats.steps - 1  # the last step has no room for a draft
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_bound_of_would_draft_holds_for_any_drafts_within_the_rows_rooms(data):
+    """If `choose` drafts for some proposals, `would_draft` says so for the rows' rooms (what lets
+    a step skip its lookups): for rows that finish apart and for groups, together or apart."""
+    from kvforge.speculative.gate import Acceptance, DraftGate
+
+    batch = data.draw(st.integers(1, 8))
+    rooms = data.draw(st.lists(st.integers(0, 8), min_size=batch, max_size=batch))
+    drafts = [[1] * data.draw(st.integers(0, room)) for room in rooms]
+    rows = []
+    for _ in range(batch):
+        rate = Acceptance(decay=1.0)
+        rate.hits = data.draw(st.floats(0, 50))
+        rate.misses = data.draw(st.floats(0, 50))
+        rows.append(rate)
+    remaining = data.draw(st.lists(st.integers(1, 48), min_size=batch, max_size=batch))
+    cost = _cost(data.draw(st.floats(1.0, 3.0)), shared=data.draw(st.floats(0.0, 0.95)))
+    cost.ragged = {b: data.draw(st.floats(1.0, 1.3)) for b in (2, 4, 8)}
+    for group in (False, True):
+        gate, together = DraftGate(cost, group=group), data.draw(st.booleans())
+        if gate.choose(drafts, rows, 100, remaining, together) > 0:
+            assert gate.would_draft(rooms, rows, 100, remaining, together)
 
 
 def test_a_group_ending_together_drafts_only_where_the_saving_covers_ending_apart():

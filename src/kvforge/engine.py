@@ -300,6 +300,8 @@ class Engine:
             at_depth = torch.cat(streams, dim=1)  # every row's h_split
             if plan.choose is not None:
                 depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
+                if not bool(((depth == split) | (depth == self.num_layers)).all()):
+                    raise ValueError("a plan's choice that runs in chunks keeps rows exact or leaves them at the split")
         exact = (depth == self.num_layers).nonzero().squeeze(1).tolist()
         starts = [0] + exact[chunk::chunk]  # each chunk holds `chunk` exact rows
         for start, end in zip(starts, starts[1:] + [tokens]):
@@ -310,8 +312,9 @@ class Engine:
                 rope = a.rope(h, positions[:, rows])
                 for layer in range(split, self.num_layers):
                     h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth, rows=rows)
+        states = at_depth if bool((depth < self.num_layers).any()) else None  # as one pass: None when no row left
         with torch.inference_mode():
-            return a.head(h[:, -1:]).squeeze(1).float(), cache, at_depth
+            return a.head(h[:, -1:]).squeeze(1).float(), cache, states
 
     def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer by layer: rows still within their depth run the layer exactly; rows past it are

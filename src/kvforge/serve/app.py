@@ -205,8 +205,9 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
 
 def planned_prefiller(engine, make_plan, chunk_size: int | None = None):
     """Prefill a request by `make_plan(prompt_ids)` (None: exact) and record what ran; the
-    request decodes with the rescue its plan asks for (RidgeFill). An exact or SPEED prefill runs
-    in chunks of `chunk_size` tokens (None: whole), and the scheduler decodes between them."""
+    request decodes with the rescue its plan asks for (RidgeFill). An exact, SPEED or RidgeFill
+    prefill runs in chunks of `chunk_size` tokens (None: whole; `Engine.prefill_steps`), and the
+    scheduler decodes between them."""
 
     def prefill(r: AppRequest):
         plan = make_plan(r.prompt_ids)

@@ -14,7 +14,7 @@ step) in one forward, verified with the request's own sampling settings and samp
 request's rescue runs in it. A plain request is a speculative request with no draft: one
 mechanism. Finished or cancelled requests (a client that disconnected) leave the batch.
 
-Chunked prefill: a prefiller may prefill in chunks (the app's exact and SPEED prefills do, in
+Chunked prefill: a prefiller may prefill in chunks (the app's exact, SPEED and RidgeFill prefills do, in
 chunks of `--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
 long prompt arrives. The chunk runs in its own forward: a decode row's bits do not depend on a

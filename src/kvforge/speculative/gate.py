@@ -287,10 +287,11 @@ class StepCost:
             old = table.get(key)
             table[key] = value if old is None else self.decay * old + (1 - self.decay) * value
 
-    def calibrate(self, batch: int, widths: int = 2) -> None:
+    def calibrate(self, batch: int, widths: int = 2, ragged: bool = False) -> None:
         """Measure widths 1..`widths` at `batch`'s bucket and every smaller one (a batch shrinks as
         its requests finish), each width once (the smaller of two timings, in two passes over the
-        widths not yet measured)."""
+        widths not yet measured); `ragged`: also what rows ending apart cost (`ragged_seconds`),
+        at each bucket of two rows or more."""
         if self.engine is None:
             return
         bucket = _bucket(batch)
@@ -298,7 +299,7 @@ class StepCost:
             missing = [w for w in range(1, widths + 1) if w not in self.prior.get(bucket, {})]
             if missing:
                 self.prior.setdefault(bucket, {}).update(self._measure(bucket, missing))
-            if bucket > 1 and bucket not in self.ragged:
+            if ragged and bucket > 1 and bucket not in self.ragged:
                 self.ragged[bucket] = self._measure_ragged(bucket)
             bucket //= 2
 
@@ -311,6 +312,7 @@ class StepCost:
                 positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
                 start = time.perf_counter()
                 engine.forward(ids, positions, cache, "all")
+                _synchronize(engine.device)
                 table[width] = min(table.get(width, float("inf")), time.perf_counter() - start)
                 cache.rollback([width] * bucket)
         return table
@@ -333,9 +335,16 @@ class StepCost:
                     positions = cache.next_positions().view(-1, 1)
                     start = time.perf_counter()
                     engine.forward(ids, positions, cache, "all")
+                    _synchronize(engine.device)
                     best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
                     cache.rollback([1] * bucket)
         return best["apart"] / best["together"]
+
+
+def _synchronize(device) -> None:
+    """Wait for the device's queued work, so a timing covers the forward, not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _line(table: dict[int, float], width: int) -> float:
@@ -373,8 +382,8 @@ class DraftGate:
 
     def prepare(self, batch: int, widths: int = 2) -> None:
         """Measure the engine's forward at this batch size, widths 1..`widths`, if not yet measured
-        (outside a step's timing)."""
-        self.cost.calibrate(batch, widths)
+        (outside a step's timing); for a group, also a plain step over rows that end apart."""
+        self.cost.calibrate(batch, widths, ragged=self.group)
 
     def choose(self, drafts: Sequence[Sequence[int]], acceptance: Sequence[Acceptance], context: int,
                remaining: Sequence[int] | None = None, together: bool = False) -> int:
@@ -411,7 +420,9 @@ class DraftGate:
         plain = step[0]
         # a first drafted step leaves the rows ending apart, and every later step bears the excess
         apart = self.cost.ragged_seconds(batch, context) if together else 0.0
-        row = self.cost.row_seconds(batch, context)
+        # a row saves at most its share of a plain step (a fitted slope may say more), which also
+        # keeps a longer draft from ever lowering net(K): `would_draft`'s bound
+        row = min(self.cost.row_seconds(batch, context), plain / batch)
         last = max(remaining)
         critical = [i for i, left in enumerate(remaining) if left == last]
         rates, lengths = [a.rate for a in acceptance], [len(d) for d in drafts]
@@ -431,11 +442,12 @@ class DraftGate:
                 least += reach
             whole = self.cost.budget_share * least
             saved = whole * plain + (expected - whole * len(critical)) * row
-            extra = step[k] - plain + apart
+            wider = step[k] - plain
+            extra = wider + apart
             net = saved - extra
             # with a measured prior, a width that looks free is noise; without one (vLLM's step,
             # measured as it runs) it is a width not yet tried
-            if net > best_net and net > GROUP_MARGIN * extra and (extra > 0 or not self.cost.prior):
+            if net > best_net and net > GROUP_MARGIN * extra and (wider > 0 or not self.cost.prior):
                 best_k, best_net = k, net
         return best_k
 
