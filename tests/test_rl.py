@@ -83,17 +83,18 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("noise, lr, repeats", [("fresh", "1e-3", "1"), ("coupled", "1e-6", "2")])
-def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, noise, lr, repeats, monkeypatch):
+@pytest.mark.parametrize("noise, lr, repeats, ungated", [("fresh", "1e-3", "1", False), ("coupled", "1e-6", "2", True)])
+def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, noise, lr, repeats, ungated, monkeypatch):
     # a random tiny model earns no task reward: a reward that varies with the text gives the groups advantages
     monkeypatch.setattr("kvforge.bench.rl.reward", lambda problem, text: (sum(map(ord, text)) % 5) / 4)
     result = CliRunner().invoke(app, ["bench", "rl", "-m", str(model_dir), "--task", "sql", "--epochs", "3", "-G", "4", "--prompts", "2",
                                       "-n", "12", "--noise", noise, "--lr", lr, "--heldout", "2", "--dtype", "fp32",
-                                      "--repeats", repeats, "--plot", str(tmp_path / "rl.png"), "--json"])
+                                      "--repeats", repeats, "--plot", str(tmp_path / "rl.png"), "--json", *(["--ungated"] if ungated else [])])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     rows = report["results"]
-    assert [(r["epoch"], r["arm"]) for r in rows] == [(e, a) for e in (1, 2, 3) for a in ("plain", "drafted")]
+    arms = ("plain", "drafted", "ungated") if ungated else ("plain", "drafted")
+    assert [(r["epoch"], r["arm"]) for r in rows] == [(e, a) for e in (1, 2, 3) for a in arms]
     assert all(r["token_identical"] for r in rows) and all(r["noise"] == noise for r in rows)  # every repeat too
     assert report["repeats"] == int(repeats)
     assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows[2:])  # the policy moved
@@ -102,11 +103,16 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     assert "rollout" not in drafted[0]["match_by_source"]  # no earlier epoch to draft from
     if noise == "coupled":  # a policy that barely moved replays its samples: last epoch's rollouts land
         assert all(r["match_by_source"]["rollout"] > 0.5 for r in drafted[1:])
+    if ungated:  # every proposal verified, drafting from the same history as the drafted arm
+        every = [r for r in rows if r["arm"] == "ungated"]
+        assert all(r["rows_drafted"] > 0 for r in every) and report["ungated"] is True
+        assert all(u["rows_drafted"] >= d["rows_drafted"] for u, d in zip(every, drafted))
     assert (tmp_path / "rl.png").stat().st_size > 0
 
 
 def test_bench_rl_bad_settings_are_one_line_errors(model_dir):
     for args, message in ((["--task", "chess"], "unknown task"), (["--noise", "warm"], "unknown noise"), (["--epochs", "0"], ">= 1"),
-                          (["--engines", "sglang"], "unknown engines"), (["--repeats", "0"], ">= 1")):
+                          (["--engines", "sglang"], "unknown engines"), (["--repeats", "0"], ">= 1"),
+                          (["--ungated", "--engines", "vllm"], "--ungated")):
         result = CliRunner().invoke(app, ["bench", "rl", "-m", str(model_dir), *args])
         assert result.exit_code == 2 and message in result.output, result.output

@@ -8,8 +8,11 @@ seconds, drafting statistics and acceptance cover its R passes of the same token
 learns from every pass, as it would from R times the groups): `plain`
 (no drafter) and `drafted` (the n-gram drafter with the rollout history: each sample drafts from
 its previous-epoch rollout first, then its group's n-grams, the history and the prompt, under
-the cost gate). Both arms use the same noise keys, so their samples must be token-identical; the
-report says whether they were. The drafted arm's samples are scored and make one GRPO update
+the cost gate). With `ungated`, a third arm, `ungated`, drafts as `drafted` does from a copy of
+the same history but verifies every proposal: what drafting reaches on the task where the gate
+does not hold it back (its rows drafted are the share of samples' steps with a proposal). The arms
+use the same noise keys, so their samples must be token-identical; the report says whether they
+were. The drafted arm's samples are scored and make one GRPO update
 (`grpo.py`) of a float32 trainer copy of the model, whose weights are then loaded into the
 rollout engine in place (`Engine.update_weights`), no restart, and the next epoch begins.
 
@@ -59,7 +62,7 @@ ENGINES = ("kvforge", "vllm")
 
 
 def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int, max_tokens: int, k: int, threads: int, heldout: int,
-                   lr: float, engines: tuple[str, ...] = ("kvforge",), repeats: int = 1) -> None:
+                   lr: float, engines: tuple[str, ...] = ("kvforge",), repeats: int = 1, ungated: bool = False) -> None:
     """A `ValueError` naming the first setting `bench rl` cannot run with (checked before any model loads)."""
     if not engines or any(e not in ENGINES for e in engines):
         raise ValueError(f"unknown engines {','.join(engines) or '(none)'}: use kvforge, vllm or kvforge,vllm")
@@ -69,19 +72,22 @@ def check_settings(task: str, noise: str, epochs: int, group: int, prompts: int,
         raise ValueError(f"unknown noise {noise!r}: use fresh or coupled")
     if min(epochs, group, prompts, max_tokens, k, threads, repeats) < 1 or heldout < 0 or not lr > 0:
         raise ValueError("--epochs, -G, --prompts, --max-new-tokens, --k, --threads and --repeats must be >= 1, --heldout >= 0 and --lr > 0")
+    if ungated and "kvforge" not in engines:
+        raise ValueError("--ungated is an arm of kvforge's engine: add kvforge to --engines")
 
 
 def bench_rl(
     engine, trainer_model: torch.nn.Module, task: str = "sql", epochs: int = 6, group: int = 8, prompts: int = 4, max_tokens: int = 48,
     noise: str = "fresh", lr: float = 6e-6, k: int = 8, rollout_threads: int = 1, heldout: int = 8, seed: int = 0, progress=None,
-    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None, prefetch: bool = False, repeats: int = 1,
+    engines: tuple[str, ...] = ("kvforge",), vllm_dir=None, prefetch: bool = False, repeats: int = 1, ungated: bool = False,
 ) -> dict:
     """The loop of the module docstring over `engine` (kvforge's rollouts; held-out answers always),
     `trainer_model` (a float32 transformers model of the same weights, trained) and, with "vllm" in
     `engines`, vLLM engines over `vllm_dir` (the model's Hugging Face directory). `prefetch`: the
     drafted arms with the (accept length, bonus) prefetcher (its hit rate reported). `repeats`: each
-    group's kvforge arms timed that many times (module docstring)."""
-    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines, repeats)
+    group's kvforge arms timed that many times; `ungated`: also the arm that verifies every
+    proposal (module docstring)."""
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, rollout_threads, heldout, lr, engines, repeats, ungated)
     say = progress or (lambda message: None)
     tokenizer = engine.model.tokenizer
     train = problems(task, "train", prompts)
@@ -89,6 +95,8 @@ def bench_rl(
     trainer = GrpoTrainer(trainer_model, GrpoConfig(lr=lr))
     history = RolloutHistory()
     arms = {"plain": DraftConfig("none", k), "drafted": DraftConfig("ngram", k, prefetch=prefetch)} if "kvforge" in engines else {}
+    if arms and ungated:
+        arms["ungated"] = DraftConfig("ngram", k, prefetch=prefetch, gate=False)
     train_threads = torch.get_num_threads()
     torch.set_num_threads(rollout_threads)
     warm = GenerationConfig(4, temperature=1.0, seed=seed)
@@ -116,7 +124,7 @@ def bench_rl(
                 say(f"epoch {epoch}/{epochs}: {arm} rollouts")
                 outcome[arm] = vllm.roll_out(arm, encoded, group, max_tokens, rollout_seed(seed, epoch, len(encoded), group))
             # every pass of the epoch (both arms, every repeat) committed the same tokens
-            identical = (outcome["plain"]["tokens"] == outcome["drafted"]["tokens"] and all(outcome[arm]["repeatable"] for arm in arms)
+            identical = (all(outcome[arm]["tokens"] == outcome["plain"]["tokens"] and outcome[arm]["repeatable"] for arm in arms)
                          if arms else None)
             rewards = {arm: [[reward(p, text) for text in texts] for p, texts in zip(train, o["texts"])] for arm, o in outcome.items()}
             for arm in [*arms, *(VLLM_ARMS if vllm else ())]:
@@ -157,7 +165,7 @@ def bench_rl(
         "command": "bench rl", "task": task, "noise": noise, "engines": list(engines), "prefetch": prefetch, "repeats": repeats, "epochs": epochs,
         "group": group, "prompts": prompts,
         "max_tokens": max_tokens, "temperature": 1.0, "k": k, "lr": lr, "seed": seed, "rollout_threads": rollout_threads,
-        "train_threads": update["threads"] if update else train_threads, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
+        "train_threads": update["threads"] if update else train_threads, "ungated": ungated, "heldout_reward": {"before": heldout_before, "after": heldout_after, "problems": heldout},
         **environment(engine), **extra, "threads": rollout_threads, "results": results,
     }
 
@@ -189,21 +197,24 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms
     starts with the first arm, 0 with the last): per arm the samples' tokens and texts per
     problem, its wall seconds (the mean over the repeats) and its drafting statistics summed over
     the groups and repeats. The drafted arm drafts from and records into `history` once, at its
-    last repeat; its earlier repeats draft from copies of what `history` held before the group
-    (copied outside the timings). A repeat whose tokens differ from the first's marks the arm
+    last repeat; its earlier repeats, and every pass of the ungated arm, draft from copies of
+    what `history` held before the group (copied outside the timings). A repeat whose tokens differ from the first's marks the arm
     `repeatable` False."""
     names = list(arms)
     runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0, "repeatable": True}
             for arm, draft in arms.items()}
     turn = 0
     for problem, ids in zip(train, encoded):
-        before = copy.deepcopy(history) if repeats > 1 and "drafted" in arms else None
+        before = copy.deepcopy(history) if (repeats > 1 or "ungated" in arms) and "drafted" in arms else None
         for repeat in range(repeats):
             for arm in names if (turn + first) % 2 else names[::-1]:
                 run = runs[arm]
                 drafts_from = None
-                if arm == "drafted":  # the snapshot itself at the last repeat that needs one
-                    drafts_from = history if repeat == repeats - 1 else before if repeat == repeats - 2 else copy.deepcopy(before)
+                if arm == "drafted":  # the snapshot itself at the last repeat that needs one, unless the ungated arm needs it still
+                    last_use = repeat == repeats - 2 and "ungated" not in arms
+                    drafts_from = history if repeat == repeats - 1 else before if last_use else copy.deepcopy(before)
+                elif arm == "ungated":
+                    drafts_from = copy.deepcopy(before)
                 start = time.perf_counter()
                 outputs, stats = generate_group(engine, ids, group, config, arms[arm], history=drafts_from, rollout_key=problem.key)
                 run["seconds"] += (time.perf_counter() - start) / repeats

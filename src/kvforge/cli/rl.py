@@ -34,6 +34,7 @@ def bench_rl_cmd(
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG path (default: benchmarks/results/rl-<task>-<model>-<noise>.png)."),
     also: Optional[Path] = typer.Option(None, "--plot-with", help="Another noise mode's JSON report, drawn beside this one."),
     prefetch: bool = typer.Option(False, "--prefetch", help="The drafted arm with the (accept length, bonus) prefetcher; its hit rate reported."),
+    ungated: bool = typer.Option(False, "--ungated", help="Also an arm that verifies every proposal (no gate): what drafting reaches on the task."),
     repeats: int = typer.Option(1, "--repeats", help="Times each group's kvforge arms run, in alternating order (A B B A): each arm's seconds the mean of its timings of the same tokens."),
     engines: str = typer.Option("kvforge", "--engines", help="kvforge, vllm or kvforge,vllm: whose rollout arms run (vLLM's take every update in place)."),
     device: str = DeviceOpt,
@@ -49,7 +50,7 @@ def bench_rl_cmd(
 
     threads = setup_threads(None) if threads is None else threads  # the update's threads: every core
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
-    check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr, chosen, repeats)
+    check_settings(task, noise, epochs, group, prompts, max_tokens, k, threads, heldout, lr, chosen, repeats, ungated)
     if "vllm" in chosen:
         from kvforge.cli.vllm import need_vllm
 
@@ -65,7 +66,7 @@ def bench_rl_cmd(
     trainer_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(model)), dtype=torch.float32)
     report = bench_rl(engine, trainer_model, task, epochs, group, prompts, max_tokens, noise, lr, k, threads, heldout, seed,
                       progress=lambda m: err.print(f"[dim]{m}[/dim]"), engines=chosen, vllm_dir=hf_directory(model) if "vllm" in chosen else None,
-                      prefetch=prefetch, repeats=repeats)
+                      prefetch=prefetch, repeats=repeats, ungated=ungated)
     report["model"] = model
     path = plot or Path("benchmarks/results") / f"rl-{task}-{figure_name(model)}-{noise}.png"
     report["plot"] = str(plot_report([report] + ([other] if other else []), path))
