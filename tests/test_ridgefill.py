@@ -409,6 +409,7 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
     sees it, and the choice is read below a late exact layer (split 3, read at layer 1)."""
     from dataclasses import replace
 
+    from kvforge.engine import _late_chunks
     from kvforge.generation import GenerationConfig
 
     engine = Engine(tiny_loaded(family, seed=2))
@@ -428,7 +429,7 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
     chunked_logits, chunked, chunked_states = done.value.value
     kept = final_depth(whole, T) == engine.num_layers
     assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and 8 < int(kept.sum()) < T
-    assert yields == T // 8 + -(-int(kept.sum()) // 8) - 1  # five chunks below the split, then chunks of 8 exact rows
+    assert yields == T // 8 + len(_late_chunks(kept.tolist(), 8)) - 1  # five chunks below the split, then the late chunks
     for layer in range(engine.num_layers):
         assert torch.equal(whole[layer].row_positions(), chunked[layer].row_positions())
         assert torch.equal(whole[layer].row_kinds(), chunked[layer].row_kinds())
@@ -437,3 +438,16 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
     assert (whole_logits - chunked_logits).abs().max() < TOL and (whole_states - chunked_states).abs().max() < TOL
     greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     assert engine.generate(ids, replace(greedy, chunk_size=8), plan=plan)[0].token_ids == engine.generate(ids, greedy, plan=plan)[0].token_ids
+
+
+def test_late_chunks_hold_a_chunk_of_work_with_filled_rows_at_their_share():
+    """The late layers of a chunked RidgeFill prefill run in chunks of about `chunk` exact rows'
+    worth of work, a filled row counting `FILL_COST` (writing it is cheaper than running a row), so
+    a long run of filled rows is split too and written without running the layer."""
+    from kvforge.engine import FILL_COST, _late_chunks
+
+    assert FILL_COST == 0.25
+    rows = [True] * 3 + [False] * 40 + [True] * 10
+    assert _late_chunks(rows, 8) == [0, 23, 46]  # 3 + 20 x 0.25 = 8; 20 x 0.25 + 3 = 8; the last 7
+    assert _late_chunks([True] * 20, 8) == [0, 8, 16]
+    assert _late_chunks([True] * 4, 8) == [0]

@@ -97,7 +97,7 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     assert [(r["epoch"], r["arm"]) for r in rows] == [(e, a) for e in (1, 2, 3) for a in arms]
     assert all(r["token_identical"] for r in rows) and all(r["noise"] == noise for r in rows)  # every repeat too
     assert report["repeats"] == int(repeats)
-    assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows[2:])  # the policy moved
+    assert rows[0]["kl_to_previous"] is None and all(r["kl_to_previous"] > 0 for r in rows if r["epoch"] > 1)  # the policy moved
     drafted = [r for r in rows if r["arm"] == "drafted"]
     assert all(set(r["match_by_source"]) <= {"rollout", "chain", "lookup"} for r in drafted)
     assert "rollout" not in drafted[0]["match_by_source"]  # no earlier epoch to draft from

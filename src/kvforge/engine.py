@@ -276,8 +276,8 @@ class Engine:
         two phases of chunks, yielding between chunks: layers [0, split) over `chunk` rows at a time
         (every row is exact there); then the plan's choice of exact rows, which reads the cache of
         its layer and the tail's stream entering it, both whole by then; then layers [split, L) over
-        chunks of `chunk` exact rows each, a chunk's filled rows written from their h_split in
-        position order among its exact rows. Each exact row attends over the rows earlier chunks
+        chunks of about `chunk` rows' worth of work each (`_late_chunks`: exact rows, and the
+        filled rows between them, written from their h_split in position order among them). Each exact row attends over the rows earlier chunks
         left, as in one pass; the rows' bits are `generate`'s with the same chunk size."""
         a, tokens = self.adapter, ids.shape[1]
         depth = plan.depth.to(self.device)
@@ -302,8 +302,7 @@ class Engine:
                 depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
                 if not bool(((depth == split) | (depth == self.num_layers)).all()):
                     raise ValueError("a plan's choice that runs in chunks keeps rows exact or leaves them at the split")
-        exact = (depth == self.num_layers).nonzero().squeeze(1).tolist()
-        starts = [0] + exact[chunk::chunk]  # each chunk holds `chunk` exact rows
+        starts = _late_chunks((depth == self.num_layers).tolist(), chunk)
         for start, end in zip(starts, starts[1:] + [tokens]):
             yield
             rows = slice(start, end)
@@ -365,14 +364,9 @@ class Engine:
         if plan.fill is None and not bool(active.any()):  # every row absent from here on (a chunk of shallow rows)
             return h
         h_active = h[:, active]
-        if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
-            if rows is not None:
-                raise ValueError("a plan runs a recurrent layer over the whole prompt, not a chunk of it")
-            h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
-            return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
         chunk_positions = positions[:, chunk]
 
-        def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        def store(held: LayerCache, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
             present, kinds = active, RowKind.EXACT
             written = past & readable_rows(positions[0], exact_anywhere, a.windows[layer])[chunk] if plan.fill is not None else None
             if written is not None and bool(written.any()):  # a chunk may hold no row to fill
@@ -381,10 +375,19 @@ class Engine:
                 k_fill, v_fill = filled_key_value(plan.fill, a, layer, at_depth, whole, _rope_rows(rope, written))
                 present = active | written
                 is_exact = active[present]
-                k, v = _interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact)
+                k, v = (k_fill, v_fill) if k is None else (_interleave(k, k_fill, is_exact), _interleave(v, v_fill, is_exact))
                 kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
-            held.append(k, v, chunk_positions[:, present], kinds)
+            if k is not None:
+                held.append(k, v, chunk_positions[:, present], kinds)
 
+        if not bool(active.any()) and not a.is_recurrent(layer):  # a chunk of filled rows only: written, nothing runs
+            store(cache[layer], None, None)
+            return h
+        if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
+            if rows is not None:
+                raise ValueError("a plan runs a recurrent layer over the whole prompt, not a chunk of it")
+            h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
+            return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
         h_new = self.attention_layer(layer, h_active, chunk_positions[:, active], cache, _rope_rows(rope, active), store)
         # Out of place: autograd may still need the old h when a plan is trained through.
         return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
@@ -461,6 +464,26 @@ def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
     kinds = torch.full(positions.shape, int(RowKind.EXACT), dtype=torch.uint8, device=positions.device)
     kinds[padding] = int(RowKind.PADDING)
     return kinds
+
+
+# What writing a filled row costs in a late layer, in exact rows: its map (an E x E product, 2E x E
+# with the previous row's state) and K/V projection against an exact row's projections, MLP and
+# attention (smollm2-135m: about a quarter at short context, less as attention grows)
+FILL_COST = 0.25
+
+
+def _late_chunks(exact: list[bool], chunk: int) -> list[int]:
+    """Where the late-layer chunks of a filled prompt start: each holds at most `chunk` exact rows'
+    worth of work, its filled rows counted at `FILL_COST` each (a chunk of filled rows only is
+    written without running the layer)."""
+    starts, work = [0], 0.0
+    for row, is_exact in enumerate(exact):
+        cost = 1.0 if is_exact else FILL_COST
+        if work + cost > chunk and row > starts[-1]:
+            starts.append(row)
+            work = 0.0
+        work += cost
+    return starts
 
 
 def _rope_rows(rope: dict, rows: torch.Tensor) -> dict:
