@@ -397,16 +397,17 @@ def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_pat
         maps.only([1])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
+@pytest.mark.parametrize("family, chunk, attended", [("llama", 8, 2), ("gemma3", 8, 2), ("llama", 4, 0)])
+def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chunk, attended):
     """RidgeFill prefills in two phases of chunks (the server's chunked prefill): the layers below
     the split chunk by chunk, then the choice of exact rows (all rows cached by then), then the late
-    layers over chunks of 8 exact rows, each chunk's filled rows written among its exact rows from
-    the maps (which read the row before each filled row, across a chunk's edge too). Each layer
-    holds the rows of one pass, of the same kinds, within rounding; the same rows are chosen; the
-    logits and the rescue's states agree and greedy decoding continues alike. On Gemma 3 the
-    sliding layers see 8 rows back, so a filled row is written where an exact row of a later chunk
-    sees it, and the choice is read below a late exact layer (split 3, read at layer 1)."""
+    layers over chunks of a chunk's worth of work, each chunk's filled rows written among its exact
+    rows from the maps (which read the row before each filled row, across a chunk's edge too), and
+    a chunk of filled rows only written without running the layer (chunks of 4, no attended rows).
+    Each layer holds the rows of one pass, of the same kinds, within rounding; the same rows are
+    chosen; the logits and the rescue's states agree and greedy decoding continues alike. On Gemma 3
+    the sliding layers see 8 rows back, so a filled row is written where an exact row of a later
+    chunk sees it, and the choice is read below a late exact layer (split 3, read at layer 1)."""
     from dataclasses import replace
 
     from kvforge.engine import _late_chunks
@@ -417,19 +418,22 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
     if family == "gemma3":
         engine.adapter.windows = [8, None, 8, 8]
     ids = _ids(8)
-    config = RidgeFillConfig(split=split, tail=5, sinks=2, attended_rows=2, attended_span=1)
+    config = RidgeFillConfig(split=split, tail=5, sinks=2, attended_rows=attended, attended_span=1)
     plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, split))
-    assert plan.choose is not None and plan.choose_at == 2
+    assert (plan.choose is not None and plan.choose_at == 2) if attended else plan.choose is None
     whole_logits, whole, whole_states = engine.prefill_with_states([ids], plan=plan)
-    steps, yields = engine.prefill_steps([ids], chunk_size=8, plan=plan), 0
+    steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=plan), 0
     with pytest.raises(StopIteration) as done:
         while True:
             next(steps)
             yields += 1
     chunked_logits, chunked, chunked_states = done.value.value
     kept = final_depth(whole, T) == engine.num_layers
-    assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and 8 < int(kept.sum()) < T
-    assert yields == T // 8 + len(_late_chunks(kept.tolist(), 8)) - 1  # five chunks below the split, then the late chunks
+    assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and (8 if attended else 6) < int(kept.sum()) < T
+    starts = _late_chunks(kept.tolist(), chunk)
+    assert yields == T // chunk + len(starts) - 1  # the chunks below the split, then the late chunks
+    if not attended:  # some late chunk holds filled rows only
+        assert any(not bool(kept[a:b].any()) for a, b in zip(starts, starts[1:] + [T]))
     for layer in range(engine.num_layers):
         assert torch.equal(whole[layer].row_positions(), chunked[layer].row_positions())
         assert torch.equal(whole[layer].row_kinds(), chunked[layer].row_kinds())
@@ -437,7 +441,7 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
         assert (whole[layer].values() - chunked[layer].values()).abs().max() < TOL
     assert (whole_logits - chunked_logits).abs().max() < TOL and (whole_states - chunked_states).abs().max() < TOL
     greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    assert engine.generate(ids, replace(greedy, chunk_size=8), plan=plan)[0].token_ids == engine.generate(ids, greedy, plan=plan)[0].token_ids
+    assert engine.generate(ids, replace(greedy, chunk_size=chunk), plan=plan)[0].token_ids == engine.generate(ids, greedy, plan=plan)[0].token_ids
 
 
 def test_late_chunks_hold_a_chunk_of_work_with_filled_rows_at_their_share():

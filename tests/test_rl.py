@@ -106,7 +106,6 @@ def test_bench_rl_runs_epochs_with_updates_loaded_in_place(model_dir, tmp_path, 
     if ungated:  # every proposal verified, drafting from the same history as the drafted arm
         every = [r for r in rows if r["arm"] == "ungated"]
         assert all(r["rows_drafted"] > 0 for r in every) and report["ungated"] is True
-        assert all(u["rows_drafted"] >= d["rows_drafted"] for u, d in zip(every, drafted))
     assert (tmp_path / "rl.png").stat().st_size > 0
 
 

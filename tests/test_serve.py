@@ -816,7 +816,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     running batch: the running stream commits a token between every two chunks, and both decode
     what they decode alone (the prompt as `generate` with the same chunk size and plan prefills it).
     SPEED prompts chunk too: each row's depth is known from the prompt's length. RidgeFill prompts
-    chunk in two phases: the layers below the split, then the late layers of its exact rows."""
+    chunk in two phases: the layers below the split, then the late layers (`_late_chunks`)."""
     from dataclasses import replace
 
     from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
