@@ -277,8 +277,9 @@ class Engine:
         (every row is exact there); then the plan's choice of exact rows, which reads the cache of
         its layer and the tail's stream entering it, both whole by then; then layers [split, L) over
         chunks of about `chunk` rows' worth of work each (`_late_chunks`: exact rows, and the
-        filled rows between them, written from their h_split in position order among them). Each exact row attends over the rows earlier chunks
-        left, as in one pass; the rows' bits are `generate`'s with the same chunk size."""
+        filled rows between them, written from their h_split in position order among them). Each
+        exact row attends over the rows earlier chunks left, as in one pass; the rows' bits are
+        `generate`'s with the same chunk size."""
         a, tokens = self.adapter, ids.shape[1]
         depth = plan.depth.to(self.device)
         split = int(depth.min())
@@ -380,14 +381,14 @@ class Engine:
             if k is not None:
                 held.append(k, v, chunk_positions[:, present], kinds)
 
-        if not bool(active.any()) and not a.is_recurrent(layer):  # a chunk of filled rows only: written, nothing runs
-            store(cache[layer], None, None)
-            return h
         if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
             if rows is not None:
                 raise ValueError("a plan runs a recurrent layer over the whole prompt, not a chunk of it")
             h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
             return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+        if not bool(active.any()):  # a chunk of filled rows only: written, nothing runs
+            store(cache[layer], None, None)
+            return h
         h_new = self.attention_layer(layer, h_active, chunk_positions[:, active], cache, _rope_rows(rope, active), store)
         # Out of place: autograd may still need the old h when a plan is trained through.
         return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)

@@ -198,8 +198,8 @@ def _roll_out(engine, train, encoded, group: int, config: GenerationConfig, arms
     problem, its wall seconds (the mean over the repeats) and its drafting statistics summed over
     the groups and repeats. The drafted arm drafts from and records into `history` once, at its
     last repeat; its earlier repeats, and every pass of the ungated arm, draft from copies of
-    what `history` held before the group (copied outside the timings). A repeat whose tokens differ from the first's marks the arm
-    `repeatable` False."""
+    what `history` held before the group (copied outside the timings). A repeat whose tokens
+    differ from the first's marks the arm `repeatable` False."""
     names = list(arms)
     runs = {arm: {"tokens": [], "texts": [], "seconds": 0.0, "stats": SpecStats(draft.k), "probes": 0, "hits": 0, "repeatable": True}
             for arm, draft in arms.items()}

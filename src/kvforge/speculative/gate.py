@@ -313,13 +313,9 @@ class StepCost:
             for width in widths * 2:
                 ids = torch.ones(bucket, width, dtype=torch.long, device=engine.device)
                 positions = torch.arange(SCRATCH_ROWS, SCRATCH_ROWS + width, device=engine.device).expand(bucket, width)
-                start = time.perf_counter()
-                engine.forward(ids, positions, cache, "all")
-                _synchronize(engine.device)
-                table[width] = min(table.get(width, float("inf")), time.perf_counter() - start)
+                table[width] = min(table.get(width, float("inf")), _timed_forward(engine, ids, positions, cache))
                 cache.rollback([width] * bucket)
         return table
-
 
     def _measure_ragged(self, bucket: int, repeats: int = 5) -> float:
         """A plain step's seconds over a scratch batch whose sequences end one row apart, over the
@@ -335,19 +331,20 @@ class StepCost:
             for _ in range(repeats):
                 for name, cache in caches.items():
                     ids = torch.ones(bucket, 1, dtype=torch.long, device=engine.device)
-                    positions = cache.next_positions().view(-1, 1)
-                    start = time.perf_counter()
-                    engine.forward(ids, positions, cache, "all")
-                    _synchronize(engine.device)
-                    best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+                    seconds = _timed_forward(engine, ids, cache.next_positions().view(-1, 1), cache)
+                    best[name] = min(best.get(name, float("inf")), seconds)
                     cache.rollback([1] * bucket)
         return best["apart"] / best["together"]
 
 
-def _synchronize(device) -> None:
-    """Wait for the device's queued work, so a timing covers the forward, not its launch."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+def _timed_forward(engine, ids: torch.Tensor, positions: torch.Tensor, cache) -> float:
+    """Seconds of one forward over `cache`, the device's queued work waited for (a timing of the
+    forward, not of its launch)."""
+    start = time.perf_counter()
+    engine.forward(ids, positions, cache, "all")
+    if torch.device(engine.device).type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - start
 
 
 def _line(table: dict[int, float], width: int) -> float:
