@@ -16,7 +16,7 @@ EXTRAS := test
 CONSTRAINTS :=
 endif
 
-.PHONY: install demo test test-fast bench suffix clean
+.PHONY: install demo test test-fast bench suffix llama-cpp clean
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ suffix: install
 	PATH=$(CURDIR)/$(BUILD_VENV)/bin:$$PATH CMAKE_PREFIX_PATH=$$($(BUILD_VENV)/bin/python -m nanobind --cmake_dir) MAX_JOBS=2 \
 		$(BUILD_VENV)/bin/pip wheel --quiet --no-deps --no-build-isolation arctic-inference==0.3.0 -w $(BUILD_VENV)/wheels
 	$(PY) -m pip install --quiet --no-deps $(BUILD_VENV)/wheels/arctic_inference-0.3.0-*.whl
+
+# Optional: llama.cpp as a `bench peers` engine. PyPI has only llama-cpp-python's sdist, which
+# compiles llama.cpp for the CPU it is built on (~12 minutes on 2 cores).
+LLAMA_CPP_PYTHON := 0.3.36
+llama-cpp: install
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON)
 
 clean:
 	rm -rf $(VENV) $(BUILD_VENV) build src/*.egg-info src/kvforge/ops/kernels/_kvforge_kernels*.so

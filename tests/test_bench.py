@@ -192,7 +192,7 @@ def test_bench_peers_rows_for_every_engine_dtype_and_length(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec then says: not installed, even where it is
     loaded = []
     report = peers.bench_peers(
-        "tiny-llama", [12, 20], decode_tokens=3, runs=1, copy_new_tokens=4,
+        "tiny-llama", [12, 20], engines=("kvforge", "transformers", "vllm"), decode_tokens=3, runs=1, copy_new_tokens=4,
         load_engine=lambda dtype: loaded.append(dtype) or Engine(tiny_loaded("llama", dtype=dtype)),
         copy_prompt_ids=[[5, 6, 7, 8], [9, 10, 11]],
     )

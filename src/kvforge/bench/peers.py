@@ -1,6 +1,8 @@
 """`kvforge bench peers`: kvforge's exact engine against its peers on the same token ids, at the
 same thread count: transformers (the very model object kvforge loaded, its own `DynamicCache`,
-sdpa) and vLLM's offline `LLM` (when `import vllm` works; otherwise a `skipped` entry).
+sdpa), vLLM's offline `LLM` (when `import vllm` works; otherwise a `skipped` entry) and llama.cpp
+through llama-cpp-python (an optional install; `bench/llama_cpp.py`): `llama.cpp` holds the model's
+GGUF re-typed to the pass's dtype (bf16 or f32), `llama.cpp-q8_0` the same at Q8_0, whatever the pass.
 
 Per (engine, dtype, prompt length), arms interleaved over `runs` after a warm-up:
   - prefill tokens/s: the last-position logits of the whole prompt from an empty cache;
@@ -41,7 +43,9 @@ from kvforge.models.loading import parse_dtype
 from kvforge.vllm.engine import close_llm, vllm_missing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("kvforge", "transformers", "vllm")
+ENGINES = ("kvforge", "transformers", "vllm", "llama.cpp", "llama.cpp-q8_0")
+PEERS = ENGINES[1:]
+LLAMA_CPP = {"llama.cpp": None, "llama.cpp-q8_0": "q8_0"}  # engine -> the GGUF's weights (None: the pass's dtype)
 
 
 def parse_choices(text: str, allowed: Sequence[str], option: str) -> list[str]:
@@ -91,12 +95,17 @@ def bench_peers(
             return Engine(load_model(model, device=device, dtype=dtype))
 
     vllm_reason = vllm_missing() if "vllm" in engines else None
-    settings = dict(lengths=lengths, engines=engines, decode_tokens=decode_tokens, runs=runs,
-                    copy_new_tokens=copy_new_tokens, progress=progress or (lambda message: None))
+    llama_engines = [e for e in engines if e in LLAMA_CPP]
+    llama_reason = _llama_cpp_reason(model) if llama_engines else None
+    settings = dict(lengths=lengths, engines=[e for e in engines if e not in LLAMA_CPP or llama_reason is None],
+                    decode_tokens=decode_tokens, runs=runs, copy_new_tokens=copy_new_tokens, model_spec=model,
+                    progress=progress or (lambda message: None))
     results, skipped, load_s, copy_workload, name = [], [], {}, None, model
     for dtype in dtypes:
         if vllm_reason is not None:
             skipped.append({"engine": "vllm", "dtype": dtype, "reason": vllm_reason})
+        if llama_reason is not None:
+            skipped += [{"engine": e, "dtype": dtype, "reason": llama_reason} for e in llama_engines]
         out = _bench_dtype(dtype, load_engine, copy_prompt_ids, vllm_reason is None and "vllm" in engines, **settings)
         results += out["rows"]
         skipped += out["skipped"]
@@ -115,7 +124,7 @@ def bench_peers(
         "decode_tokens": decode_tokens,
         "copy_workload": copy_workload,
         **environment(),
-        **_versions(vllm_reason is None and "vllm" in engines),
+        **_versions(vllm_reason is None and "vllm" in engines, bool(llama_engines) and llama_reason is None),
         "load_s": load_s,
         "results": results,
         "skipped": skipped,
@@ -126,15 +135,16 @@ def markdown_table(report: dict) -> str:
     """One Markdown row per (engine, dtype): prefill and decode tokens/s at each length, copy
     tokens/s, and kvforge's ratios (prefill / decode) to transformers and to vLLM at each length."""
     lengths = report["tokens"]
+    peers = [p for p in PEERS if any(r["engine"] == p for r in report["results"])]
     header = (["engine", "dtype"] + [f"prefill tok/s @{t}" for t in lengths] + [f"decode tok/s @{t}" for t in lengths]
-              + ["copy tok/s"] + [f"×{peer} prefill/decode @{t}" for peer in ("transformers", "vllm") for t in lengths])
+              + ["copy tok/s"] + [f"×{peer} prefill/decode @{t}" for peer in peers for t in lengths])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     pairs = list(dict.fromkeys((r["engine"], r["dtype"]) for r in report["results"]))
     for engine, dtype in pairs:
         rows = {r["tokens"]: r for r in report["results"] if (r["engine"], r["dtype"]) == (engine, dtype)}
         cells = [engine, dtype] + [_num(rows[t]["prefill_tokens_per_s"]) for t in lengths]
         cells += [_num(rows[t]["decode_tokens_per_s"]) for t in lengths] + [_num(rows[lengths[0]]["copy_tokens_per_s"])]
-        for peer in ("transformers", "vllm"):
+        for peer in peers:
             for t in lengths:
                 ratio = rows[t].get(f"ratio_to_{peer}")
                 cells.append(f"{_num(ratio['prefill'], 2)} / {_num(ratio['decode'], 2)}" if ratio else "–")
@@ -149,7 +159,7 @@ def markdown_table(report: dict) -> str:
 
 
 def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, lengths, engines, decode_tokens, runs,
-                 copy_new_tokens, progress) -> dict:
+                 copy_new_tokens, model_spec, progress) -> dict:
     """The rows of one dtype. Its models live only in this call's frame."""
     progress(f"{dtype}: loading kvforge's model")
     start = time.perf_counter()
@@ -167,7 +177,7 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
 
     skipped, llm = [], None
     if with_vllm:
-        max_len = max(max(lengths) + decode_tokens, max(len(p) for p in copy_prompt_ids) + copy_new_tokens) + 16
+        max_len = max_len_for(lengths, decode_tokens, copy_prompt_ids, copy_new_tokens)
         progress(f"{dtype}: loading vLLM (max_model_len {max_len})")
         start = time.perf_counter()
         llm, reason = _load_vllm(engine.model.hf, dtype, max_len)
@@ -175,7 +185,13 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
             skipped.append({"engine": "vllm", "dtype": dtype, "reason": reason})
         else:
             load_s["vllm"] = time.perf_counter() - start
-    names = [e for e in engines if e != "vllm" or llm is not None]
+    llamas = {}
+    for e in (e for e in engines if e in LLAMA_CPP):
+        progress(f"{dtype}: loading {e}")
+        start = time.perf_counter()
+        llamas[e] = _load_llama_cpp(model_spec, LLAMA_CPP[e] or dtype, max_len_for(lengths, decode_tokens, copy_prompt_ids, copy_new_tokens))
+        load_s[e] = time.perf_counter() - start
+    names = [e for e in engines if (e != "vllm" or llm is not None)]
     hf = engine.model.hf
 
     measured: dict[tuple[str, int], dict] = {}
@@ -186,11 +202,13 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
             "kvforge": lambda: engine.prefill(ids),
             "transformers": lambda: hf_prefill(hf, ids),
             "vllm": lambda: _vllm_generate(llm, [ids_list], 1),
+            **{e: (lambda cpp=cpp: cpp.prefill(ids_list)) for e, cpp in llamas.items()},
         }
         decode_arms = {
             "kvforge": lambda: ours_decode(engine, ids, decode_tokens),
             "transformers": lambda: hf_decode(hf, ids, decode_tokens),
             "vllm": lambda: _vllm_generate(llm, [ids_list], 1 + decode_tokens),  # wall time; the prefill is taken off below
+            **{e: (lambda cpp=cpp: cpp.decode(ids_list, decode_tokens)) for e, cpp in llamas.items()},
         }
         progress(f"{dtype}, {tokens} tokens: prefill x{runs}")
         prefill = interleaved_medians({e: prefill_arms[e] for e in names}, runs=runs)
@@ -212,6 +230,7 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
         "kvforge": lambda prompts, n: _kvforge_copy(engine, prompts, n),
         "transformers": lambda prompts, n: _hf_copy(hf, prompts, n),
         "vllm": lambda prompts, n: sum(len(o.outputs[0].token_ids) for p in prompts for o in _vllm_generate(llm, [p], n)),
+        **{e: cpp.generate for e, cpp in llamas.items()},
     }
     progress(f"{dtype}: copy workload ({len(copy_prompt_ids)} prompts x {copy_new_tokens} tokens) x{runs}")
     for e in names:  # warm-up: a couple of tokens each, so no arm pays first-call costs in a timed run
@@ -226,9 +245,19 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
     ]
     if llm is not None:
         close_llm(llm)
+    for e, cpp in llamas.items():
+        for row in rows:
+            if row["engine"] == e:
+                row["extra_buffers"] = cpp.extra_buffers  # llama.cpp's repacked weights (see bench/llama_cpp.py)
+        cpp.close()
     workload = {"prompts": len(copy_prompt_ids), "prompt_tokens": [len(p) for p in copy_prompt_ids],
                 "new_tokens": copy_new_tokens, "generated_tokens": {e: int(copy[e]["tokens"]) for e in names}}
     return {"rows": rows, "skipped": skipped, "load_s": load_s, "copy_workload": workload, "model": engine.model.name}
+
+
+def max_len_for(lengths: list[int], decode_tokens: int, copy_prompt_ids: list[list[int]], copy_new_tokens: int) -> int:
+    """The context a peer engine is sized for: the longest prompt with its decode, a few rows spare."""
+    return max(max(lengths) + decode_tokens, max(len(p) for p in copy_prompt_ids) + copy_new_tokens) + 16
 
 
 @torch.inference_mode()
@@ -311,7 +340,26 @@ def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list:
     return generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
 
 
-def _versions(with_vllm: bool) -> dict:
+# --- llama.cpp -----------------------------------------------------------------------------------
+def _llama_cpp_reason(model: str) -> str | None:
+    """Why llama.cpp cannot be timed on `model`, or None."""
+    from kvforge.bench.llama_cpp import gguf_source, llama_cpp_missing
+
+    missing = llama_cpp_missing()
+    if missing is not None:
+        return missing
+    if gguf_source(model) is None:
+        return f"llama.cpp reads GGUF and {model!r} is not a GGUF model: give its .gguf (llama.cpp's convert_hf_to_gguf.py writes one)"
+    return None
+
+
+def _load_llama_cpp(model: str, weights: str, n_ctx: int):
+    from kvforge.bench.llama_cpp import LlamaCpp, gguf_source, retyped_gguf
+
+    return LlamaCpp(retyped_gguf(gguf_source(model), weights), torch.get_num_threads(), n_ctx)
+
+
+def _versions(with_vllm: bool, with_llama_cpp: bool = False) -> dict:
     import transformers
 
     versions = {"transformers": transformers.__version__, "vllm": None}
@@ -320,6 +368,10 @@ def _versions(with_vllm: bool) -> dict:
 
         versions["vllm"] = getattr(vllm, "__version__", "unknown")
     versions["vllm_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if with_vllm else None
+    if with_llama_cpp:
+        from kvforge.bench.llama_cpp import N_BATCH, N_UBATCH, versions as llama_versions
+
+        versions["llama_cpp"] = {**llama_versions(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "flash_attn": True, "kv_cache": "f16"}
     return versions
 
 
@@ -331,7 +383,7 @@ def _add_ratios(rows: list[dict]) -> None:
     for row in rows:
         if row["engine"] != "kvforge":
             continue
-        for peer in ("transformers", "vllm"):
+        for peer in PEERS:
             other = by_key.get((peer, row["dtype"], row["tokens"]))
             row[f"ratio_to_{peer}"] = None if other is None else {
                 figure: _ratio(row[f"{figure}_tokens_per_s"], other[f"{figure}_tokens_per_s"])

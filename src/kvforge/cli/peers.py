@@ -1,4 +1,4 @@
-"""`kvforge bench peers`: the exact engine against transformers and vLLM on the same token ids."""
+"""`kvforge bench peers`: the exact engine against transformers, vLLM and llama.cpp on the same token ids."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ def bench_peers_cmd(
     model: str = ModelOpt,
     tokens: str = typer.Option("1024,4096", "--tokens", help="Comma-separated prompt lengths."),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="Comma-separated dtypes: fp32, bf16 (each loaded once)."),
-    engines: str = typer.Option("kvforge,transformers,vllm", "--engines", help="Comma-separated engines: kvforge, transformers, vllm."),
+    engines: str = typer.Option("kvforge,transformers,vllm,llama.cpp,llama.cpp-q8_0", "--engines",
+                                help="Comma-separated engines: kvforge, transformers, vllm, llama.cpp (the GGUF at the pass's dtype), "
+                                     "llama.cpp-q8_0 (at Q8_0); one that is not installed is skipped."),
     decode_tokens: int = typer.Option(64, "--decode-tokens"),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     copy_new_tokens: int = typer.Option(128, "--copy-new-tokens", help="New tokens per copy-workload prompt."),
@@ -24,7 +26,7 @@ def bench_peers_cmd(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """kvforge vs transformers vs vLLM, same token ids and threads: prefill and decode tok/s per length and dtype, copy-workload tok/s."""
+    """kvforge vs transformers, vLLM and llama.cpp, same token ids and threads: prefill and decode tok/s per length and dtype, copy-workload tok/s."""
     from kvforge.bench.peers import DTYPES, ENGINES, bench_peers, markdown_table, parse_choices
 
     lengths = parse_lengths(tokens)
