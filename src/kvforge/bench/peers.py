@@ -371,7 +371,7 @@ def _versions(with_vllm: bool, with_llama_cpp: bool = False) -> dict:
     if with_llama_cpp:
         from kvforge.bench.llama_cpp import N_BATCH, N_UBATCH, versions as llama_versions
 
-        versions["llama_cpp"] = {**llama_versions(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "flash_attn": True, "kv_cache": "f16"}
+        versions["llama_cpp"] = {**llama_versions(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "flash_attn": False, "kv_cache": "f16"}
     return versions
 
 

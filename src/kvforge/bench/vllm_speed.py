@@ -39,7 +39,7 @@ def bench_vllm_speed(engine, model_dir, config: SpeedConfig, settings: dict, len
     max_len = max(lengths) + decode_tokens + 16
     results = []
     for dtype in dtypes:
-        llm = start_llm(model_dir, dtype, **engine_args(**settings, max_model_len=max_len, dtype=dtype), max_num_seqs=1,
+        llm = start_llm(model_dir, dtype, **engine_args(**settings, max_model_len=max_len), max_num_seqs=1,
                         disable_log_stats=False)
         compiled = start_llm(model_dir, dtype, max_len, max_num_seqs=1, enforce_eager=False, enable_chunked_prefill=False,
                              max_num_batched_tokens=max_len, disable_log_stats=False) if compiled_exact else None

@@ -152,13 +152,10 @@ def eval_speed_cmd(
     if serving not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
     if serving == "vllm":
-        from kvforge.cli.vllm import need_llama, need_vllm, vllm_dtype
+        from kvforge.cli.vllm import need_llama, need_vllm
 
         need_vllm()
         need_llama(model)
-        from kvforge.vllm.speed import refuse_unreadable
-
-        refuse_unreadable(vllm_dtype(dtype))
     base = load_engine(model, device, dtype)
     spd = resolve(base, cut, anchors, tail, adapter)  # with an adapter, a second weight set: the base arms keep the base model
     speed, adapted = spd.config, (spd.engine if adapter is not None else None)

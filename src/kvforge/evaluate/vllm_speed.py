@@ -51,7 +51,7 @@ def eval_vllm_speed(base, adapted, model_dir, speed: SpeedConfig, settings: dict
         prefix = "" if label == "base" else "adapted_"
         # room for the longest sample and for the longest prompt's greedy continuation
         room = max_tokens + greedy_tokens + 16
-        llm = start_llm(model_dir, dtype, **engine_args(**args, max_model_len=room, dtype=dtype), max_num_seqs=1)
+        llm = start_llm(model_dir, dtype, **engine_args(**args, max_model_len=room), max_num_seqs=1)
         try:
             for i, sample in enumerate(chosen):
                 if progress:

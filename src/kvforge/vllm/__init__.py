@@ -26,7 +26,8 @@ DRAFT_ENV = "KVFORGE_VLLM_DRAFT"  # the proposer's settings, JSON: vLLM passes i
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: check the vLLM version, register the connector name."""
+    """The `vllm.general_plugins` entry point: check the vLLM version, register the connector name
+    and the model classes, repair the CPU rejection sampler's temperatures (`repairs`)."""
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
@@ -42,6 +43,9 @@ def register() -> None:
     # lazily, by name: vLLM imports the class only in the process that builds the model
     ModelRegistry.register_model("KvforgeRidgeFillForCausalLM", "kvforge.vllm.ridgefill:RidgeFillForCausalLM")
     ModelRegistry.register_model("KvforgeSpeedForCausalLM", "kvforge.vllm.speed:SpeedForCausalLM")
+    from kvforge.vllm.repairs import repair_draft_expansion
+
+    repair_draft_expansion()
 
 
 def speculative_config(k: int = 8, **draft) -> dict:

