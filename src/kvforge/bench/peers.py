@@ -188,10 +188,12 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
     llamas = {}
     for e in (e for e in engines if e in LLAMA_CPP):
         progress(f"{dtype}: loading {e}")
-        start = time.perf_counter()
-        llamas[e] = _load_llama_cpp(model_spec, LLAMA_CPP[e] or dtype, max_len_for(lengths, decode_tokens, copy_prompt_ids, copy_new_tokens))
-        load_s[e] = time.perf_counter() - start
-    names = [e for e in engines if (e != "vllm" or llm is not None)]
+        cpp, seconds, reason = _load_llama_cpp(model_spec, LLAMA_CPP[e] or dtype, max_len_for(lengths, decode_tokens, copy_prompt_ids, copy_new_tokens))
+        if cpp is None:
+            skipped.append({"engine": e, "dtype": dtype, "reason": reason})
+        else:
+            llamas[e], load_s[e] = cpp, seconds
+    names = [e for e in engines if (e != "vllm" or llm is not None) and (e not in LLAMA_CPP or e in llamas)]
     hf = engine.model.hf
 
     measured: dict[tuple[str, int], dict] = {}
@@ -354,9 +356,19 @@ def _llama_cpp_reason(model: str) -> str | None:
 
 
 def _load_llama_cpp(model: str, weights: str, n_ctx: int):
-    from kvforge.bench.llama_cpp import LlamaCpp, gguf_source, retyped_gguf
+    """(llama.cpp's model, its load seconds, None) or (None, None, why not). The load time leaves
+    out re-typing the GGUF and the probe of llama.cpp's repacked buffers (both once per file)."""
+    from kvforge.bench.llama_cpp import LlamaCpp, extra_buffers_work, gguf_source, retyped_gguf
 
-    return LlamaCpp(retyped_gguf(gguf_source(model), weights), torch.get_num_threads(), n_ctx)
+    threads = torch.get_num_threads()
+    try:
+        path = retyped_gguf(gguf_source(model), weights)
+        extra = extra_buffers_work(path, threads)
+        start = time.perf_counter()
+        cpp = LlamaCpp(path, threads, n_ctx, extra_buffers=extra)
+    except Exception as exc:  # llama.cpp refuses this file, or its probe failed: record why, measure the others
+        return None, None, f"llama.cpp failed to load {weights}: {_first_line(exc)}"
+    return cpp, time.perf_counter() - start, None
 
 
 def _versions(with_vllm: bool, with_llama_cpp: bool = False) -> dict:
@@ -368,6 +380,7 @@ def _versions(with_vllm: bool, with_llama_cpp: bool = False) -> dict:
 
         versions["vllm"] = getattr(vllm, "__version__", "unknown")
     versions["vllm_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if with_vllm else None
+    versions["llama_cpp"] = None
     if with_llama_cpp:
         from kvforge.bench.llama_cpp import N_BATCH, N_UBATCH, versions as llama_versions
 

@@ -61,7 +61,10 @@ def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple
     (blocks, H, bs, 2·D)."""
     if layout not in READABLE:
         raise UnreadableLayout(f"vLLM's {layout!r} cache layout is not readable by kvforge (it reads the CPU backend's "
-                               f"{' and '.join(READABLE)} layouts)")
+                               f"{', '.join(READABLE)} layouts)")
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (layout == "amx" and kv_cache.element_size() != 2):
+        raise UnreadableLayout(f"vLLM's {layout!r} cache in {kv_cache.dtype} is not readable by kvforge (a quantized cache keeps "
+                               "other groups and scales)")
     blocks, heads, bs, width = kv_cache.shape
     block, offset = slots // bs, slots % bs
     d = width // 2
