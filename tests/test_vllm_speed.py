@@ -31,6 +31,7 @@ from kvforge.generation import GenerationConfig  # noqa: E402
 from kvforge.models import load_model  # noqa: E402
 from kvforge.vllm import speculative_config  # noqa: E402
 from kvforge.vllm.engine import close_llm, generate, spec_counters, start_llm  # noqa: E402
+from kvforge.vllm.paged import layout_of  # noqa: E402
 from kvforge.vllm.speed import engine_args, set_speed, speed_stats  # noqa: E402
 
 from test_vllm import MAX_LEN, save_tiny_llama  # noqa: E402
@@ -221,6 +222,8 @@ def test_bf16_speed_reads_its_rows_from_vllms_bf16_cache(setup, served_bf16):
     exact = engine.prefill([prompt])[0][0].float()
     out = generate(served_bf16, [prompt], params(16, logprobs=5))[0].outputs[0]
     assert speed_stats(served_bf16)[0].last[0].shallow_rows == 300 - 2 - 16
+    if torch.cpu._is_amx_tile_supported():  # the layout this test is about
+        assert served_bf16.apply_model(lambda model: layout_of(model.model.layers[-1].self_attn.attn)) == ["amx"]
     top = out.logprobs[0]
     to_speed = max(abs(lp.logprob - logits[t].item()) for t, lp in top.items())
     to_exact = max(abs(lp.logprob - exact[t].item()) for t, lp in top.items())

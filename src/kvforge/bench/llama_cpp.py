@@ -37,6 +37,7 @@ import numpy as np
 from kvforge.paths import kvforge_home
 
 N_BATCH, N_UBATCH = 2048, 512
+RETYPE_VERSION = 1  # in a re-typed file's cache key, with gguf's version: a change of either writes the file anew
 WEIGHTS = ("bf16", "fp32", "q8_0")  # what a re-typed GGUF's matrices are stored as
 
 
@@ -72,12 +73,14 @@ def gguf_source(model: str) -> Path | None:
 
 def retyped_gguf(source: Path, weights: str) -> Path:
     """`source` with its matrices stored as `weights` (bf16, fp32 or q8_0), cached in kvforge's
-    home by the source's path, size and modification time."""
+    home by the source's path, size and modification time, gguf's version and `RETYPE_VERSION`."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown GGUF weight type {weights!r}: use {', '.join(WEIGHTS)}")
+    from importlib.metadata import version
+
     stat = source.resolve().stat()
-    ident = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = kvforge_home() / "llama.cpp" / f"{source.stem}-{ident}-{weights}.gguf"
+    key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version('gguf')}:{RETYPE_VERSION}"
+    out = kvforge_home() / "llama.cpp" / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}-{weights}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
