@@ -303,13 +303,15 @@ def test_weights_update_an_engine_whose_core_runs_in_its_own_process(model_dir, 
     child = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(prompts())], capture_output=True, text=True,
                            timeout=600, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     assert child.returncode == 0, child.stderr[-2000:]
-    got = json.loads(next(line for line in reversed(child.stdout.splitlines()) if line.startswith('{"client"')))  # vLLM logs to stdout too
+    lines = [line for line in child.stdout.splitlines() if line.startswith('{"client"')]  # vLLM logs to stdout too
+    assert lines, child.stdout[-2000:]
+    got = json.loads(lines[-1])
     expected = [list(o.outputs[0].token_ids) for o in generate(plain, prompts(), greedy())]
     assert got["client"] != "InprocClient"  # the case this test is about
     assert got["first"] == expected and got["restored"] == expected and got["changed"] != expected
 
 
-def test_an_engine_without_kvforges_worker_extension_is_refused_an_update(model_dir):
+def test_an_engine_without_kvforges_worker_extension_is_refused_an_update():
     from types import SimpleNamespace
 
     from kvforge.models.weights import WeightUpdateError

@@ -121,3 +121,17 @@ def test_a_vllm_update_is_checked_against_the_served_checkpoint(tmp_path):
     stored.mkdir()
     save_file({**checkpoint, "lm_head.weight": torch.zeros(8, 4)}, str(stored / "model.safetensors"))
     assert check_update(stored, True, update).keys() == checkpoint.keys()
+
+
+def test_vllm_update_tensors_travel_as_bytes_and_come_back_equal(monkeypatch):
+    """What `update_vllm_weights` sends through vLLM's RPC: dtype, shape and byte pieces (views of
+    the tensor), rebuilt bit for bit, scalars, empty and transposed tensors and split pieces too."""
+    import kvforge.vllm.weights as vllm_weights
+
+    tensors = [torch.randn(3, 5).to(torch.bfloat16), torch.tensor(1.5), torch.zeros(0, 4), torch.randn(4, 3).t()]
+    monkeypatch.setattr(vllm_weights, "PIECE_BYTES", 7)  # pieces of 7 bytes: a tensor's bytes split across many
+    for t in tensors:
+        pieces = vllm_weights._pieces(t)
+        assert len(pieces) == max(1, -(-t.numel() * t.element_size() // 7))
+        rebuilt = vllm_weights._tensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), [bytes(p) for p in pieces])
+        assert rebuilt.dtype == t.dtype and torch.equal(rebuilt, t)

@@ -3,8 +3,9 @@ rollout engine after each update (kvforge's own engine: `Engine.update_weights`)
 
 The engine's workers run `WeightUpdates.kvforge_reload`, reached by name through vLLM's
 `collective_rpc`, so the engine core may run in this process or in its own (vLLM's default
-multiprocessing): each tensor travels as its dtype, shape and raw bytes (vLLM's RPC decodes a
-tensor inside untyped arguments as a list), and no function is pickled. vLLM adds the method to its workers when the engine is started with
+multiprocessing): each tensor travels as its dtype, shape and raw bytes in pieces under msgpack's
+4 GiB (vLLM's RPC decodes a tensor inside untyped arguments as a list; in process the bytes are
+views of the tensors, not copies), and no function is pickled. vLLM adds the method to its workers when the engine is started with
 `worker_extension_cls=WORKER_EXTENSION` (`kvforge.vllm.engine.start_llm` does).
 
 The load is vLLM's own in-place reload (`Worker.reload_weights`): the model's `load_weights`, then
@@ -39,21 +40,22 @@ from kvforge.models.weights import PEFT_PREFIX, WeightUpdateError
 
 TIED_HEAD = "lm_head.weight"
 WORKER_EXTENSION = "kvforge.vllm.weights.WeightUpdates"
+PIECE_BYTES = 1 << 30  # a tensor's bytes in pieces of at most this: msgpack's binaries hold under 4 GiB
 
 
 def update_vllm_weights(llm, tensors: Mapping[str, torch.Tensor]) -> float:
     """Load `tensors` (every tensor of the checkpoint `llm` serves, by name) into `llm`, a vLLM
-    `LLM` started from a local directory with `worker_extension_cls=WORKER_EXTENSION`, in place,
-    and drop its prefix cache (its blocks hold K/V of the old weights); the seconds it took. Call
-    between `generate` calls."""
+    `LLM` started from a local directory with `worker_extension_cls=WORKER_EXTENSION` (or a
+    subclass of `WeightUpdates`), in place, and drop its prefix cache (its blocks hold K/V of the
+    old weights); the seconds vLLM took. Call between `generate` calls."""
     config = llm.llm_engine.vllm_config.model_config
-    if llm.llm_engine.vllm_config.parallel_config.worker_extension_cls != WORKER_EXTENSION:
-        raise WeightUpdateError(f"this vLLM engine was started without worker_extension_cls={WORKER_EXTENSION!r}, "
+    extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+    if not _extends(extension):
+        raise WeightUpdateError(f"this vLLM engine was started without worker_extension_cls={WORKER_EXTENSION!r} (or a subclass), "
                                 "which runs kvforge's update in its workers: start it with that argument")
     named = check_update(Path(config.model), getattr(config.hf_config, "tie_word_embeddings", False), tensors)
+    payload = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), _pieces(t)) for name, t in named.items()]
     start = time.perf_counter()
-    payload = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-               for name, t in named.items()]
     llm.collective_rpc("kvforge_reload", args=(payload,))
     llm.reset_prefix_cache()
     return time.perf_counter() - start
@@ -83,17 +85,44 @@ def check_update(directory: Path, tied: bool, tensors: Mapping[str, torch.Tensor
     return named
 
 
+def _extends(extension: str) -> bool:
+    """Whether vLLM's `worker_extension_cls` setting names `WeightUpdates` or a subclass of it."""
+    if not extension:
+        return False
+    if extension == WORKER_EXTENSION:
+        return True
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    try:
+        return issubclass(resolve_obj_by_qualname(extension), WeightUpdates)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
+def _pieces(t: torch.Tensor) -> list[memoryview]:
+    """A tensor's bytes as views (no copy) in pieces of at most PIECE_BYTES."""
+    raw = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return [raw[i : i + PIECE_BYTES] for i in range(0, len(raw), PIECE_BYTES)] or [raw]
+
+
+def _tensor(dtype: str, shape: tuple[int, ...], pieces: list) -> torch.Tensor:
+    """A tensor from `_pieces`' bytes (read-only buffers: the loader copies them into the parameters)."""
+    kind = getattr(torch, dtype)
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    if not len(data):
+        return torch.empty(shape, dtype=kind)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.frombuffer(data, dtype=torch.uint8).view(kind).reshape(shape)
+
+
 class WeightUpdates:
     """Methods vLLM mixes into its workers (`worker_extension_cls`), called by name."""
 
-    def kvforge_reload(self, payload: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
-        """vLLM's in-place reload of (name, dtype, shape, bytes) tensors, then the layers whose
-        weight is shared processed again."""
-        with warnings.catch_warnings():  # read-only buffers: the loader copies them into the parameters
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            weights = [(name, torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape))
-                       for name, dtype, shape, data in payload]
-        self.reload_weights(weights_iterator=weights)
+    def kvforge_reload(self, payload: list[tuple[str, str, tuple[int, ...], list]]) -> None:
+        """vLLM's in-place reload of (name, dtype, shape, byte pieces) tensors, then the layers
+        whose weight is shared processed again."""
+        self.reload_weights(weights_iterator=[(name, _tensor(dtype, shape, pieces)) for name, dtype, shape, pieces in payload])
         model = self.model_runner.get_model()
         owners: dict[int, list[torch.nn.Module]] = {}
         for module in model.modules():
