@@ -31,13 +31,13 @@ from conftest import COMMON, char_tokenizer  # noqa: E402
 MAX_LEN = 512
 
 
-def save_tiny_llama(path, seed: int = 0):
+def save_tiny_llama(path, seed: int = 0, layers: int = COMMON["num_hidden_layers"]):
     """A tiny llama vLLM's CPU kernels accept (head dim 32: they take multiples of 32, or 16 beyond 32)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
     config = LlamaConfig(**{**COMMON, "hidden_size": 128, "head_dim": 32, "intermediate_size": 192,
-                            "max_position_embeddings": MAX_LEN}, tie_word_embeddings=True)
+                            "max_position_embeddings": MAX_LEN, "num_hidden_layers": layers}, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -261,6 +261,21 @@ def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
         assert torch.equal(saved.row_positions(), own.row_positions())
         assert torch.allclose(saved.keys(), own.keys(), atol=1e-4)
         assert torch.allclose(saved.values(), own.values(), atol=1e-4)
+
+
+def test_an_engine_started_beside_another_saves_its_own_cache(tmp_path, plain):
+    """vLLM keeps one worker-side connector per process, built by the first engine: a read-out from
+    a second engine of another layer count is saved whole, as that engine's model."""
+    other = save_tiny_llama(tmp_path / "other", seed=1, layers=COMMON["num_hidden_layers"] + 2)
+    llm = start_llm(other, torch.float32, MAX_LEN, max_num_seqs=2)
+    try:
+        out = generate(llm, [prompts()[1]], greedy(max_tokens=2, extra_args={"kv_transfer_params": {"kvforge_save": "beside"}}))[0]
+        assert out.outputs[0].finish_reason == "length"
+        entry = CacheStore("memory").get("beside")
+        assert len(entry.cache) == COMMON["num_hidden_layers"] + 2 and entry.model == config_id(other)
+    finally:
+        MEMORY.pop("beside", None)
+        close_llm(llm)
 
 
 UPDATE_IN_ITS_OWN_PROCESS = """

@@ -60,12 +60,17 @@ class Load:
 
 @dataclass
 class Save:
-    """One request's read-out: its prompt's rows, from `block_ids`, into the store as `key`."""
+    """One request's read-out: its prompt's rows, from `block_ids`, into the store as `key`. The
+    served model's id and layer count travel with it from its engine's scheduler: vLLM keeps one
+    worker-side connector per process, so with several engines in a process the worker side may
+    be another engine's instance."""
 
     request_id: str
     key: str
     tokens: list[int]
     block_ids: list[int]
+    model: str
+    num_layers: int
 
 
 @dataclass
@@ -132,7 +137,8 @@ class KvforgeConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") or {} if new.sampling_params else {}
             if params.get(SAVE_PARAM):
-                self.saving[new.req_id] = Save(new.req_id, params[SAVE_PARAM], list(new.prompt_token_ids or []), list(new.block_ids[0]))
+                self.saving[new.req_id] = Save(new.req_id, params[SAVE_PARAM], list(new.prompt_token_ids or []), list(new.block_ids[0]),
+                                               self.model, self.num_layers)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if req_id in self.saving and new_blocks is not None:
@@ -219,11 +225,11 @@ class KvforgeConnector(KVConnectorBase_V1):
             layers = self.rows.pop(save.key, {})
             if not layers:
                 continue
-            if sorted(layers) != list(range(self.num_layers)):
+            if sorted(layers) != list(range(save.num_layers)):
                 # a model whose late layers bypass vLLM's attention op (kvforge's RidgeFill and SPEED classes) leaves
                 # them unsaved: store nothing rather than a partial cache
                 logger.error("kvforge: request %s not saved: %d of %d layers passed through vLLM's attention",
-                             save.request_id, len(layers), self.num_layers)
+                             save.request_id, len(layers), save.num_layers)
                 continue
             cache = KVCache.empty(len(layers), 1, layers[0][0].shape[1], layers[0][0].shape[2], layers[0][0].dtype,
                                   capacity=len(save.tokens))
@@ -231,7 +237,7 @@ class KvforgeConnector(KVConnectorBase_V1):
             for i in range(len(layers)):
                 k, v = layers[i]
                 cache[i].append(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), positions, RowKind.EXACT)
-            self.store.save(save.key, cache, save.tokens, self.model)
+            self.store.save(save.key, cache, save.tokens, save.model)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
