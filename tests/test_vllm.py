@@ -263,11 +263,20 @@ def test_a_requests_cache_is_read_out_as_kvforges_exact_cache(model_dir, plain):
         assert torch.allclose(saved.values(), own.values(), atol=1e-4)
 
 
-def test_an_engine_started_beside_another_saves_its_own_cache(tmp_path, plain):
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory, plain):
+    """A second engine in the process, of another layer count (closed with the module's others:
+    closing an engine tears down vLLM's process-wide groups, which the engines still running use)."""
+    other = save_tiny_llama(tmp_path_factory.mktemp("vllm-tiny-llama-6") / "model", seed=1, layers=COMMON["num_hidden_layers"] + 2)
+    llm = start_llm(other, torch.float32, MAX_LEN, max_num_seqs=2)
+    yield other, llm
+    close_llm(llm)
+
+
+def test_an_engine_started_beside_another_saves_its_own_cache(beside):
     """vLLM keeps one worker-side connector per process, built by the first engine: a read-out from
     a second engine of another layer count is saved whole, as that engine's model."""
-    other = save_tiny_llama(tmp_path / "other", seed=1, layers=COMMON["num_hidden_layers"] + 2)
-    llm = start_llm(other, torch.float32, MAX_LEN, max_num_seqs=2)
+    other, llm = beside
     try:
         out = generate(llm, [prompts()[1]], greedy(max_tokens=2, extra_args={"kv_transfer_params": {"kvforge_save": "beside"}}))[0]
         assert out.outputs[0].finish_reason == "length"
@@ -275,7 +284,6 @@ def test_an_engine_started_beside_another_saves_its_own_cache(tmp_path, plain):
         assert len(entry.cache) == COMMON["num_hidden_layers"] + 2 and entry.model == config_id(other)
     finally:
         MEMORY.pop("beside", None)
-        close_llm(llm)
 
 
 UPDATE_IN_ITS_OWN_PROCESS = """
