@@ -9,7 +9,7 @@ llama.cpp user would quantize them to. A model given as a Hugging Face directory
 here: llama.cpp's `convert_hf_to_gguf.py` writes one, to be passed as the model.
 
 Timing, on the same token ids as the other engines and the same thread count:
-  - prefill: the prompt from an empty cache (`Llama.eval`, batches of `N_BATCH` rows);
+  - prefill: the prompt from an empty cache (`Llama.eval`, batches of `SETTINGS["n_batch"]` rows);
   - decode: greedy steps after that prefill, one token each, argmax of the last row's logits;
   - copy: prompt then greedy tokens, end of sequence ignored, as the other engines' copy arms.
 Settings: llama-cpp-python's defaults (flash attention off, an f16 KV cache, micro-batches of 512
@@ -29,6 +29,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -36,7 +37,8 @@ import numpy as np
 
 from kvforge.paths import kvforge_home
 
-N_BATCH, N_UBATCH = 2048, 512
+N_UBATCH = 512
+SETTINGS = {"n_batch": 2048, "n_ubatch": N_UBATCH, "flash_attn": False}  # every context's; the KV cache keeps llama.cpp's f16
 RETYPE_VERSION = 1  # in a re-typed file's cache key, with gguf's version: a change of either writes the file anew
 WEIGHTS = ("bf16", "fp32", "q8_0")  # what a re-typed GGUF's matrices are stored as
 
@@ -57,16 +59,7 @@ def gguf_source(model: str) -> Path | None:
 
     if model in PACKAGED_MODELS:
         packaged = PACKAGED_MODELS[model]
-        out = kvforge_home() / "llama.cpp" / f"{model}-{packaged.version()}.gguf"
-        if not out.is_file():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            try:
-                packaged.write_gguf(tmp)
-                os.replace(tmp, out)
-            finally:
-                tmp.unlink(missing_ok=True)
-        return out
+        return _written_once(kvforge_home() / "llama.cpp" / f"{model}-{packaged.version()}.gguf", packaged.write_gguf)
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -81,11 +74,17 @@ def retyped_gguf(source: Path, weights: str) -> Path:
     stat = source.resolve().stat()
     key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version('gguf')}:{RETYPE_VERSION}"
     out = kvforge_home() / "llama.cpp" / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}-{weights}.gguf"
+    return _written_once(out, lambda tmp: write_retyped(source, tmp, weights))
+
+
+def _written_once(out: Path, write) -> Path:
+    """`out`, written by `write(path)` into a temporary file first if it does not exist yet (a
+    file there is whole: it is renamed into place)."""
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         try:
-            write_retyped(source, tmp, weights)
+            write(tmp)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
@@ -171,8 +170,7 @@ class LlamaCpp:
         self._lib = llama_cpp
         self.extra_buffers = extra_buffers_work(Path(path), threads) if extra_buffers is None else extra_buffers
         with _model_params(self.extra_buffers):
-            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_UBATCH, n_threads=threads,
-                                       n_threads_batch=threads, flash_attn=False, verbose=False)
+            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **SETTINGS)
         self.vocab = self.llm.n_vocab()
 
     def prefill(self, ids: list[int]) -> None:
@@ -185,8 +183,6 @@ class LlamaCpp:
 
     def decode(self, ids: list[int], steps: int) -> float:
         """Seconds for `steps` greedy one-token steps after a prefill of `ids` (not timed)."""
-        import time
-
         self.prefill(ids)
         token = self._next_token()
         start = time.perf_counter()
@@ -212,8 +208,9 @@ class LlamaCpp:
 
 
 def versions() -> dict:
-    """llama-cpp-python's version and the CPU features its ggml build uses."""
+    """llama-cpp-python's version, the CPU features its ggml build uses and the context settings."""
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info()
-    return {"llama_cpp_python": llama_cpp.__version__, "llama_cpp_system": info.decode() if isinstance(info, bytes) else str(info)}
+    return {"llama_cpp_python": llama_cpp.__version__, "llama_cpp_system": info.decode() if isinstance(info, bytes) else str(info),
+            **SETTINGS, "kv_cache": "f16"}

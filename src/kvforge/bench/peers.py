@@ -242,15 +242,13 @@ def _bench_dtype(dtype: str, load_engine, copy_prompt_ids, with_vllm: bool, *, l
     )
     rows = [
         {"engine": e, "dtype": dtype, "tokens": tokens, "arm": f"{e} {dtype}", **measured[e, tokens],
-         "copy_tokens_per_s": copy[e]["tokens_per_s"]}
+         "copy_tokens_per_s": copy[e]["tokens_per_s"],
+         **({"extra_buffers": llamas[e].extra_buffers} if e in llamas else {})}  # llama.cpp's repacked weights (bench/llama_cpp.py)
         for e in names for tokens in lengths
     ]
     if llm is not None:
         close_llm(llm)
-    for e, cpp in llamas.items():
-        for row in rows:
-            if row["engine"] == e:
-                row["extra_buffers"] = cpp.extra_buffers  # llama.cpp's repacked weights (see bench/llama_cpp.py)
+    for cpp in llamas.values():
         cpp.close()
     workload = {"prompts": len(copy_prompt_ids), "prompt_tokens": [len(p) for p in copy_prompt_ids],
                 "new_tokens": copy_new_tokens, "generated_tokens": {e: int(copy[e]["tokens"]) for e in names}}
@@ -382,9 +380,9 @@ def _versions(with_vllm: bool, with_llama_cpp: bool = False) -> dict:
     versions["vllm_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if with_vllm else None
     versions["llama_cpp"] = None
     if with_llama_cpp:
-        from kvforge.bench.llama_cpp import N_BATCH, N_UBATCH, versions as llama_versions
+        from kvforge.bench.llama_cpp import versions as llama_versions
 
-        versions["llama_cpp"] = {**llama_versions(), "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "flash_attn": False, "kv_cache": "f16"}
+        versions["llama_cpp"] = llama_versions()
     return versions
 
 
