@@ -425,6 +425,14 @@ def test_eval_and_bench_lingo_json(tiny_gemma_dir, tiny_model_dir, tiny_translat
     assert obj["kl"] >= 0 and len(obj["cka_keys"]) == 4 and len(obj["cka_keys"][0]) == 4
     assert all(0 <= c <= 1 + 1e-9 for row in obj["cka_values"] for c in row)
     assert (tmp_path / "cka.png").is_file()
+    for arm in ("source_native", "target_native"):
+        paired = obj["paired"][f"target_translated_minus_{arm}"]  # the difference of the two arms, its interval around it
+        assert paired["bpb"] == pytest.approx(obj["bpb_target_translated"] - obj[f"bpb_{arm}"], abs=1e-9)
+        assert paired["ci"][0] <= paired["bpb"] <= paired["ci"][1]
+    kinds = obj["error_by_alignment"]
+    assert sum(k["rows"] for k in kinds.values()) == obj["translated_rows"]
+    for share in ("row_share", "key_error_share", "value_error_share"):
+        assert sum(k[share] for k in kinds.values()) == pytest.approx(1.0)
     # bf16: the maps run in bf16, the zero baseline's too (made under inference mode)
     ev16 = _run("eval", "lingo", "--translator", tiny_translator, "--samples", 1, "--prefix-chars", 200, "--continuation-chars", 60,
                 "--dtype", "bf16", "--plot", tmp_path / "cka16.png", "--json")
@@ -462,10 +470,13 @@ def test_a_native_tail_over_the_whole_prefix_scores_as_the_native_cache(tiny_mod
 def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, tiny_model_dir, tiny_translator, tmp_path, monkeypatch):
     out, ckpt = tmp_path / "t2.safetensors", tmp_path / "ckpt.pt"
     result = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
-                  "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--plot", tmp_path / "kl.png", "--json")
+                  "--steps", 2, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt, "--out", out, "--plot", tmp_path / "kl.png",
+                  "--heldout-every", 1, "--heldout-samples", 2, "--json")
     assert result.exit_code == 0, result.output
     obj = _last_json(result)
     assert obj["stage"] == 2 and obj["steps"] == 2 and obj["validation_kl"][-1][0] == 2 and ckpt.is_file()
+    assert [step for step, _ in obj["heldout_bpb"]] == [0, 1, 2] and obj["heldout_samples"] == 2
+    assert set(obj["heldout_reference"]) == {"target_native", "source_native"} and all(b > 0 for _, b in obj["heldout_bpb"])
     assert (tmp_path / "kl.png").stat().st_size > 0
     from kvforge.translate.translator import Translator
 
@@ -487,6 +498,9 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     assert tailed["native_tail"] == 8 and Translator.load(tmp_path / "tail.safetensors").info["distill"]["native_tail"] == 8
     _assert_one_line_errors([
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--native-tail", 8), "is a stage-2 option"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--heldout-every", 8), "is a stage-2 option"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--heldout-samples", 0),
+         "--heldout-samples >= 1"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--native-tail", -1),
          "must be >= 0"),
     ])

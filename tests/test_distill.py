@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_loaded
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError, KvforgeError
+from kvforge.evaluate.lingo import HeldOutBpb, LingoEvalSettings, eval_lingo
 from kvforge.scoring import continuation_logits
 from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, student_logits, trainable
 from kvforge.translate.fit import LingoFitConfig, fit_lingo
@@ -255,3 +256,42 @@ def test_a_checkpoint_without_the_native_tail_setting_resumes_at_tail_0_only(set
     assert state.step == 2 and len(state.losses) == 2
     with pytest.raises(ValueError, match="other settings"):
         distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=2, lr=1e-3, accumulate=1, native_tail=8), checkpoint)
+
+
+def test_a_held_out_score_is_taken_at_its_steps_and_resumes_with_the_run(setup, tmp_path):
+    _, target, translator, samples = setup
+    scored = []
+
+    def score(tr):
+        scored.append(float(tr.weights["k"][0].detach().sum()))
+        return scored[-1]
+
+    config = DistillConfig(steps=4, lr=1e-3, accumulate=1, checkpoint_every=2, validate_every=100)
+    straight, state = distill(copy.deepcopy(translator), target, samples, [], config, heldout=score, heldout_every=3)
+    assert [step for step, _ in state.heldout] == [0, 3, 4] and [v for _, v in state.heldout] == scored
+    assert scored[0] != scored[-1] and straight.info["distill"]["heldout"] == state.heldout
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_at_two(state, _seconds):
+        if state.step == 2:
+            raise Interrupt
+
+    checkpoint = tmp_path / "ckpt.pt"
+    with pytest.raises(Interrupt):
+        distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, stop_at_two, heldout=score, heldout_every=1)
+    # Resumed under another interval (not a training setting): the scores taken before come back.
+    _, resumed = distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, heldout=score, heldout_every=3)
+    assert [step for step, _ in resumed.heldout] == [0, 1, 2, 3, 4] and resumed.losses == state.losses
+
+
+def test_the_held_out_curve_scores_what_eval_lingo_scores(setup):
+    source, target, translator, _ = setup
+    settings = LingoEvalSettings(samples=2, prefix_chars=200, continuation_chars=60)
+    report = eval_lingo(translator, source, target, settings)
+    curve = HeldOutBpb(source, target, translator.align, settings)
+    assert curve(translator) == pytest.approx(report["bpb_target_translated"], rel=1e-9)
+    reference = curve.reference()
+    assert reference["target_native"] == pytest.approx(report["bpb_target_native"], rel=1e-9)
+    assert reference["source_native"] == pytest.approx(report["bpb_source_native"], rel=1e-9)

@@ -17,7 +17,7 @@ from kvforge.cache import KVCache, RowKind
 from kvforge.engine import Engine
 from kvforge.data.prompts import plain_texts
 from kvforge.errors import ArtifactError, UnknownModelError
-from kvforge.translate.align import Tokenized, align, head_rows
+from kvforge.translate.align import Tokenized, align, head_rows, row_kinds
 from kvforge.translate.assign import assign_layers, depth_band, feature_block
 from kvforge.translate.capture import CAPTURE_POINTS, cache_features, own_tokens
 from kvforge.translate.fit import LingoFitConfig, LingoMoments, accumulate, fit_lingo, solve_translator
@@ -123,6 +123,17 @@ def test_alignment_rules_on_hand_made_spans():
     torch.testing.assert_close(mean.weight.sum(1), torch.ones(2))
     feats = torch.arange(5.0).view(5, 1)
     assert mean.gather(feats).view(-1).tolist() == [3.0, 3.5]
+
+
+def test_row_kinds_say_how_each_target_span_meets_the_source_tokens_it_reads():
+    # text "hello world!": source "<bos>" "hello" " wor" "ld" "!"; target "hel" "lo" " world" "" "!"
+    source = _tok([(0, 0), (0, 5), (5, 9), (9, 11), (11, 12)])
+    target = _tok([(0, 3), (3, 5), (5, 11), (11, 11), (11, 12)])
+    cover = align(source, target, "cover")
+    assert row_kinds(source, target, cover) == ["part of a source token", "several source tokens", "unplaced", "one-to-one"]
+    assert row_kinds(source, target, align(source, target, "mean"))[1] == "several source tokens"  # " wor" and "ld" both read
+    last = align(source, _tok([(0, 3), (3, 7)]), "last")  # "lo w" ends inside " wor": "last" reads "hello", short of its end
+    assert row_kinds(source, _tok([(0, 3), (3, 7)]), last) == ["partial overlap"]
 
 
 def _spans(pieces: list[tuple[int, bool]]) -> list[tuple[int, int]]:

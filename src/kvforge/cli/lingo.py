@@ -55,6 +55,8 @@ def fit_lingo_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
+    heldout_every: int = typer.Option(0, "--heldout-every", help="Stage 2: steps between held-out bits per byte of the target from translated caches (eval lingo's conversations; 0: none): the learning curve."),
+    heldout_samples: int = typer.Option(96, "--heldout-samples", help="Stage 2: held-out conversations each --heldout-every scores."),
     train_native_tail: int = typer.Option(0, "--native-tail", help="Stage 2: train for hand-offs whose last N prefix tokens the target prefills itself (as handoff/eval/serve --native-tail); 0: every row but the head translated."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", help="Stage 1: conversation counts below --conversations (e.g. 32,96) at which a translator is also written (<out>-<n>conv.safetensors): the data curve from one pass."),
     save_moments: Optional[Path] = typer.Option(None, "--save-moments", help="Stage 1: also write the accumulated float64 moments (about 1 GB for this pair) to solve other assignments later."),
@@ -78,9 +80,13 @@ def fit_lingo_cmd(
         raise KvforgeError("--snapshots, --save-moments and --moments are stage-1 options (closed form); stage 2 starts from --init")
     if stage != 2 and train_native_tail:
         raise KvforgeError("--native-tail is a stage-2 option: the closed form fits every aligned row, whatever a hand-off later prefills natively")
+    if stage != 2 and heldout_every:
+        raise KvforgeError("--heldout-every is a stage-2 option: the closed form has no steps")
     if stage == 2:
+        if heldout_every < 0 or heldout_samples < 1:
+            raise KvforgeError("--heldout-every must be >= 0 and --heldout-samples >= 1")
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
-                           device, dtype, json_out, train_native_tail)
+                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -149,7 +155,7 @@ VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
-                native_tail=0):
+                native_tail=0, heldout_every=0, heldout_samples=96):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -200,20 +206,28 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
             bar.set_postfix(loss=f"{state.losses[-1]:.4f}", val_kl=f"{state.validation[-1][1]:.4f}" if state.validation else "-")
             bar.refresh()
 
+        heldout = None
+        if heldout_every:
+            from kvforge.evaluate.lingo import HeldOutBpb, LingoEvalSettings
+
+            heldout = HeldOutBpb(src, tgt, translator.align, LingoEvalSettings(samples=heldout_samples, native_tail=native_tail))
+            with err.status(f"held out: {heldout_samples} conversations on the target's and the source's own caches"):
+                common.update(heldout_samples=len(heldout.texts), heldout_every=heldout_every, heldout_reference=heldout.reference())
         started = time.perf_counter()
-        translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress)
+        translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress, heldout=heldout, heldout_every=heldout_every)
         seconds = time.perf_counter() - started
     path = translator.save(out or translator_stage2_path(source, target))
     from kvforge.translate.distill import plot_distill
 
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
-               "loss_last": state.losses[-1], "validation_kl": state.validation,
+               "loss_last": state.losses[-1], "validation_kl": state.validation, **({"heldout_bpb": state.heldout} if state.heldout else {}),
                "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
     summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{figure_name(source)}-to-{figure_name(target)}.png")
     if json_out:
         emit_json(summary)
         return
-    err.print(f"wrote {path}: {state.step} steps, loss {state.losses[0]:.4f} → {state.losses[-1]:.4f}, validation KL {state.validation}")
+    err.print(f"wrote {path}: {state.step} steps, loss {state.losses[0]:.4f} → {state.losses[-1]:.4f}, validation KL {state.validation}"
+              + (f", held-out bits per byte {state.heldout} (own caches: {common['heldout_reference']})" if state.heldout else ""))
 
 
 @app.command()
@@ -409,6 +423,12 @@ def _print_eval(report: dict) -> None:
         for label, row in report["compare"].items():
             table.add_row(f"translated: {label}", f"{row['bpb']:.4f}", low_high(row["bpb_ci"]), f"{row['kl']:.4f}", low_high(row["kl_ci"]))
         Console().print(table)
+        for name, d in report["paired"].items():
+            err.print(f"paired, {name.replace('_', ' ')}: {d['bpb']:+.4f} bits/byte {low_high(d['ci'])}")
+        kinds = Table("alignment kind", "rows", "share of rows", "share of key error", "share of value error")
+        for kind, row in report["error_by_alignment"].items():
+            kinds.add_row(kind, str(row["rows"]), f"{row['row_share']:.3f}", f"{row['key_error_share']:.3f}", f"{row['value_error_share']:.3f}")
+        Console().print(kinds)
         err.print(
             f"held-out R² keys {report['r2_keys_mean']:.3f}, values {report['r2_values_mean']:.3f}; {report['samples']} samples, "
             f"{report['tokens']} tokens; plot {report['plot']}"

@@ -16,6 +16,13 @@ target layer and side (variance-weighted, at the translator's capture point), th
 between every source and target layer, and each layer's effective rank (exp of the entropy of
 its covariance spectrum). Other translators of the pair (`compare`, say stage 1 against stage 2)
 are scored on the same samples, with 95 % bootstrap intervals for bits per byte and KL.
+Paired: the differences that decide whether a hand-off pays (the target from the translated cache
+minus the source on its own cache, and minus the target on its own), each with a 95 % interval
+from resampling conversations with both arms of a conversation kept together. Per alignment kind
+(`translate.align.row_kinds`): the share of translated rows and of their squared K/V error, so a
+kind of cross-tokenizer row that holds more than its share of the error shows.
+`HeldOutBpb` scores the translated arm alone on the same conversations: the learning curve a
+stage-2 run records.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 
 from kvforge.data.prompts import plain_texts
 from kvforge.scoring import continuation_logits, token_nll
+from kvforge.translate.align import ROW_KINDS, row_kinds
 from kvforge.translate.capture import cache_features, own_tokens
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.split import split_text
@@ -106,10 +114,7 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     s, t = translator.source, translator.target
     compare = compare or {}
     zero = translator.zeroed()
-    texts = plain_texts(
-        "held_out", settings.samples, min_chars=settings.prefix_chars + settings.continuation_chars,
-        max_chars=settings.prefix_chars + settings.continuation_chars, skip=settings.skip,
-    )
+    texts = heldout_texts(settings)
     arms = {"target_native": [], "target_translated": [], "target_zero": [], "source_native": []}
     kl, kl_zero, byte_counts, tokens = [], [], [], 0
     other_nats = {label: [] for label in compare}
@@ -118,6 +123,8 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
     r2_acc = {side: torch.zeros(t.num_layers, 2, dtype=torch.float64) for side in SIDES}  # SSE, Σ y²
     r2_sums = {side: torch.zeros(t.num_layers * t.side_width(side), dtype=torch.float64) for side in SIDES}
     geometry = {side: CacheGeometry(s.num_layers, s.side_width(side), t.num_layers, t.side_width(side)) for side in SIDES}
+    kind_rows = dict.fromkeys(ROW_KINDS, 0)
+    kind_sse = {side: dict.fromkeys(ROW_KINDS, 0.0) for side in SIDES}
     rows = 0
     for i, text in enumerate(texts):
         cut = split_text(source, target, text, settings.prefix_chars, translator.align)
@@ -130,15 +137,22 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
             sk, sv = cache_features(source.adapter, src_cache, translator.capture)
             nk, nv = cache_features(target.adapter, native, translator.capture)
             own = own_tokens(target, tgt.ids, alignment.head, alignment.index.shape[0], translator.own_tokens)
+            kinds = row_kinds(src.prefix(ps), tgt.prefix(pt), alignment)
+            for kind in kinds:
+                kind_rows[kind] += 1
             for side, sf, nf in (("k", sk, nk), ("v", sv, nv)):
                 aligned = [alignment.gather(f) for f in sf]
                 y = torch.cat([f[alignment.head :] for f in nf], 1)
                 geometry[side].update(torch.cat(aligned, 1), y)
+                row_sse = torch.zeros(len(kinds), dtype=torch.float64)
                 for layer in range(t.num_layers):
                     truth = nf[layer][alignment.head :].double()
                     pred = translator.apply(side, layer, aligned, own).double()
+                    row_sse += ((truth - pred) ** 2).sum(1)
                     r2_acc[side][layer, 0] += ((truth - pred) ** 2).sum()
                     r2_acc[side][layer, 1] += (truth**2).sum()
+                for kind, e in zip(kinds, row_sse.tolist()):
+                    kind_sse[side][kind] += e
                 r2_sums[side] += y.double().sum(0)
             rows += alignment.index.shape[0]
         logits_native = continuation_logits(target, tgt.ids, pt, native)
@@ -185,6 +199,11 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         "kl": sum(sum(k) for k in kl) / tokens,
         "kl_ci": bootstrap_ratio([sum(k) for k in kl], token_counts),
         "kl_zero": sum(sum(k) for k in kl_zero) / tokens,
+        "paired": {
+            f"target_translated_minus_{arm}": paired_bpb(arms["target_translated"], arms[arm], byte_counts)
+            for arm in ("source_native", "target_native")
+        },
+        "error_by_alignment": _error_by_kind(kind_rows, kind_sse),
         "compare": {
             label: {"bpb": sum(other_nats[label]) / (LN2 * total_bytes), "bpb_ci": bootstrap_bpb(other_nats[label], byte_counts),
                     "kl": sum(other_kl[label]) / tokens, "kl_ci": bootstrap_ratio(other_kl[label], token_counts)}
@@ -199,6 +218,67 @@ def eval_lingo(translator: Translator, source, target, settings: LingoEvalSettin
         "effective_rank": {
             "source_keys": ranks["k"][0], "target_keys": ranks["k"][1], "source_values": ranks["v"][0], "target_values": ranks["v"][1],
         },
+    }
+
+
+def heldout_texts(settings: LingoEvalSettings) -> list[str]:
+    """The held-out conversations an evaluation scores, long enough for a prefix and a continuation."""
+    chars = settings.prefix_chars + settings.continuation_chars
+    return plain_texts("held_out", settings.samples, min_chars=chars, max_chars=chars, skip=settings.skip)
+
+
+class HeldOutBpb:
+    """Bits per byte of the target's continuations from translated caches on the held-out
+    conversations `eval_lingo` scores (its `bpb_target_translated` on the same settings), for a
+    learning curve: called with the translator as it trains. Each call prefills the source and
+    hands off again, so nothing large is kept between calls. `reference()` scores the two arms
+    the curve is read against, which do not depend on the translator: the target and the source,
+    each on its own cache."""
+
+    def __init__(self, source, target, rule: str, settings: LingoEvalSettings):
+        self.source, self.target, self.rule, self.settings = source, target, rule, settings
+        self.texts = heldout_texts(settings)
+
+    @torch.inference_mode()
+    def __call__(self, translator: Translator) -> float:
+        nats, byte_count = 0.0, 0
+        for text in self.texts:
+            cut = split_text(self.source, self.target, text, self.settings.prefix_chars, self.rule, native=False)
+            cache = translate_cache(translator, self.source, self.target, cut.source_cache, cut.alignment, cut.tgt.ids, self.settings.native_tail)
+            nats += _nats(continuation_logits(self.target, cut.tgt.ids, cut.target_prefix, cache), cut.tgt.ids[cut.target_prefix :])
+            byte_count += len(text[cut.cut :].encode("utf-8"))
+        return nats / (LN2 * byte_count)
+
+    @torch.inference_mode()
+    def reference(self) -> dict[str, float]:
+        nats, byte_count = {"target_native": 0.0, "source_native": 0.0}, 0
+        for text in self.texts:
+            cut = split_text(self.source, self.target, text, self.settings.prefix_chars, self.rule)
+            nats["target_native"] += _nats(continuation_logits(self.target, cut.tgt.ids, cut.target_prefix, cut.native_cache),
+                                           cut.tgt.ids[cut.target_prefix :])
+            cut.source_cache.trim(1)
+            nats["source_native"] += _nats(continuation_logits(self.source, cut.src.ids, cut.source_prefix, cut.source_cache),
+                                           cut.src.ids[cut.source_prefix :])
+            byte_count += len(text[cut.cut :].encode("utf-8"))
+        return {arm: n / (LN2 * byte_count) for arm, n in nats.items()}
+
+
+def paired_bpb(nats_a: list[float], nats_b: list[float], byte_counts: list[int]) -> dict:
+    """Bits per byte of arm a minus arm b on the same conversations, with a 95 % interval from
+    resampling conversations (both arms of one kept together)."""
+    diff = [(a - b) / LN2 for a, b in zip(nats_a, nats_b)]
+    return {"bpb": sum(diff) / sum(byte_counts), "ci": bootstrap_ratio(diff, byte_counts)}
+
+
+def _error_by_kind(rows: dict[str, int], sse: dict[str, dict[str, float]]) -> dict:
+    """Per alignment kind with rows: its share of the translated rows and of their squared error
+    (summed over layers, keys and values apart)."""
+    total_rows = sum(rows.values())
+    totals = {side: sum(sse[side].values()) for side in SIDES}
+    return {
+        kind: {"rows": n, "row_share": n / total_rows,
+               **{f"{name}_error_share": sse[side][kind] / totals[side] if totals[side] else 0.0 for side, name in (("k", "key"), ("v", "value"))}}
+        for kind, n in rows.items() if n
     }
 
 

@@ -138,3 +138,35 @@ def _mean_alignment(head: int, spans: np.ndarray, src_rows: np.ndarray, starts: 
         index[i, len(p) :] = p[0]
         weight[i, : len(p)] = 1.0 / len(p)
     return Alignment(head, index, weight, "mean")
+
+
+# How a target row's span relates to the source rows it reads (`row_kinds`).
+ROW_KINDS = ("one-to-one", "part of a source token", "several source tokens", "partial overlap", "unplaced")
+
+
+def row_kinds(source: Tokenized, target: Tokenized, alignment: Alignment) -> list[str]:
+    """For each aligned target row (from `alignment.head` on), how its character span [s, e)
+    relates to the span [S, E) covered by the source rows it reads:
+      one-to-one              one source row, the same span;
+      part of a source token  S <= s and E >= e, not equal: a source token several target tokens share;
+      several source tokens   S > s, or several rows read: the target token holds several source
+                              tokens (`cover` reads the last, `mean` all that overlap it);
+      partial overlap         the spans overlap otherwise (`last` stopping short of e);
+      unplaced                no span, or no overlap: the row reads what the row before it read."""
+    kinds = []
+    for i in range(alignment.index.shape[0]):
+        s, e = (int(x) for x in target.spans[alignment.head + i])
+        read = alignment.index[i][alignment.weight[i] > 0].tolist()
+        starts, ends = source.spans[read, 0], source.spans[read, 1]
+        lo, hi = int(starts.min()), int(ends.max())
+        if e <= s or hi <= s or lo >= e:
+            kinds.append("unplaced")
+        elif len(read) == 1 and (lo, hi) == (s, e):
+            kinds.append("one-to-one")
+        elif lo > s or len(read) > 1:
+            kinds.append("several source tokens")
+        elif lo <= s and hi >= e:
+            kinds.append("part of a source token")
+        else:
+            kinds.append("partial overlap")
+    return kinds

@@ -10,7 +10,7 @@ student) per continuation token, and gradients flow through the frozen target in
 (the source is frozen too: its aligned features are computed once per sample). The loop is
 `training.Trainer`: AdamW without weight decay, cosine schedule with warmup, gradient clipping,
 gradient accumulation. A checkpoint (maps, optimizer, schedule, step, losses, validation history,
-settings) is written atomically every `checkpoint_every` steps and a run resumes from it exactly
+settings, held-out scores) is written atomically every `checkpoint_every` steps and a run resumes from it exactly
 (samples are visited in a fixed seeded order by step number). It holds tensors, numbers, lists
 and strings only and is read with `torch.load(weights_only=True)`: a checkpoint from elsewhere
 cannot run code, and one that tries is refused.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -133,10 +134,12 @@ class DistillState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, mean KL)
+    heldout: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out score), when one is given
 
 
 def _parse_state(saved: dict) -> DistillState:
-    return DistillState(int(saved["step"]), [float(x) for x in saved["losses"]], [(int(a), float(b)) for a, b in saved["validation"]])
+    pairs = lambda key: [(int(a), float(b)) for a, b in saved.get(key, [])]  # noqa: E731 (checkpoints from before held-out scores have none)
+    return DistillState(int(saved["step"]), [float(x) for x in saved["losses"]], pairs("validation"), pairs("heldout"))
 
 
 def validation_kl(translator: Translator, target, samples: list[DistillSample]) -> float:
@@ -145,10 +148,12 @@ def validation_kl(translator: Translator, target, samples: list[DistillSample]) 
 
 
 def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
-            checkpoint: Path | None = None, progress=None, validate_start: bool = True) -> tuple[Translator, DistillState]:
+            checkpoint: Path | None = None, progress=None, validate_start: bool = True,
+            heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0) -> tuple[Translator, DistillState]:
     """Train the translator's maps in place; resumes from `checkpoint` when the file exists.
     Validation KL is taken every `validate_every` steps, at the end and (`validate_start`) before
-    the first step."""
+    the first step; `heldout` (say held-out bits per byte) every `heldout_every` steps, before the
+    first and at the end. Neither is a training setting: a run resumes under other values of them."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
     params = trainable(translator)
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
@@ -158,6 +163,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
+    if heldout is not None and heldout_every > 0 and state.step == 0 and not state.heldout:
+        state.heldout.append((0, heldout(translator)))
     while state.step < config.steps:
         start = time.perf_counter()
         first = state.step * config.accumulate
@@ -166,16 +173,20 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         state.losses.append(total)
         if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
+        if heldout is not None and heldout_every > 0 and (state.step % heldout_every == 0 or state.step == config.steps):
+            state.heldout.append((state.step, heldout(translator)))
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
             save_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer,
-                            {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation]})
+                            {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation],
+                             "heldout": [list(v) for v in state.heldout]})
         if progress:
             progress(state, time.perf_counter() - start)
     for side in SIDES:
         for store in (translator.weights, translator.biases):
             store[side] = [p.detach().clone() for p in store[side]]
     translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "losses_first_last": [state.losses[0], state.losses[-1]],
-                                                               "validation_kl": state.validation}}
+                                                               "validation_kl": state.validation,
+                                                               **({"heldout": state.heldout} if state.heldout else {})}}
     return translator, state
 
 
@@ -218,10 +229,14 @@ def half_decade_rates(center: float, count: int = 5) -> list[float]:
 
 
 def plot_distill(summary: dict, path) -> str:
-    """Training loss per step and validation KL over steps (step 0: the stage-1 maps)."""
+    """Training loss per step and validation KL over steps (step 0: the stage-1 maps); with a
+    held-out curve (`heldout_bpb`), a second panel of held-out bits per byte against the two
+    caches it is read against (`heldout_reference`)."""
     from kvforge.bench.plotting import new_figure, save_figure
 
-    fig, ax = new_figure(1, (7, 4))
+    curve = summary.get("heldout_bpb") or []
+    fig, axes = new_figure(2 if curve else 1, (12 if curve else 7, 4))
+    ax = axes[0] if curve else axes
     ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.5, label="training KL (per step)")
     steps, kl = zip(*summary["validation_kl"]) if summary["validation_kl"] else ((), ())
     ax.plot(steps, kl, marker="o", label=f"validation KL ({summary['validation_samples']} conversations)")
@@ -229,4 +244,17 @@ def plot_distill(summary: dict, path) -> str:
     ax.set_ylabel("KL(native ‖ translated), nats/token")
     ax.set_title(f"stage 2: {summary['source']} → {summary['target']}, lr {summary['lr']:.1e}", fontsize=9)
     ax.legend()
+    if curve:
+        right = axes[1]
+        steps, bpb = zip(*curve)
+        right.plot(steps, bpb, marker="o", label=f"{summary['target']} from the translated cache")
+        for (arm, value), style in zip(summary.get("heldout_reference", {}).items(), ("--", ":")):
+            model = summary["target"] if arm == "target_native" else summary["source"]
+            right.axhline(value, linestyle=style, color="gray", label=f"{model} on its own cache")
+        right.set_xlabel("optimizer step")
+        right.set_ylabel("bits per byte")
+        # A resumed run given no --heldout-every still carries the scores its checkpoint holds, without their settings.
+        samples = summary.get("heldout_samples")
+        right.set_title(f"held out: {samples} conversations" if samples else "held out", fontsize=9)
+        right.legend()
     return str(save_figure(fig, Path(path)))

@@ -35,15 +35,16 @@ class SplitText:
     target_prefix: int  # target tokens before the cut
     alignment: Alignment
     source_cache: KVCache
-    native_cache: KVCache
+    native_cache: KVCache | None  # None when split without it
 
 
-def split_text(source, target, text: str, limit: int, rule: str) -> SplitText:
-    """Cut `text` at the last character <= `limit` where both tokenizations start a token."""
+def split_text(source, target, text: str, limit: int, rule: str, native: bool = True) -> SplitText:
+    """Cut `text` at the last character <= `limit` where both tokenizations start a token.
+    `native=False` skips the target's own prefill (a hand-off needs only the source's cache)."""
     src, tgt = tokenize(source.model.tokenizer, text), tokenize(target.model.tokenizer, text)
     c = common_boundary(src, tgt, limit)
     ps, pt = src.tokens_before(c), tgt.tokens_before(c)
     alignment = align(src.prefix(ps), tgt.prefix(pt), rule).truncate(pt - 1)
     _, source_cache = source.prefill([src.ids[:ps]], logits="none")
-    _, native = target.prefill([tgt.ids[: pt - 1]], logits="none")
-    return SplitText(src, tgt, c, ps, pt, alignment, source_cache, native)
+    native_cache = target.prefill([tgt.ids[: pt - 1]], logits="none")[1] if native else None
+    return SplitText(src, tgt, c, ps, pt, alignment, source_cache, native_cache)
