@@ -501,6 +501,8 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--heldout-every", 8), "is a stage-2 option"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--heldout-samples", 0),
          "--heldout-samples >= 1"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--pause-at", 3),
+         "--pause-at needs"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--native-tail", -1),
          "must be >= 0"),
     ])

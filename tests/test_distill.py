@@ -93,6 +93,12 @@ def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
                 torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="other settings"):
         distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=5, lr=1e-3), checkpoint)
+    # In pieces: paused at step 3 with the checkpoint written there, then on to the end, to the bit.
+    pieces = tmp_path / "pieces.pt"
+    paused, first = distill(copy.deepcopy(translator), target, samples, [], config, pieces, pause_at=3)
+    assert first.step == 3 and paused.info["distill"]["step"] == 3 and torch.load(pieces, weights_only=True)["state"]["step"] == 3
+    _, rest = distill(copy.deepcopy(translator), target, samples, [], config, pieces)
+    assert rest.losses == straight_state.losses
 
 
 class _RunsCode:

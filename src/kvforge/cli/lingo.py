@@ -57,6 +57,7 @@ def fit_lingo_cmd(
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
     heldout_every: int = typer.Option(0, "--heldout-every", help="Stage 2: steps between held-out bits per byte of the target from translated caches (eval lingo's conversations; 0: none): the learning curve."),
     heldout_samples: int = typer.Option(96, "--heldout-samples", help="Stage 2: held-out conversations each --heldout-every scores."),
+    pause_at: Optional[int] = typer.Option(None, "--pause-at", help="Stage 2: stop at this step, writing the translator, JSON and checkpoint as of it; rerun with the same --checkpoint to go on (a long run in pieces)."),
     train_native_tail: int = typer.Option(0, "--native-tail", help="Stage 2: train for hand-offs whose last N prefix tokens the target prefills itself (as handoff/eval/serve --native-tail); 0: every row but the head translated."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", help="Stage 1: conversation counts below --conversations (e.g. 32,96) at which a translator is also written (<out>-<n>conv.safetensors): the data curve from one pass."),
     save_moments: Optional[Path] = typer.Option(None, "--save-moments", help="Stage 1: also write the accumulated float64 moments (about 1 GB for this pair) to solve other assignments later."),
@@ -85,8 +86,10 @@ def fit_lingo_cmd(
     if stage == 2:
         if heldout_every < 0 or heldout_samples < 1:
             raise KvforgeError("--heldout-every must be >= 0 and --heldout-samples >= 1")
+        if pause_at is not None and (pause_at < 1 or checkpoint is None):
+            raise KvforgeError("--pause-at needs a step >= 1 and a --checkpoint to go on from")
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
-                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples)
+                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -155,7 +158,7 @@ VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
-                native_tail=0, heldout_every=0, heldout_samples=96):
+                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -214,12 +217,13 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
             with err.status(f"held out: {heldout_samples} conversations on the target's and the source's own caches"):
                 common.update(heldout_samples=len(heldout.texts), heldout_every=heldout_every, heldout_reference=heldout.reference())
         started = time.perf_counter()
-        translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress, heldout=heldout, heldout_every=heldout_every)
+        translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress, heldout=heldout, heldout_every=heldout_every,
+                                    pause_at=pause_at)
         seconds = time.perf_counter() - started
     path = translator.save(out or translator_stage2_path(source, target))
     from kvforge.translate.distill import plot_distill
 
-    summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "losses": state.losses, "loss_first": state.losses[0],
+    summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "planned_steps": steps, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation, **({"heldout_bpb": state.heldout} if state.heldout else {}),
                "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
     summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{figure_name(source)}-to-{figure_name(target)}.png")

@@ -149,11 +149,14 @@ def validation_kl(translator: Translator, target, samples: list[DistillSample]) 
 
 def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
             checkpoint: Path | None = None, progress=None, validate_start: bool = True,
-            heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0) -> tuple[Translator, DistillState]:
+            heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0,
+            pause_at: int | None = None) -> tuple[Translator, DistillState]:
     """Train the translator's maps in place; resumes from `checkpoint` when the file exists.
     Validation KL is taken every `validate_every` steps, at the end and (`validate_start`) before
     the first step; `heldout` (say held-out bits per byte) every `heldout_every` steps, before the
-    first and at the end. Neither is a training setting: a run resumes under other values of them."""
+    first and at the end. Neither is a training setting: a run resumes under other values of them.
+    `pause_at`: stop at that step with everything written as at the end (validation, held-out
+    score, checkpoint), for a long run in pieces; the next call with the checkpoint goes on."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
     params = trainable(translator)
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
@@ -165,17 +168,18 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
     if heldout is not None and heldout_every > 0 and state.step == 0 and not state.heldout:
         state.heldout.append((0, heldout(translator)))
-    while state.step < config.steps:
+    last = config.steps if pause_at is None else min(config.steps, pause_at)
+    while state.step < last:
         start = time.perf_counter()
         first = state.step * config.accumulate
         total = trainer.step(lambda j: student_kl(translator, target, train[order[(first + j) % len(train)]]))
         state.step += 1
         state.losses.append(total)
-        if validation and (state.step % config.validate_every == 0 or state.step == config.steps):
+        if validation and (state.step % config.validate_every == 0 or state.step == last):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
-        if heldout is not None and heldout_every > 0 and (state.step % heldout_every == 0 or state.step == config.steps):
+        if heldout is not None and heldout_every > 0 and (state.step % heldout_every == 0 or state.step == last):
             state.heldout.append((state.step, heldout(translator)))
-        if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == config.steps):
+        if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == last):
             save_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer,
                             {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation],
                              "heldout": [list(v) for v in state.heldout]})
@@ -184,7 +188,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     for side in SIDES:
         for store in (translator.weights, translator.biases):
             store[side] = [p.detach().clone() for p in store[side]]
-    translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "losses_first_last": [state.losses[0], state.losses[-1]],
+    translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "step": state.step, "losses_first_last": [state.losses[0], state.losses[-1]],
                                                                "validation_kl": state.validation,
                                                                **({"heldout": state.heldout} if state.heldout else {})}}
     return translator, state
