@@ -5,7 +5,8 @@ travel in KVFORGE_VLLM_DRAFT, caches travel through a directory store, and reque
 official `openai` client: a completion drafted by kvforge's proposer equals the plain greedy
 completion, one that names an injected cache is answered from it, and one that names a missing
 cache fails while the server stays up, and a long prompt is answered from a RidgeFill prefill
-(the server runs kvforge's RidgeFill model class).
+(the server runs kvforge's RidgeFill model class). Last, the server's weights are updated in place
+through vLLM's dev endpoints, as an RL trainer updates its rollout server, and restored.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if os.environ.get("KVFORGE_REQUIRE_VLLM") != "1":
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.models import load_model  # noqa: E402
 from kvforge.vllm.store import CacheStore, config_id  # noqa: E402
+from kvforge.vllm.weights import WORKER_EXTENSION  # noqa: E402
 
 from test_vllm import prompts, save_tiny_llama  # noqa: E402
 from test_vllm_ridgefill import fit_maps, long_prompt  # noqa: E402
@@ -50,7 +52,7 @@ def server(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     port = free_port()
     env = {**os.environ, "KVFORGE_VLLM_DRAFT": json.dumps({"gate": False}), "VLLM_CPU_OMP_THREADS_BIND": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}  # dev mode: the endpoints a weight update uses
     command = [
         # vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" (it is "vllm-cpu") and
         # exits; its API server module is the same server
@@ -64,6 +66,7 @@ def server(tmp_path_factory):
         "--hf-overrides", json.dumps({"architectures": ["KvforgeRidgeFillForCausalLM"],
                                       "kvforge_ridgefill": {"maps": str(maps), **RIDGEFILL}}),
         "--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+        "--worker-extension-cls", WORKER_EXTENSION,  # kvforge's weight updates, reached through /collective_rpc
     ]
     log = open(tmp_path_factory.mktemp("log") / "vllm-serve.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -90,7 +93,7 @@ def server(tmp_path_factory):
 
 def complete(client, model: str, prompt: list[int], **extra):
     return client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0, logprobs=1,
-                                     extra_body={"ignore_eos": True, **extra})
+                                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **extra})
 
 
 def test_served_drafting_and_injection_through_the_openai_client(server):
@@ -138,4 +141,53 @@ def test_a_long_served_prompt_is_answered_from_a_ridgefill_prefill(server):
     served = response.choices[0].logprobs.token_logprobs[0]
     assert abs(served - logits[0].log_softmax(-1)[first].item()) < 1e-3
     assert abs(served - exact_logits[0].log_softmax(-1)[first].item()) > 1e-3  # and it was not the exact prefill
-    assert response.choices[0].text == engine.model.tokenizer.decode(ours.token_ids)
+    assert served_ids(response) == ours.token_ids
+
+
+def test_served_weights_update_in_place_and_ridgefill_stops_filling_with_old_maps(server, tmp_path):
+    """`update_served_weights` on the running server: its completions then equal kvforge's engine
+    with the same update, a long prompt is prefilled exactly (the maps fit the old weights), a bad
+    update is refused in one line with the server unchanged, and the served files restore it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.models.weights import WeightUpdateError
+    from kvforge.vllm.weights import read_update, update_served_weights
+
+    client, model, model_dir, _, _ = server
+    url = str(client.base_url)
+    weights = read_update(model_dir)
+    noise = torch.Generator().manual_seed(0)
+    moved = {name: t.float() * (1 + 0.05 * torch.randn(t.shape, generator=noise)) for name, t in weights.items()}
+    save_file(moved, str(tmp_path / "moved.safetensors"))
+    prompt, long = prompts()[1] + prompts()[0], long_prompt(400, 9)
+    before = complete(client, model, prompt)
+    engine = Engine(load_model(model, dtype="fp32"))
+    engine.update_weights({**moved, "lm_head.weight": moved["model.embed_tokens.weight"]})  # tied: the head is the embedding
+    ours = engine.generate([prompt], GenerationConfig(max_new_tokens=24, ignore_eos=True))[0]
+    exact_long, _ = engine.prefill([long])
+
+    assert update_served_weights(url, tmp_path / "moved.safetensors") > 0
+    after, after_long = complete(client, model, prompt), complete(client, model, long)
+    assert served_ids(after) == ours.token_ids
+    logits, _ = engine.prefill([prompt])
+    first = ours.token_ids[0]
+    lp = lambda response: response.choices[0].logprobs.token_logprobs[0]  # noqa: E731
+    assert abs(lp(after) - logits[0].log_softmax(-1)[first].item()) < 1e-3 and abs(lp(after) - lp(before)) > 1e-2
+    first = int(exact_long[0].argmax())  # the RidgeFill class now prefills exactly
+    assert abs(after_long.choices[0].logprobs.token_logprobs[0] - exact_long[0].log_softmax(-1)[first].item()) < 1e-3
+
+    save_file({**moved, "model.norm.weight": torch.ones(3)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight: shape \(3,\)"):
+        update_served_weights(url, tmp_path / "bad.safetensors")
+    unchanged = complete(client, model, prompt)  # still serving the update before
+    assert served_ids(unchanged) == served_ids(after) and lp(unchanged) == pytest.approx(lp(after), abs=1e-5)
+    update_served_weights(url, model_dir)  # the served files: the weights it started with
+    restored = complete(client, model, prompt)
+    assert served_ids(restored) == served_ids(before) and lp(restored) == pytest.approx(lp(before), abs=1e-5)
+
+
+def served_ids(response) -> list[int]:
+    """The completion's token ids (the tiny model's vocabulary has ids its tokenizer cannot spell)."""
+    return [int(t.removeprefix("token_id:")) for t in response.choices[0].logprobs.tokens]

@@ -105,6 +105,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.model_dir = vllm_config.model_config.model
         self.dtype = vllm_config.model_config.dtype
         self.ridgefill_enabled = True  # in-process switch: the benches time exact and RidgeFill on one engine
+        self.maps_stale = False  # the served weights were updated (`kvforge.vllm.weights`): the maps fit others
         # Scoring: the last `score_tokens` rows of every prompt are a continuation scored with
         # prompt logprobs (`eval ridgefill --engine vllm`): exact, and outside the plan, which
         # covers the rows before them as if they were the whole prompt -- what kvforge's eval
@@ -120,7 +121,10 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
     # --- loading -------------------------------------------------------------------------------
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
-        self._prepare()
+        if self.kv_weights:  # a second load is an in-place update (`Worker.reload_weights`), whoever sends it
+            self._weights_updated()
+        else:
+            self._prepare()
         return loaded
 
     def _prepare(self) -> None:
@@ -151,9 +155,20 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
 
+    def _weights_updated(self) -> None:
+        """After an in-place weight update the maps fit the weights before it, so every prompt
+        from then on is prefilled exactly (fit maps for the new weights and start an engine with
+        them to fill again). The weights are not read here: vLLM's reload calls `load_weights`
+        before its post-load processing, while layers are between their old and new states."""
+        if not self.maps_stale:
+            logger.warning("RidgeFill off: the served weights were updated, and the maps %s were fitted for the weights before; "
+                           "prompts are prefilled exactly", self.maps_path)
+        self.maps_stale = True
+
     # --- forward -------------------------------------------------------------------------------
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        spans = self._whole_prompts(input_ids) if self.ridgefill_enabled and inputs_embeds is None else None
+        filling = self.ridgefill_enabled and not self.maps_stale and inputs_embeds is None
+        spans = self._whole_prompts(input_ids) if filling else None
         plans = [self._plan(input_ids[a:b]) for a, b in spans] if spans else []
         if not any(r.reason is None for r in plans):
             self.stats.stock_steps += not plans

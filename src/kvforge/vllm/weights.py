@@ -28,7 +28,10 @@ is checked before vLLM is called: a missing or unknown name or another shape is 
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Mapping
@@ -59,6 +62,49 @@ def update_vllm_weights(llm, tensors: Mapping[str, torch.Tensor]) -> float:
     llm.collective_rpc("kvforge_reload", args=(payload,))
     llm.reset_prefix_cache()
     return time.perf_counter() - start
+
+
+def update_served_weights(url: str, path: str | Path, api_key: str | None = None, timeout: float = 600.0) -> float:
+    """Load the update at `path` (a safetensors file or a directory of them, every tensor of the
+    served checkpoint) into a running `vllm serve`, in place; the seconds it took. The server's
+    workers read the files, so `path` must be on a filesystem they see (an RL trainer writes its
+    weights there after each update). The server must run with `VLLM_SERVER_DEV_MODE=1` (vLLM's
+    `/pause`, `/collective_rpc` and `/reset_prefix_cache` endpoints) and `--worker-extension-cls
+    kvforge.vllm.weights.WeightUpdates`. Generation is paused (requests in flight finish first),
+    the workers reload (`WeightUpdates.kvforge_reload_file`), the prefix cache is dropped (its
+    blocks hold K/V of the old weights) and generation resumes, also when the reload failed.
+    `url`: the server's address, with or without the OpenAI `/v1`."""
+    base = url.rstrip("/").removesuffix("/v1")
+    start = time.perf_counter()
+    _post(base, "/pause?mode=wait", None, api_key, timeout)
+    try:
+        results = _post(base, "/collective_rpc", {"method": "kvforge_reload_file", "args": [str(Path(path).resolve())]}, api_key, timeout)
+        _post(base, "/reset_prefix_cache", None, api_key, timeout)
+    finally:
+        _post(base, "/resume", None, api_key, timeout)
+    if not (isinstance(results, dict) and results.get("results")):
+        raise WeightUpdateError(f"{base}/collective_rpc answered {results!r}, not the workers' reload results")
+    return time.perf_counter() - start
+
+
+def _post(base: str, route: str, body: dict | None, api_key: str | None, timeout: float):
+    """POST a JSON body; the JSON answer (None when empty), or a `WeightUpdateError` in one line."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(base + route, data=json.dumps(body or {}).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as e:
+        detail = " ".join(e.read().decode(errors="replace").split())[:300]
+        hint = ""
+        if e.code == 404:
+            hint = " (start the server with VLLM_SERVER_DEV_MODE=1: that endpoint is off otherwise)"
+        elif route == "/collective_rpc" and "kvforge_reload_file" in detail and "WeightUpdateError" not in detail:
+            hint = f" (start the server with --worker-extension-cls {WORKER_EXTENSION})"
+        raise WeightUpdateError(f"POST {base}{route}: HTTP {e.code}{hint}: {detail}") from None
+    except urllib.error.URLError as e:
+        raise WeightUpdateError(f"POST {base}{route}: {e.reason}") from None
+    return json.loads(text) if text.strip() else None
 
 
 def check_update(directory: Path, tied: bool, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -116,13 +162,38 @@ def _tensor(dtype: str, shape: tuple[int, ...], pieces: list) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8).view(kind).reshape(shape)
 
 
+def read_update(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or of the safetensors files of a directory."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise WeightUpdateError(f"{path}: no safetensors file there")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
 class WeightUpdates:
     """Methods vLLM mixes into its workers (`worker_extension_cls`), called by name."""
 
     def kvforge_reload(self, payload: list[tuple[str, str, tuple[int, ...], list]]) -> None:
         """vLLM's in-place reload of (name, dtype, shape, byte pieces) tensors, then the layers
         whose weight is shared processed again."""
-        self.reload_weights(weights_iterator=[(name, _tensor(dtype, shape, pieces)) for name, dtype, shape, pieces in payload])
+        self._kvforge_load([(name, _tensor(dtype, shape, pieces)) for name, dtype, shape, pieces in payload])
+
+    def kvforge_reload_file(self, path: str) -> dict:
+        """The update read here, in the worker, from a safetensors file or a directory of them,
+        and checked against the served checkpoint first: what `vllm serve`'s `/collective_rpc`
+        can carry, which passes strings only (`update_served_weights`)."""
+        config = self.vllm_config.model_config
+        named = check_update(Path(config.model), getattr(config.hf_config, "tie_word_embeddings", False), read_update(Path(path)))
+        self._kvforge_load(list(named.items()))
+        return {"tensors": len(named)}
+
+    def _kvforge_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.reload_weights(weights_iterator=weights)
         model = self.model_runner.get_model()
         owners: dict[int, list[torch.nn.Module]] = {}
         for module in model.modules():
