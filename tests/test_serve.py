@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from conftest import char_tokenizer, tiny_hf_model
 from kvforge.bench.serve import free_port
 from kvforge.cli import app
+from kvforge.engine import run_to_end
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 PROMPTS = ["the cat sat on the mat. the cat", "abc abc abc abc", "hello world, hello", "one two three four five"]
@@ -233,16 +234,86 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     body = ChatCompletionRequest(model=target, messages=messages, max_tokens=2, kvforge={"prefill": "handoff"})
     (request,) = _make_group(served, body, chat=True)
     assert request.prompt_ids == expected
-    logits, cache, _ = served.routes["handoff"].prefillers["handoff"](request)
+    logits, cache, _ = run_to_end(served.routes["handoff"].prefillers["handoff"](request))
     assert request.prompt_ids == expected and cache.lengths() == [len(expected)] * len(cache)
     assert request.report.prefill == "handoff" and logits.shape[0] == 1
     # --handoff-native-tail over the whole prompt: the target's own prefill, logits and all
     whole = build_served(ServeConfig(llama, translator=translator, target=target, max_batch=1, queue_size=1, dtype="fp32",
                                      handoff_native_tail=len(expected)))[target]
     (request,) = _make_group(whole, body, chat=True)
-    logits, _, _ = whole.routes["handoff"].prefillers["handoff"](request)
+    logits, _, _ = run_to_end(whole.routes["handoff"].prefillers["handoff"](request))
     exact, _ = whole.engine.prefill([expected])
     torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(dirs, artifacts):
+    """A hand-off prompt arriving while a stream decodes: the source's prefill in chunks, the
+    translation a target layer at a time and the native tail in chunks, with a step of the running
+    stream between every two pieces; the arriving request decodes what the same hand-off, run
+    whole by `hand_off_steps` with the same chunk size, gives `generate`, and its cache is the
+    unchunked hand-off's to float32 rounding."""
+    from kvforge.engine import Engine
+    from kvforge.generation import GenerationConfig
+    from kvforge.models import load_model
+    from kvforge.serve.app import AppRequest, handoff_prefiller, planned_prefiller
+    from kvforge.serve.scheduler import Scheduler
+    from kvforge.translate.handoff import hand_off, hand_off_steps
+    from kvforge.translate.translator import Translator
+
+    source, target = Engine(load_model(str(dirs[0]), dtype="fp32")), Engine(load_model(str(dirs[1]), dtype="fp32"))
+    translator = Translator.load(artifacts["translator"])
+    text = "the quick brown fox jumps over the lazy dog and runs far away. " * 3
+    greedy = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    running = AppRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=400, ignore_eos=True))
+    arriving = AppRequest([], greedy, text=text, prefill="handoff")
+    events, forward = [], target.forward
+
+    def forward_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    inner = handoff_prefiller(translator, source, target, native_tail=12, chunk_size=8)
+
+    def prefill(r):
+        steps = inner(r)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            events.append("piece")
+            yield
+
+    target.forward = forward_spy
+    done = threading.Semaphore(0)
+    for r in (running, arriving):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = Scheduler(target, {"exact": planned_prefiller(target, lambda ids: None, 8), "handoff": prefill}, max_batch=4)
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        while running.steps < 3:
+            time.sleep(0.001)
+        with scheduler.paused():
+            before = len(events)
+            scheduler.submit(arriving)
+        assert done.acquire(timeout=120)
+        running.cancelled.set()
+        assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+        target.forward = forward
+    pieces = [i for i, e in enumerate(events) if e == "piece" and i >= before]
+    source_ids = len(source.model.tokenizer(text).input_ids)
+    assert len(pieces) == -(-source_ids // 8) + target.num_layers + 1  # source chunks, then layers, then the tail's 12 rows in two chunks
+    assert all("step" in events[a:b] for a, b in zip(pieces, pieces[1:])), events[before:]
+    h = run_to_end(hand_off_steps(translator, source, target, text, native_tail=12, chunk_size=8))
+    assert arriving.seq.token_ids == target.generate([h.pending], greedy, cache=h.cache)[0].token_ids
+    whole = hand_off(translator, source, target, text, native_tail=12)
+    for a, b in zip(run_to_end(hand_off_steps(translator, source, target, text, native_tail=12, chunk_size=8)).cache.layers, whole.cache.layers):
+        torch.testing.assert_close(a.keys(), b.keys(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.values(), b.values(), atol=1e-4, rtol=1e-4)
 
 
 def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):

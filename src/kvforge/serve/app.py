@@ -172,7 +172,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         translator = Translator.load(config.translator)
         target = load(config.target)
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
-        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail)}
+        target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail, chunk)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
                                        {"handoff": [engine, target]}, config.kv_cache_memory)
     return served
@@ -218,13 +218,16 @@ def planned_prefiller(engine, make_plan, chunk_size: int | None = None):
     return prefill
 
 
-def handoff_prefiller(translator, source, target, native_tail: int = 0):
+def handoff_prefiller(translator, source, target, native_tail: int = 0, chunk_size: int | None = None):
+    """Prefill a request by a hand-off: the source's prefill in chunks of `chunk_size` tokens, the
+    translation a target layer at a time, the native tail in chunks (`hand_off_steps`; None:
+    whole), with the scheduler's decode steps between them."""
     import torch
 
-    from kvforge.translate.handoff import hand_off
+    from kvforge.translate.handoff import hand_off_steps
 
     def prefill(r: AppRequest):
-        h = hand_off(translator, source, target, r.text, target_tokens=r.tokens, native_tail=native_tail)
+        h = yield from hand_off_steps(translator, source, target, r.text, target_tokens=r.tokens, native_tail=native_tail, chunk_size=chunk_size)
         r.prompt_ids = h.target_ids  # the ids the request was checked with, when it tokenized them
         r.report = PrefillReport("handoff", len(h.target_ids), None, None)
         logits = target.decode_step(torch.tensor([h.pending]), h.cache)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.cache import KVCache, RowKind
+from kvforge.engine import run_to_end
 from kvforge.errors import PromptError
 from kvforge.translate.align import Alignment, Tokenized, align, tokenize
 from kvforge.translate.capture import cache_features, own_tokens
@@ -53,6 +54,17 @@ def translate_cache(
     `native_tail`, which the target prefills itself over the translated rows (the source's
     "translate the context, prefill the prompt" setting: the newest text, which the next tokens
     lean on most, is the target's own, for a prefill of `native_tail` tokens)."""
+    return run_to_end(translate_cache_steps(translator, source, target, source_cache, alignment, target_ids, native_tail))
+
+
+def translate_cache_steps(
+    translator: Translator, source, target, source_cache: KVCache, alignment: Alignment, target_ids: list[int], native_tail: int = 0,
+    chunk_size: int | None = None,
+):
+    """`translate_cache` as a generator that yields between pieces of the work, where a server
+    runs its running requests' steps: after each target layer's translated rows, and between
+    chunks of `chunk_size` native-tail tokens (with `chunk_size` None it yields only there, and
+    the tail is prefilled whole). Returns the cache."""
     head, native_from = native_rows(alignment, native_tail)
     cache = target.new_cache(1, capacity=alignment.rows + 1)
     if head:
@@ -60,9 +72,17 @@ def translate_cache(
     if native_from > head:
         with torch.inference_mode():
             aligned = aligned_features(translator, source, source_cache, alignment.truncate(native_from))
-            append_translated(translator, target, aligned, head, cache, target_ids)
+            dtype = translator.in_dtype(target.dtype).dtype  # cast once here, not at every layer's call
+            aligned = {side: {s: f.to(dtype) for s, f in features.items()} for side, features in aligned.items()}
+        for layer in range(translator.target.num_layers):
+            if layer and chunk_size:
+                yield
+            with torch.inference_mode():
+                append_translated(translator, target, aligned, head, cache, target_ids, layers=[layer])
     if native_from < alignment.rows:
-        target.prefill([target_ids[native_from : alignment.rows]], cache=cache, logits="none")
+        if chunk_size:
+            yield
+        yield from target.prefill_steps([target_ids[native_from : alignment.rows]], cache=cache, chunk_size=chunk_size, logits="none")
     return cache
 
 
@@ -76,11 +96,12 @@ def aligned_features(translator: Translator, source, source_cache: KVCache, alig
 
 
 def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache,
-                      target_ids: list[int]) -> None:
+                      target_ids: list[int], layers: list[int] | None = None) -> None:
     """Translate aligned source features into target rows at positions start, start+1, ... and
-    append them to every layer of `cache`; `target_ids`: the target's tokens from row 0 on (a
-    translator with own-token inputs reads them). Differentiable in the translator's weights when
-    called with gradients on (stage 2 trains through it)."""
+    append them to every layer of `cache` (or to `layers`: a hand-off a layer at a time);
+    `target_ids`: the target's tokens from row 0 on (a translator with own-token inputs reads
+    them). Differentiable in the translator's weights when called with gradients on (stage 2
+    trains through it)."""
     t = translator.target
     # A hand-off (run under inference mode): the maps in the cache's dtype (bf16: the fast units).
     # Stage 2's training and its no-grad validation keep the float32 maps they train.
@@ -91,7 +112,7 @@ def append_translated(translator: Translator, target, aligned: dict[str, dict[in
     own = own_tokens(target, target_ids, start, n, translator.own_tokens)
     positions = torch.arange(start, start + n, device=target.device).view(1, -1)
     rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
-    for layer in range(t.num_layers):
+    for layer in range(t.num_layers) if layers is None else layers:
         k = translator.apply("k", layer, aligned["k"], own).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
         v = translator.apply("v", layer, aligned["v"], own).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
         k = target.adapter.finish_keys(layer, k.to(target.dtype), rope, translator.capture)
@@ -119,6 +140,18 @@ def hand_off(
     tokens because it holds them already; by default `text` is tokenized with them. `native_tail`:
     the text's last tokens the target prefills itself (`translate_cache`). Raises a
     one-line error for a translator of another pair."""
+    return run_to_end(hand_off_steps(translator, source, target, text, source_cache, target_tokens, native_tail))
+
+
+def hand_off_steps(
+    translator: Translator, source, target, text: str, source_cache: KVCache | None = None, target_tokens: Tokenized | None = None,
+    native_tail: int = 0, chunk_size: int | None = None,
+):
+    """`hand_off` as a generator that yields between pieces of its work, where a server runs its
+    running requests' steps: the source's prefill in chunks of `chunk_size` tokens, the translation
+    a target layer at a time, the native tail in chunks (`translate_cache_steps`); None: whole, as
+    `hand_off`. The checks run before the first yield. Returns the `Handoff`, whose `translate_s`
+    counts its own work only."""
     translator.check_pair(ModelSide.of(source), ModelSide.of(target))
     if not text or not text.strip():
         raise PromptError("empty prompt: give some text")
@@ -128,10 +161,27 @@ def hand_off(
         if len(tok.ids) >= engine.model.context_length:
             raise PromptError(f"prompt has {len(tok.ids)} tokens but {engine.model.name}'s context is {engine.model.context_length} tokens")
     if source_cache is None:
-        _, source_cache = source.prefill([src.ids], logits="none")
+        _, source_cache, _ = yield from source.prefill_steps([src.ids], chunk_size=chunk_size, logits="none")
+        if chunk_size:
+            yield
     check_source_cache(translator, source_cache, len(src.ids))
+    clock = [0.0]
     start = time.perf_counter()
     alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
-    cache = translate_cache(translator, source, target, source_cache, alignment, tgt.ids, native_tail)
-    return Handoff(cache, tgt.ids[-1], tgt.ids, src.ids, time.perf_counter() - start)
+    clock[0] += time.perf_counter() - start
+    cache = yield from _timed(translate_cache_steps(translator, source, target, source_cache, alignment, tgt.ids, native_tail, chunk_size), clock)
+    return Handoff(cache, tgt.ids[-1], tgt.ids, src.ids, clock[0])
 
+
+def _timed(steps, clock: list[float]):
+    """Drive `steps`, yielding where it yields, and add the time it ran (not the time spent
+    away at its yields) to clock[0]; returns what it returns."""
+    while True:
+        start = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration as done:
+            clock[0] += time.perf_counter() - start
+            return done.value
+        clock[0] += time.perf_counter() - start
+        yield
