@@ -988,6 +988,25 @@ def test_the_arrival_bench_measures_streams_while_a_long_prompt_is_prefilled(dir
     assert out["chunks_during_prefill"] > 0 and out["median_itl_ms"] > 0 and out["p99_itl_ms_during_prefill"] >= out["median_itl_ms"] / 10
 
 
+def test_the_arrival_bench_hands_a_prompt_off_from_a_source_model(dirs, tmp_path):
+    """`bench serve --arrival-method handoff --source S`: the arriving prompt is handed off from S by a
+    server of both models while the streams decode on the benched model."""
+    from kvforge.bench.serve import bench_serve
+
+    llama, gemma = str(dirs[0]), str(dirs[1])
+    translator = tmp_path / "gemma-to-llama.safetensors"  # into the llama, whose tokens the streams' text shows
+    _cli("fit", "lingo", "--source", gemma, "--target", llama, "--assign", "identity", "--nu", 1, "--conversations", 2, "--max-chars", 300,
+         "--out", translator, "--json")
+    report = bench_serve(llama, None, ["exact"], [1], 1, 4, 16, arrival_tokens=200, streams=2, chunks=[16], arrival_method="handoff",
+                         source=gemma, translator=translator)
+    (arrival,) = report["arrival"]
+    assert arrival["arrival_method"] == "handoff" and arrival["failed"] == 0 and arrival["arrival_ttft_s"] > 0
+    assert arrival["chunks_during_prefill"] > 0 and arrival["median_itl_ms"] > 0
+    assert report["arrival_source"] == gemma and 150 < arrival["arrival_tokens"] < 256
+    with pytest.raises(ValueError, match="go together"):
+        bench_serve(llama, None, ["exact"], [1], 1, 4, 16, arrival_tokens=150, arrival_method="handoff")
+
+
 def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engine):
     """`kv_cache_bytes`: the buffers take the budget at the start, split evenly across `max_batch`
     slots (with a draft's spare rows), and never grow; a sequence stops at its share ("length"), a

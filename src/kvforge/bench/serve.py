@@ -13,6 +13,7 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -139,10 +140,15 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
     }
 
 
-def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int], max_tokens: int, steady: int = 8,
-                method: str = "exact") -> dict:
-    """Streams decoding when a long prompt arrives (prefilled by `method`: exact, ridgefill or
-    speed): each stream's inter-token latencies (the time
+# How the arriving prompt of `run_arrival` may be prefilled: a method, or a hand-off from the source model
+ARRIVAL_OPTIONS = {**{m: METHOD_OPTIONS[m] for m in ("exact", "ridgefill", "speed")}, "handoff": {"prefill": "handoff"}}
+
+
+def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: list[int] | str, max_tokens: int, steady: int = 8,
+                method: str = "exact", arrival_tokens: int | None = None) -> dict:
+    """Streams decoding when a long prompt arrives (prefilled by `method`: exact, ridgefill,
+    speed, or handoff, whose prompt is text: `arrival_tokens` then gives its length in the served
+    model's tokens): each stream's inter-token latencies (the time
     between two streamed chunks as the client reads them; a reader never blocks). Their median
     over a steady stretch before the arrival (every stream running, `steady` chunks each), and
     their 99th percentile over the gaps that overlap the long prompt's prefill (from its request's
@@ -178,7 +184,7 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     sent = time.perf_counter()
     with httpx.Client() as http:
         long = stream_completion(http, url, {"model": model, "prompt": long_prompt, "max_tokens": 1, "temperature": 0,
-                                             "kvforge": METHOD_OPTIONS[method]})
+                                             "kvforge": ARRIVAL_OPTIONS[method]})
     first = sent + (long["ttft_s"] or 0.0)
     time.sleep(0.5)  # a few steps after it joins
     stop.set()
@@ -196,7 +202,7 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
     pick = lambda values, q: values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else None  # noqa: E731
     median, p99 = pick(steady_gaps, 0.5), pick(during, 0.99)
     return {
-        "streams": len(stream_prompts), "arrival_tokens": len(long_prompt), "arrival_method": method, "arrival_ttft_s": long["ttft_s"],
+        "streams": len(stream_prompts), "arrival_tokens": arrival_tokens or len(long_prompt), "arrival_method": method, "arrival_ttft_s": long["ttft_s"],
         "median_itl_ms": 1000 * median if median else None, "p99_itl_ms_during_prefill": 1000 * p99 if p99 else None,
         "max_itl_ms_during_prefill": 1000 * during[-1] if during else None, "chunks_during_prefill": len(during),
         "p99_over_median": p99 / median if median and p99 else None, "failed": int(not long["complete"]),
@@ -206,21 +212,29 @@ def run_arrival(url: str, model: str, stream_prompts: list[str], long_prompt: li
 def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[int], per_client: int, max_tokens: int,
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
                 attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None,
-                arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None, arrival_method: str = "exact") -> dict:
+                arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None, arrival_method: str = "exact",
+                source: str | None = None, translator: Path | None = None) -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
     `speed_tail`: SPEED's full-depth tail (default 64). `arrival_tokens` > 0: also a prompt of
     that many tokens arriving while `streams` streams decode (`run_arrival`), once per server
     chunk size in `chunks` (`--max-num-batched-tokens`; None: whole prompts), prefilled by
-    `arrival_method`."""
+    `arrival_method`; "handoff": handed off from `source` through `translator` (default: the pair's
+    translator) by a server of both models, the streams on `model`."""
     from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
     unknown = [m for m in methods if m not in METHOD_OPTIONS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
-    if arrival_method not in ("exact", "ridgefill", "speed"):
-        raise ValueError(f"unknown arrival method {arrival_method!r}: use exact, ridgefill or speed")
+    if arrival_method not in ARRIVAL_OPTIONS:
+        raise ValueError(f"unknown arrival method {arrival_method!r}: use {', '.join(ARRIVAL_OPTIONS)}")
+    if (arrival_method == "handoff") != (source is not None):
+        raise ValueError("--arrival-method handoff and --source go together: the model the arriving prompt is handed off from")
+    if source is not None and translator is None:
+        from kvforge.artifacts import default_translator_path
+
+        translator = default_translator_path(source, model)
     if "ridgefill" in (*methods, arrival_method) and maps is None:
         maps = find_artifact("maps", model)
     chunks = chunks or [512]
@@ -238,14 +252,21 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         from kvforge.data.prompts import held_out_text_tokens
 
         long_prompt = held_out_text_tokens(tokenizer, arrival_tokens)
+        # the streams decode past the arrival: 400 tokens, or what the context leaves them
+        stream_tokens = min(400, served[model].engine.model.context_length - 2 * prompt_tokens)
+        arriving: list[int] | str = long_prompt
+        if source is not None:  # the arriving prompt as text, served by a server of both models
+            arriving = tokenizer.decode(long_prompt)
+            arrival_config = lambda chunk: replace(config(chunk), model=source, maps=None, translator=translator, target=model)  # noqa: E731
         for chunk in chunks:  # a server per chunk size (a server's scheduler threads start once)
-            server, url = start_server(create_app(build_served(config(chunk))))
+            server, url = start_server(create_app(build_served((arrival_config if source is not None else config)(chunk))))
             try:
                 if progress:
                     progress(f"a {arrival_tokens}-token prompt arriving while {streams} streams decode, chunks of {chunk or 'the whole prompt'}")
                 with httpx.Client() as http:  # warm-up
                     stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
-                arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], long_prompt, 400, method=arrival_method)})
+                arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], arriving, stream_tokens, method=arrival_method,
+                                                                                 arrival_tokens=len(tokenizer(arriving).input_ids) if source else None)})
             finally:
                 stop_server(server)
     server, url = start_server(create_app(served))
@@ -270,4 +291,5 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
         "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
         "ridgefill_attended_rows": attended_rows, **environment(served[model].engine), "results": results, "arrival": arrivals,
+        **({"arrival_source": source, "arrival_translator": str(translator)} if source is not None else {}),
     }

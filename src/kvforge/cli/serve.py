@@ -119,7 +119,9 @@ def bench_serve_cmd(
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Held-out text per prompt."),
     arrival_tokens: int = typer.Option(0, "--arrival-tokens", min=0, help="Also: a prompt of this many tokens arriving while --streams streams decode (their inter-token latency during its prefill against their median)."),
     streams: int = typer.Option(15, "--streams", min=1, help="Streams decoding when the --arrival-tokens prompt arrives."),
-    arrival_method: str = typer.Option("exact", "--arrival-method", help="How the --arrival-tokens prompt is prefilled: exact, ridgefill (the cached maps) or speed."),
+    arrival_method: str = typer.Option("exact", "--arrival-method", help="How the --arrival-tokens prompt is prefilled: exact, ridgefill (the cached maps), speed, or handoff (from --source)."),
+    source: Optional[str] = typer.Option(None, "--source", help="With --arrival-method handoff: the model the arriving prompt is handed off from (a server of both models)."),
+    translator: Optional[Path] = typer.Option(None, "--translator", help="With --source: the translator (default: the pair's stage-2 one if present, else its stage-1 one)."),
     batched_tokens: str = typer.Option("512", "--max-num-batched-tokens", help="The server's prefill chunk, comma-separated: one --arrival-tokens run each (0: whole prompts); the first serves the concurrency levels."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -140,7 +142,7 @@ def bench_serve_cmd(
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
                          device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows,
                          dtype=dtype, arrival_tokens=arrival_tokens, streams=streams, chunks=chunks,
-                         arrival_method=arrival_method)
+                         arrival_method=arrival_method, source=source, translator=translator)
     if json_out:
         emit_json(report)
         return
