@@ -492,6 +492,18 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     assert written.is_file()
     bad = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2)
     assert bad.exit_code == 2 and "needs --init" in bad.stderr
+    # In pieces: paused at step 1 (its translator beside the final file's name), then on without the held-out flags
+    pieces, ckpt2 = tmp_path / "long.safetensors", tmp_path / "long.pt"
+    stage2 = ("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--steps", 3,
+              "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--checkpoint", ckpt2, "--out", pieces, "--plot", tmp_path / "long.png")
+    first = _last_json(_run(*stage2, "--pause-at", 1, "--heldout-every", 1, "--heldout-samples", 2, "--json"))
+    assert first["steps"] == 1 and first["planned_steps"] == 3 and first["out"].endswith("long-step1.safetensors") and not pieces.exists()
+    assert [step for step, _ in first["heldout_bpb"]] == [0, 1]
+    rest = _run(*stage2)  # the scores taken so far come back from the checkpoint
+    assert rest.exit_code == 0, rest.output
+    assert "held-out bits per byte [(0," in rest.stderr and pieces.is_file()
+    other = _run(*stage2, "--heldout-every", 1, "--heldout-samples", 3)
+    assert other.exit_code == 2 and "same held-out settings" in other.stderr
     tailed = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
                              "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--native-tail", 8, "--out", tmp_path / "tail.safetensors",
                              "--plot", tmp_path / "kl.png", "--json"))

@@ -95,10 +95,13 @@ def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
         distill(copy.deepcopy(translator), target, samples, [], DistillConfig(steps=5, lr=1e-3), checkpoint)
     # In pieces: paused at step 3 with the checkpoint written there, then on to the end, to the bit.
     pieces = tmp_path / "pieces.pt"
-    paused, first = distill(copy.deepcopy(translator), target, samples, [], config, pieces, pause_at=3)
+    paused, first = distill(copy.deepcopy(translator), target, samples, samples, config, pieces, pause_at=3)
     assert first.step == 3 and paused.info["distill"]["step"] == 3 and torch.load(pieces, weights_only=True)["state"]["step"] == 3
-    _, rest = distill(copy.deepcopy(translator), target, samples, [], config, pieces)
-    assert rest.losses == straight_state.losses
+    assert [step for step, _ in first.validation] == [0, 3]  # validated where it paused
+    _, rest = distill(copy.deepcopy(translator), target, samples, samples, config, pieces)
+    assert rest.losses == straight_state.losses and [step for step, _ in rest.validation] == [0, 3, 4]
+    with pytest.raises(ValueError, match="at step 4 already"):
+        distill(copy.deepcopy(translator), target, samples, [], config, pieces, pause_at=2)
 
 
 class _RunsCode:
@@ -287,7 +290,10 @@ def test_a_held_out_score_is_taken_at_its_steps_and_resumes_with_the_run(setup, 
     checkpoint = tmp_path / "ckpt.pt"
     with pytest.raises(Interrupt):
         distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, stop_at_two, heldout=score, heldout_every=1)
-    # Resumed under another interval (not a training setting): the scores taken before come back.
+    # Resumed under another interval (not a training setting): the scores taken before come back; on
+    # other held-out settings the run is refused.
+    with pytest.raises(ValueError, match="same held-out settings"):
+        distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, heldout=score, heldout_every=3, heldout_setting="other")
     _, resumed = distill(copy.deepcopy(translator), target, samples, [], config, checkpoint, heldout=score, heldout_every=3)
     assert [step for step, _ in resumed.heldout] == [0, 1, 2, 3, 4] and resumed.losses == state.losses
 

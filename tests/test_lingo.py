@@ -125,15 +125,16 @@ def test_alignment_rules_on_hand_made_spans():
     assert mean.gather(feats).view(-1).tolist() == [3.0, 3.5]
 
 
-def test_row_kinds_say_how_each_target_span_meets_the_source_tokens_it_reads():
+def test_row_kinds_say_how_each_target_token_meets_the_source_tokens_whatever_the_rule():
     # text "hello world!": source "<bos>" "hello" " wor" "ld" "!"; target "hel" "lo" " world" "" "!"
     source = _tok([(0, 0), (0, 5), (5, 9), (9, 11), (11, 12)])
     target = _tok([(0, 3), (3, 5), (5, 11), (11, 11), (11, 12)])
-    cover = align(source, target, "cover")
-    assert row_kinds(source, target, cover) == ["part of a source token", "several source tokens", "unplaced", "one-to-one"]
-    assert row_kinds(source, target, align(source, target, "mean"))[1] == "several source tokens"  # " wor" and "ld" both read
-    last = align(source, _tok([(0, 3), (3, 7)]), "last")  # "lo w" ends inside " wor": "last" reads "hello", short of its end
-    assert row_kinds(source, _tok([(0, 3), (3, 7)]), last) == ["partial overlap"]
+    expected = ["part of a source token", "several source tokens", "unplaced", "one-to-one"]
+    for rule in ("cover", "last", "mean"):
+        assert row_kinds(source, target, align(source, target, rule)) == expected, rule
+    # a source that holds no token for characters 2-4: "ab" "ef" under target "a" "bc" "d"
+    gappy, target = _tok([(0, 2), (4, 6)]), _tok([(0, 1), (1, 3), (3, 4)])
+    assert row_kinds(gappy, target, align(gappy, target, "cover")) == ["partial overlap", "unplaced"]
 
 
 def _spans(pieces: list[tuple[int, bool]]) -> list[tuple[int, int]]:

@@ -246,6 +246,35 @@ def test_chat_handoff_serves_the_ids_it_checked(dirs, tmp_path):
     torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
 
 
+def test_an_update_of_the_source_marks_a_hand_off_mid_prefill_crossed(dirs, artifacts):
+    """A hand-off prefills its source in chunks on the target's scheduler: an update of the source
+    between two of them marks it crossed (its source rows come from both weights)."""
+    from fastapi.testclient import TestClient
+
+    from kvforge.serve.app import ServeConfig, build_served, create_app, update_weights
+
+    llama, gemma = str(dirs[0]), str(dirs[1])
+    served = build_served(ServeConfig(llama, translator=artifacts["translator"], target=gemma, max_batch=2, dtype="fp32", max_num_batched_tokens=8))
+    source = served[llama].engine
+    forward = source.forward
+    source.forward = lambda *args, **kwargs: time.sleep(0.02) or forward(*args, **kwargs)
+    body = {"model": gemma, "prompt": "the quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 2, "temperature": 0,
+            "kvforge": {"prefill": "handoff"}}
+    new = {name: p.detach().clone() for name, p in tiny_hf_model("llama", seed=3).named_parameters()}
+    results = []
+    with TestClient(create_app(served)) as http:
+        thread = threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body).json()))
+        thread.start()
+        scheduler = served[gemma].routes["handoff"]
+        deadline = time.monotonic() + 60
+        while not scheduler.prefilling and time.monotonic() < deadline:
+            time.sleep(0.001)
+        done = update_weights(served, llama, new)
+        thread.join(timeout=60)
+    assert done["crossed_requests"] == 1 and f"{gemma}:handoff" in done["refused"]
+    assert results[0]["kvforge"]["weights_crossed"] is True
+
+
 def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(dirs, artifacts):
     """A hand-off prompt arriving while a stream decodes: the source's prefill in chunks, the
     translation a target layer at a time and the native tail in chunks, with a step of the running

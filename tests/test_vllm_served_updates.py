@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -17,9 +18,9 @@ from kvforge.vllm.weights import update_served_weights
 class StandIn:
     """vLLM's /pause, /collective_rpc, /reset_prefix_cache and /resume, with chosen answers."""
 
-    def __init__(self, answers: dict[str, tuple[int, str]] | None = None):
+    def __init__(self, answers: dict[str, tuple[int, str]] | None = None, slow: dict[str, float] | None = None):
         self.calls: list[tuple[str, dict, str | None]] = []
-        self.answers = answers or {}
+        self.answers, self.slow = answers or {}, slow or {}
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -29,6 +30,7 @@ class StandIn:
                 route = self.path.split("?")[0]
                 default = (200, json.dumps({"results": [{"tensors": 3}]})) if route == "/collective_rpc" else (200, "")
                 code, text = stand_in.answers.get(route, default)
+                time.sleep(stand_in.slow.get(route, 0.0))
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -49,8 +51,8 @@ class StandIn:
 def stand_in():
     servers = []
 
-    def make(answers=None):
-        servers.append(StandIn(answers))
+    def make(answers=None, slow=None):
+        servers.append(StandIn(answers, slow))
         return servers[-1]
 
     yield make
@@ -64,7 +66,8 @@ def test_an_update_pauses_reloads_from_the_path_drops_the_prefix_cache_and_resum
     assert seconds >= 0
     assert server.routes() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     _, body, auth = server.calls[1]
-    assert body == {"method": "kvforge_reload_file", "args": [str((tmp_path / "update.safetensors").resolve())]} and auth == "Bearer k"
+    assert body == {"method": "kvforge_reload_file", "args": [str((tmp_path / "update.safetensors").resolve())], "timeout": 600.0}
+    assert auth == "Bearer k"
 
 
 def test_a_refused_update_resumes_generation_and_says_why_in_one_line(stand_in, tmp_path):
@@ -85,6 +88,24 @@ def test_a_refused_update_resumes_generation_and_says_why_in_one_line(stand_in, 
 def test_a_server_without_the_endpoints_or_the_extension_is_named_as_such(stand_in, tmp_path, answers, hint):
     with pytest.raises(WeightUpdateError, match=hint.replace(".", r"\.")):
         update_served_weights(stand_in(answers).url, tmp_path)
+
+
+@pytest.mark.parametrize("slow_route", ["/pause", "/collective_rpc"])
+def test_a_call_past_its_timeout_still_resumes_generation(stand_in, tmp_path, slow_route):
+    server = stand_in(slow={slow_route: 1.5})
+    with pytest.raises(WeightUpdateError, match=f"POST {server.url}{slow_route}.*(timed out|Timeout)"):
+        update_served_weights(server.url, tmp_path, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while "/resume" not in server.routes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.routes()[-1] == "/resume" and "/reset_prefix_cache" not in server.routes()
+
+
+def test_a_prefix_cache_that_did_not_reset_is_said_and_generation_resumes(stand_in, tmp_path):
+    server = stand_in({"/reset_prefix_cache": (200, json.dumps({"success": False}))})
+    with pytest.raises(WeightUpdateError, match="did not reset"):
+        update_served_weights(server.url, tmp_path)
+    assert server.routes()[-1] == "/resume"
 
 
 def test_no_server_is_a_one_line_error():

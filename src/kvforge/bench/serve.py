@@ -229,8 +229,8 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHOD_OPTIONS)}")
     if arrival_method not in ARRIVAL_OPTIONS:
         raise ValueError(f"unknown arrival method {arrival_method!r}: use {', '.join(ARRIVAL_OPTIONS)}")
-    if (arrival_method == "handoff") != (source is not None):
-        raise ValueError("--arrival-method handoff and --source go together: the model the arriving prompt is handed off from")
+    if (arrival_method == "handoff") != (source is not None) or (translator is not None and source is None):
+        raise ValueError("--arrival-method handoff and --source go together (and --translator needs them): the model the arriving prompt is handed off from")
     if source is not None and translator is None:
         from kvforge.artifacts import default_translator_path
 
@@ -254,17 +254,22 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         long_prompt = held_out_text_tokens(tokenizer, arrival_tokens)
         # the streams decode past the arrival: 400 tokens, or what the context leaves them
         stream_tokens = min(400, served[model].engine.model.context_length - 2 * prompt_tokens)
+        if stream_tokens < 16:
+            raise ValueError(f"--prompt-tokens {prompt_tokens} leaves the streams no room to decode in {model}'s context")
         arriving: list[int] | str = long_prompt
         if source is not None:  # the arriving prompt as text, served by a server of both models
-            arriving = tokenizer.decode(long_prompt)
+            arriving = tokenizer.decode(long_prompt, skip_special_tokens=True)
             arrival_config = lambda chunk: replace(config(chunk), model=source, maps=None, translator=translator, target=model)  # noqa: E731
         for chunk in chunks:  # a server per chunk size (a server's scheduler threads start once)
             server, url = start_server(create_app(build_served((arrival_config if source is not None else config)(chunk))))
             try:
                 if progress:
                     progress(f"a {arrival_tokens}-token prompt arriving while {streams} streams decode, chunks of {chunk or 'the whole prompt'}")
-                with httpx.Client() as http:  # warm-up
+                with httpx.Client() as http:  # warm-up, of the arrival's prefill too
                     stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
+                    if source is not None:
+                        stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0,
+                                                      "kvforge": ARRIVAL_OPTIONS["handoff"]})
                 arrivals.append({"max_num_batched_tokens": chunk, **run_arrival(url, model, prompts[:streams], arriving, stream_tokens, method=arrival_method,
                                                                                  arrival_tokens=len(tokenizer(arriving).input_ids) if source else None)})
             finally:

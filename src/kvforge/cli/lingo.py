@@ -155,6 +155,7 @@ def _fit_summary(translator, path: Path) -> dict:
 
 
 VALIDATION_SKIP = 2000  # stage-2 validation: fit conversations from this one on
+HELDOUT_CURVE_SKIP = 96  # stage-2 held-out curve: held-out conversations from this one on
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
@@ -213,25 +214,34 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
         if heldout_every:
             from kvforge.evaluate.lingo import HeldOutBpb, LingoEvalSettings
 
-            heldout = HeldOutBpb(src, tgt, translator.align, LingoEvalSettings(samples=heldout_samples, native_tail=native_tail))
+            # past the conversations `eval lingo --samples 96` scores, so a step picked from the curve is not picked on them
+            settings = LingoEvalSettings(samples=heldout_samples, skip=HELDOUT_CURVE_SKIP, native_tail=native_tail)
+            heldout = HeldOutBpb(src, tgt, translator.align, settings)
             with err.status(f"held out: {heldout_samples} conversations on the target's and the source's own caches"):
-                common.update(heldout_samples=len(heldout.texts), heldout_every=heldout_every, heldout_reference=heldout.reference())
+                common.update(heldout_samples=len(heldout.texts), heldout_skip=HELDOUT_CURVE_SKIP, heldout_every=heldout_every,
+                              heldout_reference=heldout.reference())
         started = time.perf_counter()
         translator, state = distill(translator, tgt, train, validation, config, checkpoint, progress, heldout=heldout, heldout_every=heldout_every,
-                                    pause_at=pause_at)
+                                    heldout_setting=heldout.setting if heldout else "", pause_at=pause_at)
         seconds = time.perf_counter() - started
-    path = translator.save(out or translator_stage2_path(source, target))
+        heldout_seconds = heldout.seconds if heldout else 0.0
+    path = out or translator_stage2_path(source, target)
+    if state.step < steps:  # a piece of a longer run: beside the final file, never in its place
+        path = Path(str(path)).with_name(f"{Path(str(path)).stem}-step{state.step}.safetensors")
+    path = translator.save(path)
     from kvforge.translate.distill import plot_distill
 
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "planned_steps": steps, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation, **({"heldout_bpb": state.heldout} if state.heldout else {}),
-               "seconds": seconds, "seconds_per_step": seconds / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
+               "seconds": seconds, "heldout_seconds": heldout_seconds,
+               "seconds_per_step": (seconds - heldout_seconds) / max(1, len(ran))}  # steps run by this process (a resumed run: fewer)
     summary["plot"] = plot_distill(summary, plot or Path("benchmarks/results") / f"lingo-distill-{figure_name(source)}-to-{figure_name(target)}.png")
     if json_out:
         emit_json(summary)
         return
     err.print(f"wrote {path}: {state.step} steps, loss {state.losses[0]:.4f} → {state.losses[-1]:.4f}, validation KL {state.validation}"
-              + (f", held-out bits per byte {state.heldout} (own caches: {common['heldout_reference']})" if state.heldout else ""))
+              + (f", held-out bits per byte {state.heldout}" if state.heldout else "")
+              + (f" (own caches: {common['heldout_reference']})" if "heldout_reference" in common else ""))
 
 
 @app.command()

@@ -28,6 +28,7 @@ stage-2 run records.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,15 +239,21 @@ class HeldOutBpb:
     def __init__(self, source, target, rule: str, settings: LingoEvalSettings):
         self.source, self.target, self.rule, self.settings = source, target, rule, settings
         self.texts = heldout_texts(settings)
+        self.seconds = 0.0  # spent scoring, over every call
+        # what a curve's scores depend on besides the translator: a run resumed under another is refused
+        self.setting = (f"{len(self.texts)} held-out conversations from {settings.skip}, prefixes {settings.prefix_chars} and "
+                        f"continuations {settings.continuation_chars} characters, native tail {settings.native_tail}")
 
     @torch.inference_mode()
     def __call__(self, translator: Translator) -> float:
+        start = time.perf_counter()
         nats, byte_count = 0.0, 0
         for text in self.texts:
             cut = split_text(self.source, self.target, text, self.settings.prefix_chars, self.rule, native=False)
             cache = translate_cache(translator, self.source, self.target, cut.source_cache, cut.alignment, cut.tgt.ids, self.settings.native_tail)
             nats += _nats(continuation_logits(self.target, cut.tgt.ids, cut.target_prefix, cache), cut.tgt.ids[cut.target_prefix :])
             byte_count += len(text[cut.cut :].encode("utf-8"))
+        self.seconds += time.perf_counter() - start
         return nats / (LN2 * byte_count)
 
     @torch.inference_mode()

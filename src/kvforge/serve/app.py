@@ -190,6 +190,9 @@ def update_weights(served: dict[str, Served], model: str, tensors, lora_scale: f
             paused.enter_context(scheduler.paused())
         kind = s.engine.update_weights(tensors, lora_scale)
         crossed = [r for scheduler in s.schedulers for r in scheduler.started]  # a prompt mid-prefill has rows from both weights too
+        # a hand-off mid-prefill on another model's scheduler: its source's rows come from both weights
+        crossed += [r for each in served.values() if each is not s for method, engines in each.fitted.items() if any(e is s.engine for e in engines)
+                    for r in each.routes[method].prefilling if r.prefill == method]
         for r in crossed:
             r.crossed = True
         refused = []

@@ -217,7 +217,12 @@ class Scheduler:
     @property
     def started(self) -> list[ServeRequest]:
         """The requests running and those whose prompt is being prefilled."""
-        return self.active + (self._prefilling[0] if self._prefilling is not None else [])
+        return self.active + self.prefilling
+
+    @property
+    def prefilling(self) -> list[ServeRequest]:
+        """The requests whose prompt is being prefilled."""
+        return self._prefilling[0] if self._prefilling is not None else []
 
     @property
     def kv_bytes(self) -> int:

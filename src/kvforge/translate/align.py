@@ -140,32 +140,32 @@ def _mean_alignment(head: int, spans: np.ndarray, src_rows: np.ndarray, starts: 
     return Alignment(head, index, weight, "mean")
 
 
-# How a target row's span relates to the source rows it reads (`row_kinds`).
+# How a target row's token meets the source's tokens (`row_kinds`)
 ROW_KINDS = ("one-to-one", "part of a source token", "several source tokens", "partial overlap", "unplaced")
 
 
 def row_kinds(source: Tokenized, target: Tokenized, alignment: Alignment) -> list[str]:
-    """For each aligned target row (from `alignment.head` on), how its character span [s, e)
-    relates to the span [S, E) covered by the source rows it reads:
-      one-to-one              one source row, the same span;
-      part of a source token  S <= s and E >= e, not equal: a source token several target tokens share;
-      several source tokens   S > s, or several rows read: the target token holds several source
-                              tokens (`cover` reads the last, `mean` all that overlap it);
-      partial overlap         the spans overlap otherwise (`last` stopping short of e);
-      unplaced                no span, or no overlap: the row reads what the row before it read."""
+    """For each aligned target row (from `alignment.head` on), how its token's character span
+    [s, e) meets the source's tokens, whatever the alignment rule reads:
+      one-to-one              one source token overlaps it, with the same span;
+      part of a source token  one source token overlaps it and covers it: several target tokens share it;
+      several source tokens   two or more source tokens overlap it;
+      partial overlap         one source token overlaps it without covering it (characters the
+                              source's tokens do not hold);
+      unplaced                no span, or no source token overlaps it: every rule makes the row
+                              read what the row before it read."""
+    spans = source.spans[source.spans[:, 1] > source.spans[:, 0]]
+    starts, ends = spans[:, 0], spans[:, 1]
     kinds = []
-    for i in range(alignment.index.shape[0]):
-        s, e = (int(x) for x in target.spans[alignment.head + i])
-        read = alignment.index[i][alignment.weight[i] > 0].tolist()
-        starts, ends = source.spans[read, 0], source.spans[read, 1]
-        lo, hi = int(starts.min()), int(ends.max())
-        if e <= s or hi <= s or lo >= e:
+    for s, e in target.spans[alignment.head : alignment.rows]:
+        overlapping = np.flatnonzero((starts < e) & (ends > s)) if e > s else np.empty(0, dtype=np.int64)
+        if overlapping.size == 0:
             kinds.append("unplaced")
-        elif len(read) == 1 and (lo, hi) == (s, e):
-            kinds.append("one-to-one")
-        elif lo > s or len(read) > 1:
+        elif overlapping.size > 1:
             kinds.append("several source tokens")
-        elif lo <= s and hi >= e:
+        elif (starts[overlapping[0]], ends[overlapping[0]]) == (s, e):
+            kinds.append("one-to-one")
+        elif starts[overlapping[0]] <= s and ends[overlapping[0]] >= e:
             kinds.append("part of a source token")
         else:
             kinds.append("partial overlap")

@@ -135,11 +135,13 @@ class DistillState:
     losses: list[float] = field(default_factory=list)
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, mean KL)
     heldout: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out score), when one is given
+    heldout_setting: str = ""  # what those scores were taken on
 
 
 def _parse_state(saved: dict) -> DistillState:
     pairs = lambda key: [(int(a), float(b)) for a, b in saved.get(key, [])]  # noqa: E731 (checkpoints from before held-out scores have none)
-    return DistillState(int(saved["step"]), [float(x) for x in saved["losses"]], pairs("validation"), pairs("heldout"))
+    return DistillState(int(saved["step"]), [float(x) for x in saved["losses"]], pairs("validation"), pairs("heldout"),
+                        str(saved.get("heldout_setting", "")))
 
 
 def validation_kl(translator: Translator, target, samples: list[DistillSample]) -> float:
@@ -149,12 +151,13 @@ def validation_kl(translator: Translator, target, samples: list[DistillSample]) 
 
 def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
             checkpoint: Path | None = None, progress=None, validate_start: bool = True,
-            heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0,
+            heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0, heldout_setting: str = "",
             pause_at: int | None = None) -> tuple[Translator, DistillState]:
     """Train the translator's maps in place; resumes from `checkpoint` when the file exists.
     Validation KL is taken every `validate_every` steps, at the end and (`validate_start`) before
     the first step; `heldout` (say held-out bits per byte) every `heldout_every` steps, before the
-    first and at the end. Neither is a training setting: a run resumes under other values of them.
+    first and at the end. Neither is a training setting: a run resumes under other values of them,
+    but its held-out scores go on only on the same `heldout_setting` (what they are taken on).
     `pause_at`: stop at that step with everything written as at the end (validation, held-out
     score, checkpoint), for a long run in pieces; the next call with the checkpoint goes on."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
@@ -163,6 +166,13 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     state = DistillState()
     if checkpoint is not None and checkpoint.is_file():
         state = load_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer, _parse_state)
+    if pause_at is not None and pause_at < state.step:
+        raise ValueError(f"pause at step {pause_at}: the checkpoint is at step {state.step} already")
+    if heldout is not None and heldout_every > 0:
+        if state.heldout and state.heldout_setting != heldout_setting:
+            raise ValueError(f"the checkpoint's held-out scores were taken on {state.heldout_setting or 'other settings'}, "
+                             f"not {heldout_setting}: resume with the same held-out settings")
+        state.heldout_setting = heldout_setting
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
@@ -182,7 +192,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == last):
             save_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer,
                             {"step": state.step, "losses": list(state.losses), "validation": [list(v) for v in state.validation],
-                             "heldout": [list(v) for v in state.heldout]})
+                             "heldout": [list(v) for v in state.heldout], "heldout_setting": state.heldout_setting})
         if progress:
             progress(state, time.perf_counter() - start)
     for side in SIDES:

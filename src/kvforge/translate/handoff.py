@@ -72,13 +72,12 @@ def translate_cache_steps(
     if native_from > head:
         with torch.inference_mode():
             aligned = aligned_features(translator, source, source_cache, alignment.truncate(native_from))
-            dtype = translator.in_dtype(target.dtype).dtype  # cast once here, not at every layer's call
-            aligned = {side: {s: f.to(dtype) for s, f in features.items()} for side, features in aligned.items()}
+            rows = TranslatedRows.of(translator, target, aligned, head, target_ids)
         for layer in range(translator.target.num_layers):
             if layer and chunk_size:
                 yield
             with torch.inference_mode():
-                append_translated(translator, target, aligned, head, cache, target_ids, layers=[layer])
+                rows.append(layer, cache)
     if native_from < alignment.rows:
         if chunk_size:
             yield
@@ -96,27 +95,48 @@ def aligned_features(translator: Translator, source, source_cache: KVCache, alig
 
 
 def append_translated(translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, cache: KVCache,
-                      target_ids: list[int], layers: list[int] | None = None) -> None:
+                      target_ids: list[int]) -> None:
     """Translate aligned source features into target rows at positions start, start+1, ... and
-    append them to every layer of `cache` (or to `layers`: a hand-off a layer at a time);
-    `target_ids`: the target's tokens from row 0 on (a translator with own-token inputs reads
-    them). Differentiable in the translator's weights when called with gradients on (stage 2
-    trains through it)."""
-    t = translator.target
-    # A hand-off (run under inference mode): the maps in the cache's dtype (bf16: the fast units).
-    # Stage 2's training and its no-grad validation keep the float32 maps they train.
-    if torch.is_inference_mode_enabled():
-        translator = translator.in_dtype(target.dtype)
-        aligned = {side: {s: f.to(translator.dtype) for s, f in features.items()} for side, features in aligned.items()}
-    n = next(iter(aligned["k"].values())).shape[0]
-    own = own_tokens(target, target_ids, start, n, translator.own_tokens)
-    positions = torch.arange(start, start + n, device=target.device).view(1, -1)
-    rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
-    for layer in range(t.num_layers) if layers is None else layers:
-        k = translator.apply("k", layer, aligned["k"], own).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
-        v = translator.apply("v", layer, aligned["v"], own).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
-        k = target.adapter.finish_keys(layer, k.to(target.dtype), rope, translator.capture)
-        cache[layer].append(k, v.to(target.dtype), positions, RowKind.TRANSLATED)
+    append them to every layer of `cache`; `target_ids`: the target's tokens from row 0 on (a
+    translator with own-token inputs reads them). Differentiable in the translator's weights when
+    called with gradients on (stage 2 trains through it)."""
+    rows = TranslatedRows.of(translator, target, aligned, start, target_ids)
+    for layer in range(translator.target.num_layers):
+        rows.append(layer, cache)
+
+
+@dataclass
+class TranslatedRows:
+    """What every target layer's translated rows are made from, computed once: the maps and the
+    aligned features (in the cache's dtype under inference mode: bf16 runs on the fast units;
+    stage 2's training and its no-grad validation keep the float32 maps they train), the
+    own-token inputs, the positions and their rotary tables. `append(layer, cache)` writes one
+    layer's rows, so a hand-off can go a layer at a time."""
+
+    translator: Translator
+    target: object
+    aligned: dict[str, dict[int, torch.Tensor]]
+    own: object
+    positions: torch.Tensor
+    rope: object
+
+    @classmethod
+    def of(cls, translator: Translator, target, aligned: dict[str, dict[int, torch.Tensor]], start: int, target_ids: list[int]) -> "TranslatedRows":
+        if torch.is_inference_mode_enabled():
+            translator = translator.in_dtype(target.dtype)
+            aligned = {side: {s: f.to(translator.dtype) for s, f in features.items()} for side, features in aligned.items()}
+        n = next(iter(aligned["k"].values())).shape[0]
+        own = own_tokens(target, target_ids, start, n, translator.own_tokens)
+        positions = torch.arange(start, start + n, device=target.device).view(1, -1)
+        rope = target.adapter.rope(torch.empty(1, n, 1, dtype=target.dtype, device=target.device), positions)
+        return cls(translator, target, aligned, own, positions, rope)
+
+    def append(self, layer: int, cache: KVCache) -> None:
+        t, n = self.translator.target, self.positions.shape[1]
+        k = self.translator.apply("k", layer, self.aligned["k"], self.own).view(1, n, t.kv_heads, t.dim("k")).transpose(1, 2)
+        v = self.translator.apply("v", layer, self.aligned["v"], self.own).view(1, n, t.kv_heads, t.dim("v")).transpose(1, 2)
+        k = self.target.adapter.finish_keys(layer, k.to(self.target.dtype), self.rope, self.translator.capture)
+        cache[layer].append(k, v.to(self.target.dtype), self.positions, RowKind.TRANSLATED)
 
 
 @dataclass
@@ -176,12 +196,15 @@ def hand_off_steps(
 def _timed(steps, clock: list[float]):
     """Drive `steps`, yielding where it yields, and add the time it ran (not the time spent
     away at its yields) to clock[0]; returns what it returns."""
-    while True:
-        start = time.perf_counter()
-        try:
-            next(steps)
-        except StopIteration as done:
+    try:
+        while True:
+            start = time.perf_counter()
+            try:
+                next(steps)
+            except StopIteration as done:
+                clock[0] += time.perf_counter() - start
+                return done.value
             clock[0] += time.perf_counter() - start
-            return done.value
-        clock[0] += time.perf_counter() - start
-        yield
+            yield
+    finally:
+        steps.close()  # a hand-off abandoned mid-way (its request aborted) ends its inner steps too

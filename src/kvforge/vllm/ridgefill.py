@@ -106,6 +106,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.dtype = vllm_config.model_config.dtype
         self.ridgefill_enabled = True  # in-process switch: the benches time exact and RidgeFill on one engine
         self.maps_stale = False  # the served weights were updated (`kvforge.vllm.weights`): the maps fit others
+        self.prepared = False  # the first load_weights ran `_prepare`
         # Scoring: the last `score_tokens` rows of every prompt are a continuation scored with
         # prompt logprobs (`eval ridgefill --engine vllm`): exact, and outside the plan, which
         # covers the rows before them as if they were the whole prompt -- what kvforge's eval
@@ -121,10 +122,11 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
     # --- loading -------------------------------------------------------------------------------
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
-        if self.kv_weights:  # a second load is an in-place update (`Worker.reload_weights`), whoever sends it
+        if self.prepared:  # a second load is an in-place update (`Worker.reload_weights`), whoever sends it
             self._weights_updated()
         else:
             self._prepare()
+            self.prepared = True
         return loaded
 
     def _prepare(self) -> None:
@@ -164,6 +166,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             logger.warning("RidgeFill off: the served weights were updated, and the maps %s were fitted for the weights before; "
                            "prompts are prefilled exactly", self.maps_path)
         self.maps_stale = True
+        self.fill_maps, self.fill_kv, self.kv_weights = {}, {}, {}  # what the fill read of the old weights
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):

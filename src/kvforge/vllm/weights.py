@@ -72,18 +72,30 @@ def update_served_weights(url: str, path: str | Path, api_key: str | None = None
     `/pause`, `/collective_rpc` and `/reset_prefix_cache` endpoints) and `--worker-extension-cls
     kvforge.vllm.weights.WeightUpdates`. Generation is paused (requests in flight finish first),
     the workers reload (`WeightUpdates.kvforge_reload_file`), the prefix cache is dropped (its
-    blocks hold K/V of the old weights) and generation resumes, also when the reload failed.
-    `url`: the server's address, with or without the OpenAI `/v1`."""
+    blocks hold K/V of the old weights) and generation resumes, also when a call failed or timed
+    out (`timeout` seconds each; the reload is also given it). `url`: the server's address, with or
+    without the OpenAI `/v1`."""
     base = url.rstrip("/").removesuffix("/v1")
     start = time.perf_counter()
-    _post(base, "/pause?mode=wait", None, api_key, timeout)
+    failure = None
     try:
-        results = _post(base, "/collective_rpc", {"method": "kvforge_reload_file", "args": [str(Path(path).resolve())]}, api_key, timeout)
-        _post(base, "/reset_prefix_cache", None, api_key, timeout)
-    finally:
+        _post(base, "/pause?mode=wait", None, api_key, timeout)
+        results = _post(base, "/collective_rpc", {"method": "kvforge_reload_file", "args": [str(Path(path).resolve())], "timeout": timeout},
+                        api_key, timeout)
+        if not (isinstance(results, dict) and results.get("results")):
+            raise WeightUpdateError(f"{base}/collective_rpc answered {results!r}, not the workers' reload results")
+        reset = _post(base, "/reset_prefix_cache", None, api_key, timeout)
+        if isinstance(reset, dict) and reset.get("success") is False:
+            raise WeightUpdateError(f"{base}/reset_prefix_cache did not reset (blocks still held): the weights are new, the prefix cache may hold old K/V")
+    except WeightUpdateError as e:
+        failure = e
+    try:  # also after a failure or a timeout: a server left paused serves nothing
         _post(base, "/resume", None, api_key, timeout)
-    if not (isinstance(results, dict) and results.get("results")):
-        raise WeightUpdateError(f"{base}/collective_rpc answered {results!r}, not the workers' reload results")
+    except WeightUpdateError:
+        if failure is None:
+            raise
+    if failure is not None:
+        raise failure
     return time.perf_counter() - start
 
 
@@ -95,7 +107,7 @@ def _post(base: str, route: str, body: dict | None, api_key: str | None, timeout
         with urllib.request.urlopen(request, timeout=timeout) as response:
             text = response.read().decode()
     except urllib.error.HTTPError as e:
-        detail = " ".join(e.read().decode(errors="replace").split())[:300]
+        detail = " ".join(e.read().decode(errors="replace").split())[:1000]
         hint = ""
         if e.code == 404:
             hint = " (start the server with VLLM_SERVER_DEV_MODE=1: that endpoint is off otherwise)"
@@ -104,6 +116,8 @@ def _post(base: str, route: str, body: dict | None, api_key: str | None, timeout
         raise WeightUpdateError(f"POST {base}{route}: HTTP {e.code}{hint}: {detail}") from None
     except urllib.error.URLError as e:
         raise WeightUpdateError(f"POST {base}{route}: {e.reason}") from None
+    except OSError as e:  # a read past `timeout` (TimeoutError), a reset connection
+        raise WeightUpdateError(f"POST {base}{route}: {type(e).__name__}: {e}") from None
     return json.loads(text) if text.strip() else None
 
 
