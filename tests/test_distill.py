@@ -67,17 +67,20 @@ def test_gradients_reach_the_maps(setup):
     assert all(p.grad is not None for p in params) and any(float(p.grad.abs().sum()) > 0 for p in params)
 
 
+class Interrupt(Exception):
+    pass
+
+
+def stop_at_two(state, _seconds):
+    """A progress callback that stops a run after its second step, as a killed process would."""
+    if state.step == 2:
+        raise Interrupt
+
+
 def test_resume_from_a_checkpoint_continues_identically(setup, tmp_path):
     _, target, translator, samples = setup
     config = DistillConfig(steps=4, lr=1e-3, accumulate=1, checkpoint_every=2, validate_every=100)
     straight, straight_state = distill(copy.deepcopy(translator), target, samples, [], config)
-
-    class Interrupt(Exception):
-        pass
-
-    def stop_at_two(state, _seconds):
-        if state.step == 2:
-            raise Interrupt
 
     checkpoint = tmp_path / "ckpt.pt"
     with pytest.raises(Interrupt):
@@ -279,13 +282,6 @@ def test_a_held_out_score_is_taken_at_its_steps_and_resumes_with_the_run(setup, 
     straight, state = distill(copy.deepcopy(translator), target, samples, [], config, heldout=score, heldout_every=3)
     assert [step for step, _ in state.heldout] == [0, 3, 4] and [v for _, v in state.heldout] == scored
     assert scored[0] != scored[-1] and straight.info["distill"]["heldout"] == state.heldout
-
-    class Interrupt(Exception):
-        pass
-
-    def stop_at_two(state, _seconds):
-        if state.step == 2:
-            raise Interrupt
 
     checkpoint = tmp_path / "ckpt.pt"
     with pytest.raises(Interrupt):
