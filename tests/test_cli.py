@@ -508,9 +508,14 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
                              "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--native-tail", 8, "--out", tmp_path / "tail.safetensors",
                              "--plot", tmp_path / "kl.png", "--json"))
     assert tailed["native_tail"] == 8 and Translator.load(tmp_path / "tail.safetensors").info["distill"]["native_tail"] == 8
+    nonlinear = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                                "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--residual", 4, "--out", tmp_path / "mlp.safetensors",
+                                "--plot", tmp_path / "kl.png", "--json"))
+    assert nonlinear["residual"] == 4 and Translator.load(tmp_path / "mlp.safetensors").residual == 4
     _assert_one_line_errors([
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--native-tail", 8), "is a stage-2 option"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--heldout-every", 8), "is a stage-2 option"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--residual", 8), "is a stage-2 option"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--heldout-samples", 0),
          "--heldout-samples >= 1"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--pause-at", 3),

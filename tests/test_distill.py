@@ -1,6 +1,7 @@
 """KV-Lingo stage 2 (self-distillation) on a tiny cross-family pair sharing a tokenizer."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -13,8 +14,10 @@ from kvforge.evaluate.lingo import HeldOutBpb, LingoEvalSettings, eval_lingo
 from kvforge.scoring import continuation_logits
 from kvforge.translate.distill import DistillConfig, distill, prepare, student_kl, student_logits, trainable
 from kvforge.translate.fit import LingoFitConfig, fit_lingo
+from kvforge.translate.capture import own_tokens
 from kvforge.translate.handoff import translate_cache
 from kvforge.translate.split import split_text
+from kvforge.translate.translator import Translator
 
 TEXTS = [
     ("User: name three colours.\n\nAssistant: red, green and blue are three colours.", len("User: name three colours.\n\nAssistant:")),
@@ -303,3 +306,43 @@ def test_the_held_out_curve_scores_what_eval_lingo_scores(setup):
     reference = curve.reference()
     assert reference["target_native"] == pytest.approx(report["bpb_target_native"], rel=1e-9)
     assert reference["source_native"] == pytest.approx(report["bpb_source_native"], rel=1e-9)
+
+
+def test_a_residual_branch_starts_at_the_linear_maps_and_trains(setup, tmp_path):
+    """The nonlinear translator: a residual branch whose output starts at zero translates exactly
+    as the linear maps do; stage 2 trains both (the branch's `up` leaves zero, then `down` moves),
+    lowers the KL, and the file (format 2) reads back the same translation, in float32 and bf16."""
+    _, target, translator, samples = setup
+    wide = translator.with_residual(16, seed=3)
+    s0 = samples[0]
+    aligned = s0.aligned
+    own = own_tokens(target, s0.target_ids, s0.head, next(iter(aligned["k"].values())).shape[0], translator.own_tokens)
+    for side in "kv":
+        torch.testing.assert_close(wide.apply(side, 1, aligned[side], own), translator.apply(side, 1, aligned[side], own), atol=0, rtol=0)
+    assert wide.macs_per_token() > translator.macs_per_token() and translator.residual == 0 and wide.residual == 16
+    with torch.no_grad():
+        before = sum(float(student_kl(translator, target, s)) for s in samples)
+    config = DistillConfig(steps=6, lr=3e-3, accumulate=2, warmup_fraction=0.2, validate_every=100, residual=16)
+    trained, _ = distill(copy.deepcopy(translator), target, samples, [], config)
+    with torch.no_grad():
+        after = sum(float(student_kl(trained, target, s)) for s in samples)
+    assert after < before and trained.residual == 16 and all(bool(u.abs().sum() > 0) for u in trained.up["k"])
+    moved = [not torch.equal(a, b) for a, b in zip(trained.down["k"], wide.down["k"])]
+    assert any(moved)  # the seed is the config's: the same start as `wide` but for the steps taken
+    path = trained.save(tmp_path / "residual.safetensors")
+    loaded = Translator.load(path)
+    assert loaded.residual == 16
+    for side in "kv":
+        with torch.no_grad():
+            exact = trained.apply(side, 2, aligned[side], own)
+            torch.testing.assert_close(loaded.apply(side, 2, aligned[side], own), exact, atol=0, rtol=0)
+            half = loaded.in_dtype(torch.bfloat16).apply(side, 2, {l: f.bfloat16() for l, f in aligned[side].items()}, own)
+        torch.testing.assert_close(half.float(), exact, atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="width 16 already"):
+        trained.with_residual(8)
+
+
+def test_a_residual_branch_needs_a_head_mixing_translator(setup):
+    _, _, translator, _ = setup
+    with pytest.raises(ValueError, match="head-mixing"):
+        dataclasses.replace(translator, head_wise=True).with_residual(4)

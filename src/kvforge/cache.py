@@ -662,17 +662,19 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
 
 
 @contextmanager
-def read_artifact(path: Path, fmt: str, version: str, what: str):
+def read_artifact(path: Path, fmt: str, version: str | tuple[str, ...], what: str):
     """Open a kvforge .safetensors artifact of format `fmt` and yield (file, metadata). A wrong
-    format or version, and anything a damaged file raises inside the block (safetensors and json
-    raise several types), become one `ArtifactError` naming `what`."""
+    format or version (`version`: the one this kvforge reads, or a tuple of them), and anything a
+    damaged file raises inside the block (safetensors and json raise several types), become one
+    `ArtifactError` naming `what`."""
+    versions = (version,) if isinstance(version, str) else version
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             if meta.get("format") != fmt:
                 raise ArtifactError(f"{path} is not a kvforge {what} (format={meta.get('format')!r})")
-            if meta.get("format_version") != version:
-                raise ArtifactError(f"{path} has {what} format {meta.get('format_version')}, this kvforge reads {version}")
+            if meta.get("format_version") not in versions:
+                raise ArtifactError(f"{path} has {what} format {meta.get('format_version')}, this kvforge reads {' or '.join(versions)}")
             yield f, meta
     except ArtifactError:
         raise

@@ -57,6 +57,7 @@ def fit_lingo_cmd(
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
     heldout_every: int = typer.Option(0, "--heldout-every", help="Stage 2: steps between held-out bits per byte of the target from translated caches (eval lingo's conversations; 0: none): the learning curve."),
     heldout_samples: int = typer.Option(96, "--heldout-samples", help="Stage 2: held-out conversations each --heldout-every scores."),
+    residual: int = typer.Option(0, "--residual", help="Stage 2: train a nonlinear residual branch of this width beside each map (its output starts at zero; 0: linear maps only)."),
     pause_at: Optional[int] = typer.Option(None, "--pause-at", help="Stage 2: stop at this step, writing the translator, JSON and checkpoint as of it; rerun with the same --checkpoint to go on (a long run in pieces)."),
     train_native_tail: int = typer.Option(0, "--native-tail", help="Stage 2: train for hand-offs whose last N prefix tokens the target prefills itself (as handoff/eval/serve --native-tail); 0: every row but the head translated."),
     snapshots: Optional[str] = typer.Option(None, "--snapshots", help="Stage 1: conversation counts below --conversations (e.g. 32,96) at which a translator is also written (<out>-<n>conv.safetensors): the data curve from one pass."),
@@ -83,13 +84,15 @@ def fit_lingo_cmd(
         raise KvforgeError("--native-tail is a stage-2 option: the closed form fits every aligned row, whatever a hand-off later prefills natively")
     if stage != 2 and heldout_every:
         raise KvforgeError("--heldout-every is a stage-2 option: the closed form has no steps")
+    if stage != 2 and residual:
+        raise KvforgeError("--residual is a stage-2 option: the closed form is linear")
     if stage == 2:
         if heldout_every < 0 or heldout_samples < 1:
             raise KvforgeError("--heldout-every must be >= 0 and --heldout-samples >= 1")
         if pause_at is not None and (pause_at < 1 or checkpoint is None):
             raise KvforgeError("--pause-at needs a step >= 1 and a --checkpoint to go on from")
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
-                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at)
+                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at, residual)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -159,7 +162,7 @@ HELDOUT_CURVE_SKIP = 96  # stage-2 held-out curve: held-out conversations from t
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
-                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None):
+                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None, residual=0):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -170,7 +173,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
-                           native_tail=native_tail)
+                           native_tail=native_tail, residual=residual)
     translator = Translator.load(init)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
@@ -188,7 +191,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
               "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
-              "recall_fraction": recall_fraction, "native_tail": native_tail, "validation_samples": len(validation)}
+              "recall_fraction": recall_fraction, "native_tail": native_tail, "residual": residual, "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
         common["validation_kl_start"] = validation_kl(translator, tgt, validation)  # the stage-1 maps

@@ -53,6 +53,7 @@ class DistillConfig:
     max_continuation_chars: int = 400
     top_k: int = 32
     native_tail: int = 0  # the prefix's last tokens the student prefills natively over the translated rows (as `--native-tail` serves)
+    residual: int = 0  # width of a residual branch trained beside each map (`Translator.with_residual`; 0: linear maps only)
     validate_every: int = 25
     checkpoint_every: int = 25
     seed: int = 0
@@ -64,6 +65,8 @@ class DistillConfig:
             raise ValueError(f"the learning rate must be > 0, got {self.lr}")
         if self.native_tail < 0:
             raise ValueError(f"--native-tail must be >= 0 tokens, got {self.native_tail}")
+        if self.residual < 0:
+            raise ValueError(f"--residual must be >= 0, got {self.residual}")
         if not 0 <= self.recall_fraction < 1:
             raise ValueError(f"--recall-fraction must be in [0, 1), got {self.recall_fraction}")
 
@@ -123,7 +126,7 @@ def trainable(translator: Translator) -> list[torch.nn.Parameter]:
     """Turn the maps into parameters (in place) and return them."""
     params = []
     for side in SIDES:
-        for store in (translator.weights, translator.biases):
+        for store in translator.stores():
             store[side] = [torch.nn.Parameter(t.detach().float().clone()) for t in store[side]]
             params.extend(store[side])
     return params
@@ -153,7 +156,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
             checkpoint: Path | None = None, progress=None, validate_start: bool = True,
             heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0, heldout_setting: str = "",
             pause_at: int | None = None) -> tuple[Translator, DistillState]:
-    """Train the translator's maps in place; resumes from `checkpoint` when the file exists.
+    """Train the translator's maps in place (with `config.residual`, on a copy given a residual
+    branch first) and return it; resumes from `checkpoint` when the file exists.
     Validation KL is taken every `validate_every` steps, at the end and (`validate_start`) before
     the first step; `heldout` (say held-out bits per byte) every `heldout_every` steps, before the
     first and at the end. Neither is a training setting: a run resumes under other values of them,
@@ -161,6 +165,10 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     `pause_at`: stop at that step with everything written as at the end (validation, held-out
     score, checkpoint), for a long run in pieces; the next call with the checkpoint goes on."""
     target.model.hf.requires_grad_(False)  # frozen: gradients flow through it into the maps only
+    if config.residual and translator.residual != config.residual:
+        if translator.residual:
+            raise ValueError(f"the translator has a residual branch of width {translator.residual}, not {config.residual}")
+        translator = translator.with_residual(config.residual, config.seed)
     params = trainable(translator)
     trainer = Trainer(params, OptimConfig(config.lr, config.steps, config.warmup_fraction, config.accumulate))
     state = DistillState()
@@ -196,7 +204,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         if progress:
             progress(state, time.perf_counter() - start)
     for side in SIDES:
-        for store in (translator.weights, translator.biases):
+        for store in translator.stores():
             store[side] = [p.detach().clone() for p in store[side]]
     translator.info = {**translator.info, "stage": 2, "distill": {**asdict(config), "step": state.step, "losses_first_last": [state.losses[0], state.losses[-1]],
                                                                "validation_kl": state.validation,
@@ -208,8 +216,9 @@ def checkpoint_settings(config: DistillConfig) -> dict:
     """The settings a checkpoint is written with and resumed under: a native tail of 0 is left
     out, so checkpoints written before the field existed still resume."""
     settings = asdict(config)
-    if settings["native_tail"] == 0:
-        del settings["native_tail"]
+    for added in ("native_tail", "residual"):  # settings added later: at 0, checkpoints written before them still resume
+        if settings[added] == 0:
+            del settings[added]
     return settings
 
 

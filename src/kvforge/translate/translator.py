@@ -9,9 +9,17 @@ Shapes: N rows; a source layer's features are (N, H_s·D_s), a target layer's (N
 Both are stored as (G, in, out) with G = 1 or H, plus a bias (G·out,) (the closed-form fit is
 centred, so the map is affine; stage 2 may train it). A head-mixing map may also read the
 target's own token embeddings at the row and the `own_tokens`-1 rows before it
-(`capture.OwnTokens`), side by side after the source layers. The artifact is one
-.safetensors file whose metadata names both models (fingerprints), the capture point, the
-alignment rule, the layer assignment and ν, the own-token count, and what it was fitted on.
+(`capture.OwnTokens`), side by side after the source layers.
+
+A head-mixing translator may add a nonlinear residual to each map (`with_residual`, trained by
+stage 2): y = linear(x) + gelu(rms(x_src) · down) · up, over the source features x_src of E_ℓ
+(RMS-normalised per row, so the branch works at any feature scale), with `down` (ν·H_s·D_s, r)
+and `up` (r, H_t·D_t). `up` starts at zero, so stage 2 starts where the closed form ends.
+
+The artifact is one .safetensors file whose metadata names both models (fingerprints), the
+capture point, the alignment rule, the layer assignment and ν, the own-token count, the residual
+width, and what it was fitted on. A file with a residual is format version 2 (a reader of
+version 1 alone would drop the residual silently).
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from kvforge.translate.capture import OwnTokens
 
 FORMAT = "kvforge.lingo"
 FORMAT_VERSION = "1"
+RESIDUAL_VERSION = "2"  # a translator with a residual branch
 SIDES = ("k", "v")
+STORE_NAMES = ("weight", "bias", "down", "up")  # tensor names in the file, in `Translator.stores` order
 
 
 @dataclass(frozen=True)
@@ -85,11 +95,40 @@ class Translator:
     biases: dict[str, list[torch.Tensor]]  # side -> (G·out,) per target layer
     info: dict = field(default_factory=dict)
     own_tokens: int = 0  # the target's own token embeddings each map reads (row t, t-1, ...)
+    down: dict[str, list[torch.Tensor]] | None = None  # side -> (in_src, r) per target layer: the residual branch, if any
+    up: dict[str, list[torch.Tensor]] | None = None  # side -> (r, out) per target layer
     _casts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> (tensors, versions, Translator)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.weights["k"][0].dtype
+
+    @property
+    def residual(self) -> int:
+        """The residual branch's width r (0: none, a linear translator)."""
+        return int(self.up["k"][0].shape[0]) if self.up is not None else 0
+
+    def stores(self) -> list[dict[str, list[torch.Tensor]]]:
+        """Every tensor store, side -> one tensor per target layer: the maps, the biases, and the
+        residual branch's two matrices when there is one."""
+        return [self.weights, self.biases] + ([self.down, self.up] if self.up is not None else [])
+
+    def with_residual(self, width: int, seed: int = 0) -> "Translator":
+        """This translator with a residual branch of `width` per map: `down` random (a seeded
+        Gaussian over 1/sqrt(in)), `up` zero, so it translates exactly as before until trained."""
+        if self.head_wise:
+            raise ValueError("a residual branch needs a head-mixing translator (it reads every source head)")
+        if width < 1:
+            raise ValueError(f"the residual width must be >= 1, got {width}")
+        if self.up is not None:
+            raise ValueError(f"this translator has a residual branch of width {self.residual} already")
+        g = torch.Generator().manual_seed(seed)
+        down, up = {}, {}
+        for side in SIDES:
+            ins = [len(chosen) * self.source.side_width(side) for chosen in self.sources[side]]
+            down[side] = [torch.randn(n, width, generator=g) / n**0.5 for n in ins]
+            up[side] = [torch.zeros(width, self.target.side_width(side)) for _ in ins]
+        return dataclasses.replace(self, down=down, up=up)
 
     def in_dtype(self, dtype: torch.dtype) -> "Translator":
         """These maps with weights and biases in `dtype`, for inference into a `dtype` cache: in
@@ -99,15 +138,15 @@ class Translator:
         version)."""
         if self.dtype == dtype:
             return self
-        tensors = tuple(t for side in SIDES for t in (*self.weights[side], *self.biases[side]))
+        tensors = tuple(t for store in self.stores() for side in SIDES for t in store[side])
         # Inference tensors (made under inference mode: a zeroed translator) keep no version and
         # no optimizer can step them.
         versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
         kept = self._casts.get(dtype)
         if kept is None or kept[1] != versions or any(a is not b for a, b in zip(kept[0], tensors)):
-            cast = lambda ts: [t.detach().to(dtype) for t in ts]  # noqa: E731
-            kept = tensors, versions, dataclasses.replace(self, weights={s: cast(self.weights[s]) for s in SIDES},
-                                                          biases={s: cast(self.biases[s]) for s in SIDES})
+            cast = lambda store: {s: [t.detach().to(dtype) for t in store[s]] for s in SIDES} if store is not None else None  # noqa: E731
+            kept = tensors, versions, dataclasses.replace(self, weights=cast(self.weights), biases=cast(self.biases),
+                                                          down=cast(self.down), up=cast(self.up))
             self._casts[dtype] = kept
         return kept[2]
 
@@ -140,11 +179,17 @@ class Translator:
             # Row (u, j) of the table is token u's term at look-back j: one bag of `count` rows per row.
             rows = own.index * self.own_tokens + torch.arange(self.own_tokens, device=own.index.device)
             y = y + F.embedding_bag(rows, per_token, mode="sum")
-        return y + self.biases[side][layer]
+        y = y + self.biases[side][layer]
+        if self.up is not None:
+            z = x.reshape(x.shape[0], -1).to(w.dtype)
+            z = z * torch.rsqrt(z.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(z.dtype)
+            y = y + F.gelu(z @ self.down[side][layer]) @ self.up[side][layer]
+        return y
 
     def macs_per_token(self) -> int:
         """Multiply-accumulates of translating one token (both sides, every target layer)."""
-        return sum(int(w.numel()) for side in SIDES for w in self.weights[side])
+        residual = sum(int(t.numel()) for store in ([self.down, self.up] if self.up is not None else []) for side in SIDES for t in store[side])
+        return sum(int(w.numel()) for side in SIDES for w in self.weights[side]) + residual
 
     def macs(self, rows: int, distinct_tokens: int = 0) -> int:
         """Multiply-accumulates of translating `rows` rows whose own tokens fill a table of
@@ -184,13 +229,13 @@ class Translator:
         if storage not in (torch.float32, torch.bfloat16):
             raise ValueError(f"a translator is stored in float32 or bfloat16, not {storage}")
         tensors: dict[str, torch.Tensor] = {}
-        for side in SIDES:
-            for layer, (w, b) in enumerate(zip(self.weights[side], self.biases[side])):
-                tensors[f"{side}.{layer}.weight"] = w.detach().to(storage).contiguous()
-                tensors[f"{side}.{layer}.bias"] = b.detach().to(storage).contiguous()
+        for store, name in zip(self.stores(), STORE_NAMES):
+            for side in SIDES:
+                for layer, t in enumerate(store[side]):
+                    tensors[f"{side}.{layer}.{name}"] = t.detach().to(storage).contiguous()
         meta = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": RESIDUAL_VERSION if self.up is not None else FORMAT_VERSION,
             "kind": "translator",
             "source": json.dumps(asdict(self.source)),
             "target": json.dumps(asdict(self.target)),
@@ -202,6 +247,7 @@ class Translator:
             "sources": json.dumps(self.sources),
             "info": json.dumps(self.info),
             "own_tokens": str(self.own_tokens),
+            "residual": str(self.residual),
         }
         path = Path(path)
         atomic_save_safetensors(tensors, path, meta)
@@ -212,7 +258,7 @@ class Translator:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"no translator at {path}: fit one with `kvforge fit lingo`")
-        with read_artifact(path, FORMAT, FORMAT_VERSION, "translator") as (f, meta):
+        with read_artifact(path, FORMAT, (FORMAT_VERSION, RESIDUAL_VERSION), "translator") as (f, meta):
             source, target = ModelSide(**json.loads(meta["source"])), ModelSide(**json.loads(meta["target"]))
             # Files written before own-token inputs existed read none.
             own_tokens = meta.get("own_tokens", "0")
@@ -220,9 +266,10 @@ class Translator:
                 raise ArtifactError(f"{path}: own_tokens {own_tokens!r} is not a count of own-token inputs a translator of this kind reads")
             own_tokens = int(own_tokens)
             # float32 whatever the file stores: stage 2 trains in float32, and a bf16 hand-off casts once (`in_dtype`)
-            weights = {s: [f.get_tensor(f"{s}.{l}.weight").float() for l in range(target.num_layers)] for s in SIDES}
-            biases = {s: [f.get_tensor(f"{s}.{l}.bias").float() for l in range(target.num_layers)] for s in SIDES}
+            read = lambda name: {s: [f.get_tensor(f"{s}.{l}.{name}").float() for l in range(target.num_layers)] for s in SIDES}  # noqa: E731
+            residual = meta["format_version"] == RESIDUAL_VERSION
             return cls(
                 source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
-                json.loads(meta["sources"]), weights, biases, json.loads(meta["info"]), own_tokens,
+                json.loads(meta["sources"]), read("weight"), read("bias"), json.loads(meta["info"]), own_tokens,
+                read("down") if residual else None, read("up") if residual else None,
             )
