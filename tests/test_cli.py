@@ -512,6 +512,14 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
                                 "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--residual", 4, "--out", tmp_path / "mlp.safetensors",
                                 "--plot", tmp_path / "kl.png", "--json"))
     assert nonlinear["residual"] == 4 and Translator.load(tmp_path / "mlp.safetensors").residual == 4
+    # an init with a branch goes on training it; another width is refused before anything loads
+    again = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tmp_path / "mlp.safetensors",
+                            "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--out", tmp_path / "mlp2.safetensors",
+                            "--plot", tmp_path / "kl.png", "--json"))
+    assert again["residual"] == 4 and Translator.load(tmp_path / "mlp2.safetensors").residual == 4
+    other = _run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tmp_path / "mlp.safetensors",
+                 "--residual", 8)
+    assert other.exit_code == 2 and "width 4, not --residual 8" in other.stderr
     _assert_one_line_errors([
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--native-tail", 8), "is a stage-2 option"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--heldout-every", 8), "is a stage-2 option"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import time
 from pathlib import Path
@@ -175,6 +177,12 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
                            native_tail=native_tail, residual=residual)
     translator = Translator.load(init)
+    if translator.residual and residual not in (0, translator.residual):
+        raise KvforgeError(f"--init {init} has a residual branch of width {translator.residual}, not --residual {residual}")
+    if residual and translator.head_wise:
+        raise KvforgeError("--residual needs a head-mixing translator (it reads every source head); --init is head-wise")
+    residual = residual or translator.residual  # an init with a branch goes on training it
+    config = dataclasses.replace(config, residual=residual)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
@@ -488,7 +496,7 @@ def bench_lingo_cmd(
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_lingo(tr, src, tgt, lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"), native_tail=native_tail)
-    report.update(translator=str(translator), stage=tr.info.get("stage", 1), assign=tr.assign, nu=tr.nu, own_tokens=tr.own_tokens)  # which maps were timed
+    report.update(translator=str(translator), stage=tr.info.get("stage", 1), assign=tr.assign, nu=tr.nu, own_tokens=tr.own_tokens, residual=tr.residual)  # which maps were timed
     if json_out:
         emit_json(report)
         return

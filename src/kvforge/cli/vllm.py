@@ -132,7 +132,7 @@ def bench_vllm_handoff_cmd(
     tr.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     report = bench_vllm_handoff(tr, src, tgt, hf_directory(target), lengths, runs, progress=lambda m: err.print(f"[dim]{m}[/dim]"),
                                 source_dir=hf_directory(source) if source_engine == "vllm" else None, native_tail=native_tail)
-    report.update(translator=str(translator), stage=tr.info.get("stage", 1), own_tokens=tr.own_tokens)  # which maps were timed
+    report.update(translator=str(translator), stage=tr.info.get("stage", 1), own_tokens=tr.own_tokens, residual=tr.residual)  # which maps were timed
     if json_out:
         emit_json(report)
         return

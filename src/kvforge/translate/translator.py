@@ -1,5 +1,6 @@
-"""The translator: per target layer ℓ and side (keys k, values v), a linear map from the
-features of the source layers E_ℓ to the target layer's features.
+"""The translator: per target layer ℓ and side (keys k, values v), a linear map (with an optional
+nonlinear residual branch, below) from the features of the source layers E_ℓ to the target layer's
+features.
 
 Shapes: N rows; a source layer's features are (N, H_s·D_s), a target layer's (N, H_t·D_t).
 
@@ -128,10 +129,12 @@ class Translator:
             ins = [len(chosen) * self.source.side_width(side) for chosen in self.sources[side]]
             down[side] = [torch.randn(n, width, generator=g) / n**0.5 for n in ins]
             up[side] = [torch.zeros(width, self.target.side_width(side)) for _ in ins]
-        return dataclasses.replace(self, down=down, up=up)
+        # lists of its own: training replaces a store's tensors in place, and must not reach this one's
+        return dataclasses.replace(self, weights={s: list(self.weights[s]) for s in SIDES}, biases={s: list(self.biases[s]) for s in SIDES},
+                                   down=down, up=up)
 
     def in_dtype(self, dtype: torch.dtype) -> "Translator":
-        """These maps with weights and biases in `dtype`, for inference into a `dtype` cache: in
+        """These maps (weights, biases and any residual branch) in `dtype`, for inference into a `dtype` cache: in
         bfloat16 the maps run on the CPU's bf16 matrix units (AMX: one 4K-row map 11x float32's
         speed; each matmul accumulates in float32, its output and the bias sum are bf16). Cast once
         and kept until a weight is replaced or changed in place (an optimizer step bumps a tensor's
@@ -199,7 +202,8 @@ class Translator:
         return (self.macs_per_token() - own) * rows + own * distinct_tokens
 
     def zeroed(self) -> "Translator":
-        """The untrained baseline: every map and bias zero (same shapes and assignment)."""
+        """The untrained baseline: every map and bias zero (same shapes and assignment; no residual
+        branch, whose output would be zero too)."""
         zero = lambda ts: [torch.zeros_like(t) for t in ts]  # noqa: E731
         return Translator(
             self.source, self.target, self.capture, self.align, self.assign, self.nu, self.head_wise, self.sources,
@@ -268,8 +272,14 @@ class Translator:
             # float32 whatever the file stores: stage 2 trains in float32, and a bf16 hand-off casts once (`in_dtype`)
             read = lambda name: {s: [f.get_tensor(f"{s}.{l}.{name}").float() for l in range(target.num_layers)] for s in SIDES}  # noqa: E731
             residual = meta["format_version"] == RESIDUAL_VERSION
+            width = meta.get("residual", "0")
+            if not width.isdigit() or (int(width) > 0) != residual or (residual and json.loads(meta["head_wise"])):
+                raise ArtifactError(f"{path}: residual width {width!r} does not fit a format {meta['format_version']} translator of this kind")
+            down, up = (read("down"), read("up")) if residual else (None, None)
+            if residual and any(d.shape[1] != int(width) or u.shape[0] != int(width) for side in SIDES for d, u in zip(down[side], up[side])):
+                raise ArtifactError(f"{path}: its residual branches are not all {width} wide")
             return cls(
                 source, target, meta["capture"], meta["align"], meta["assign"], int(meta["nu"]), json.loads(meta["head_wise"]),
                 json.loads(meta["sources"]), read("weight"), read("bias"), json.loads(meta["info"]), own_tokens,
-                read("down") if residual else None, read("up") if residual else None,
+                down, up,
             )
