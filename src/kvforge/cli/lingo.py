@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import sys
 import time
 from pathlib import Path
@@ -57,7 +55,7 @@ def fit_lingo_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
     validate_every: int = typer.Option(25, "--validate-every", help="Stage 2: steps between validation KLs (and checkpoints)."),
-    heldout_every: int = typer.Option(0, "--heldout-every", help="Stage 2: steps between held-out bits per byte of the target from translated caches (eval lingo's conversations; 0: none): the learning curve."),
+    heldout_every: int = typer.Option(0, "--heldout-every", help="Stage 2: steps between held-out bits per byte of the target from translated caches (held-out conversations past the 96 eval lingo --samples 96 scores; 0: none): the learning curve."),
     heldout_samples: int = typer.Option(96, "--heldout-samples", help="Stage 2: held-out conversations each --heldout-every scores."),
     residual: int = typer.Option(0, "--residual", help="Stage 2: train a nonlinear residual branch of this width beside each map (its output starts at zero; 0: linear maps only)."),
     pause_at: Optional[int] = typer.Option(None, "--pause-at", help="Stage 2: stop at this step, writing the translator, JSON and checkpoint as of it; rerun with the same --checkpoint to go on (a long run in pieces)."),
@@ -174,15 +172,14 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
 
     if init is None:
         raise KvforgeError("--stage 2 needs --init: the stage-1 translator to start from")
-    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
-                           native_tail=native_tail, residual=residual)
     translator = Translator.load(init)
     if translator.residual and residual not in (0, translator.residual):
         raise KvforgeError(f"--init {init} has a residual branch of width {translator.residual}, not --residual {residual}")
     if residual and translator.head_wise:
         raise KvforgeError("--residual needs a head-mixing translator (it reads every source head); --init is head-wise")
     residual = residual or translator.residual  # an init with a branch goes on training it
-    config = dataclasses.replace(config, residual=residual)
+    config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
+                           native_tail=native_tail, residual=residual)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)

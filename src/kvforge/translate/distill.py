@@ -176,7 +176,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         state = load_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer, _parse_state)
     if pause_at is not None and pause_at < state.step:
         raise ValueError(f"pause at step {pause_at}: the checkpoint is at step {state.step} already")
-    if heldout is not None and heldout_every > 0:
+    scoring = heldout is not None and heldout_every > 0
+    if scoring:
         if state.heldout and state.heldout_setting != heldout_setting:
             raise ValueError(f"the checkpoint's held-out scores were taken on {state.heldout_setting or 'other settings'}, "
                              f"not {heldout_setting}: resume with the same held-out settings")
@@ -184,7 +185,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
-    if heldout is not None and heldout_every > 0 and state.step == 0 and not state.heldout:
+    if scoring and state.step == 0 and not state.heldout:
         state.heldout.append((0, heldout(translator)))
     last = config.steps if pause_at is None else min(config.steps, pause_at)
     while state.step < last:
@@ -195,7 +196,7 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
         state.losses.append(total)
         if validation and (state.step % config.validate_every == 0 or state.step == last):
             state.validation.append((state.step, validation_kl(translator, target, validation)))
-        if heldout is not None and heldout_every > 0 and (state.step % heldout_every == 0 or state.step == last):
+        if scoring and (state.step % heldout_every == 0 or state.step == last):
             state.heldout.append((state.step, heldout(translator)))
         if checkpoint is not None and (state.step % config.checkpoint_every == 0 or state.step == last):
             save_checkpoint(checkpoint, CHECKPOINT, checkpoint_settings(config), params, trainer,

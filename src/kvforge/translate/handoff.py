@@ -185,10 +185,9 @@ def hand_off_steps(
         if chunk_size:
             yield
     check_source_cache(translator, source_cache, len(src.ids))
-    clock = [0.0]
     start = time.perf_counter()
     alignment = align(src, tgt, translator.align).truncate(len(tgt.ids) - 1)
-    clock[0] += time.perf_counter() - start
+    clock = [time.perf_counter() - start]
     cache = yield from _timed(translate_cache_steps(translator, source, target, source_cache, alignment, tgt.ids, native_tail, chunk_size), clock)
     return Handoff(cache, tgt.ids[-1], tgt.ids, src.ids, clock[0])
 
