@@ -234,6 +234,8 @@ def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(
         assert torch.equal(kernels.small_linear(x[:m], packed, bias), alone[:m]), m
     batch = x.repeat(5, 1)[:150]  # a batch's verification: row chunks of 16 (AMX) or 9 (AVX-512) and a rest
     assert torch.equal(kernels.small_linear(batch, packed, bias), alone.repeat(5, 1)[:150])
+    for m in (33, 64, 97):  # AMX: groups of 32 rows on 2 x 2 tiles, the rest 16 at a time
+        assert torch.equal(kernels.small_linear(batch[:m], packed, bias), alone.repeat(5, 1)[:m]), m
     ref = F.linear(x.float(), w.float(), bias.float())
     assert ((alone.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
 
@@ -281,7 +283,7 @@ def test_linear_runs_few_bf16_rows_through_small_linear_and_keeps_onednn_for_the
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
     odd = (torch.randn(40, 32, generator=g) * 0.1).bfloat16()  # 40 outputs: not whole blocks of 16
-    x = torch.randn(kernels.SMALL_ROWS + 1, 32, generator=g).bfloat16()
+    x = torch.randn(kernels.small_rows(32) + 1, 32, generator=g).bfloat16()
     batch = torch.randn(16, 9, 32, generator=g).bfloat16()  # a batch's verification: 144 rows of 9-token steps
     with torch.inference_mode(), mock.patch.object(kernels, "small_linear", wraps=kernels.small_linear) as small:
         linear(x[:9], w)

@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and (bias is None or bias.dtype == torch.bfloat16)):
         # By the step's tokens per sequence, not its rows: a batch's verification (16 x 9 rows)
         # must round each row as that sequence's decode step does.
-        if (x.shape[-2] if x.dim() >= 3 else rows.shape[0]) > kernels.SMALL_ROWS:
+        if (x.shape[-2] if x.dim() >= 3 else rows.shape[0]) > kernels.small_rows(weight.shape[1]):
             return F.linear(x, weight, bias)  # a prefill: oneDNN at this CPU's peak, packed or not
             # (prepacked 3 % faster at 1K-4K tokens, not worth a third copy of the weight)
         pairs = _packed(weight, kernels.pack_pairs)

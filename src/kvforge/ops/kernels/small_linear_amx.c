@@ -2,7 +2,8 @@
  * result for every row at every width, but the multiplies done by the tile unit. With AVX-512
  * alone a step's multiplies grow with its rows (9 rows cost 1.6x one row over smollm2-135m's
  * 121 weights, 32 rows 4.8x); a TDPBF16PS multiplies up to 16 rows by 16 outputs over 32 inputs
- * in one instruction, so up to 32 rows the step stays bound by reading the weights once.
+ * in one instruction, so up to 32 rows the step stays bound by reading the weights once, and
+ * from 32 rows on (two_by_two) it keeps pace with oneDNN up to a few hundred rows.
  *
  * The packed layout (N / 16, K / 2, 16, 2) of small_linear.c is already what a B tile holds: 16
  * consecutive pairs of one block are 16 rows of 64 bytes. x (M, K) bf16 rows are A tiles of 32
@@ -67,6 +68,12 @@ void kvforge_amx_configure(const unsigned char rows[8]) {
 /* Tiles 0-3: C (mr rows of 16 fp32); 4: A (mr rows of 32 bf16); 5-7: B (16 pairs of 16 outputs). */
 static void configure(int mr) {
     const unsigned char rows[8] = {mr, mr, mr, mr, mr, 16, 16, 16};
+    kvforge_amx_configure(rows);
+}
+
+/* Tiles for two_by_two (and one_block beside it): all eight 16 rows. */
+static void configure_paired(void) {
+    const unsigned char rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     kvforge_amx_configure(rows);
 }
 
@@ -143,6 +150,37 @@ static void one_block(const uint16_t *x, const uint16_t *packed, const uint16_t 
     finish(sums, 16, bias, out, n, mr, 1, b0);
 }
 
+/* 32 rows by blocks b0, b0 + 1: tiles 0-3 C (rows 0-15 / 16-31 x block b0 / b0 + 1), 4-5 A (the two
+ * row halves), 6-7 B. Each 32-input chunk is two A and two B loads for four multiplies, where
+ * four_blocks makes five for four and reloads a B tile that a multiply may still be reading: past
+ * a few row groups the step is bound by the multiplies, not the weights (tiles configured all 16). */
+static void two_by_two(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out, long n, long k,
+                       long b0) {
+    const long pairs = k / 2, chunks = k / 32;
+    const uint16_t *w0 = packed + b0 * pairs * PAIR_ROW, *w1 = w0 + pairs * PAIR_ROW;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long c = 0; c < chunks; c++) {
+        const long at = c * 16 * PAIR_ROW;
+        _tile_loadd(4, x + c * 32, k * 2);
+        _tile_loadd(6, w0 + at, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, x + ROWS * k + c * 32, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, w1 + at, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    float sums[2 * ROWS * 32];
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+    _tile_stored(2, sums + ROWS * 32, 128);
+    _tile_stored(3, sums + ROWS * 32 + 16, 128);
+    finish(sums, 32, bias, out, n, 2 * ROWS, 2, b0);
+}
+
 /* Output blocks b0 .. b1 of every row (a part of one of the kernels' threads: tiles are
  * configured per thread). */
 void kvforge_small_linear_amx_blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
@@ -150,7 +188,16 @@ void kvforge_small_linear_amx_blocks(const uint16_t *x, const uint16_t *packed, 
     int configured = 0;
     for (long g0 = b0; g0 < b1; g0 += GROUP) {
         const long g1 = b1 - g0 < GROUP ? b1 : g0 + GROUP;
-        for (long r0 = 0; r0 < m; r0 += ROWS) {
+        long r0 = 0;
+        for (; r0 + 2 * ROWS <= m; r0 += 2 * ROWS) { /* row groups of 32: two_by_two */
+            if (configured != -1) configure_paired(), configured = -1;
+            long b = g0;
+            for (; b + 2 <= g1; b += 2) two_by_two(x + r0 * k, packed, bias, out + r0 * n, n, k, b);
+            if (b < g1) /* an odd block left: one_block runs on the same 16-row tiles */
+                for (long h = 0; h < 2; h++)
+                    one_block(x + (r0 + h * ROWS) * k, packed, bias, out + (r0 + h * ROWS) * n, n, k, ROWS, b);
+        }
+        for (; r0 < m; r0 += ROWS) {
             const int mr = m - r0 < ROWS ? (int)(m - r0) : ROWS;
             if (mr != configured) configure(configured = mr);
             long b = g0;
