@@ -1,14 +1,15 @@
-"""A bf16 decode step's linears at small widths: kvforge's small-row kernel against oneDNN.
+"""A bf16 step's linears at small and chunk widths: kvforge's small-row kernel against oneDNN.
 
 The 121 weights of smollm2-135m's decode step (30 layers of q/k/v, o, gate/up and down
 projections; random values of the real shapes) are cycled through, as decoding does, so the
-weights stream from memory: the milliseconds one step's linears cost for 1, 2, 9, 16, 32 and 64
-rows through `kernels.small_linear` (on AMX tiles where the CPU has them, else AVX-512),
-oneDNN's prepacked linear and `F.linear`. Run it twice with `KVFORGE_AMX=0` for the AVX-512 rows
-on an AMX machine. One thread, medians of `--runs`. Writes
-benchmarks/results/small-linear-<kernels>.json and prints a Markdown table.
+weights stream from memory: the milliseconds one step's linears cost for 1 to 1024 rows (decode,
+verification, a batch's verification, prefill chunks) through `kernels.small_linear` (on AMX
+tiles where the CPU has them, else AVX-512), oneDNN's prepacked linear and `F.linear` (what a
+prefill runs). Run it with `KVFORGE_AMX=0` too for the AVX-512 rows on an AMX machine. Medians of
+`--runs`, arms interleaved. Writes benchmarks/results/small-linear-<kernels>-<threads>t.json and
+prints a Markdown table.
 
-    python benchmarks/small_linear.py [--rows 1,2,9,16,32,64] [--runs 5]
+    python benchmarks/small_linear.py [--rows 1,2,9,16,32,64,144,256,512,1024] [--runs 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ LAYERS = 30
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,9,16,32,64")
+    parser.add_argument("--rows", default="1,2,9,16,32,64,144,256,512,1024")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise SystemExit(f"small_linear.py: --threads {args.threads} must be at least 1")
+    torch.set_num_threads(args.threads)
     if kernels.kind() == "none":
         raise SystemExit("small_linear.py: the compiled kernels are not available here (no AVX512-BF16 or no C compiler)")
     g = torch.Generator().manual_seed(0)
@@ -59,11 +63,11 @@ def main() -> None:
                         run(inputs[k], layer, i)
                 times[arm].append((time.perf_counter() - start) * 1e3)
         results.append({"rows": rows, **{f"{arm}_ms": statistics.median(t[1:]) for arm, t in times.items()}})
-    report = {"kernels": kernels.kind(), "threads": 1, "torch": torch.__version__, "runs": args.runs, "results": results}
-    out = Path(__file__).parent / "results" / f"small-linear-{report['kernels']}.json"
+    report = {"kernels": kernels.kind(), "threads": args.threads, "torch": torch.__version__, "runs": args.runs, "results": results}
+    out = Path(__file__).parent / "results" / f"small-linear-{report['kernels']}-{args.threads}t.json"
     out.write_text(json.dumps(provenance.report(report), indent=1) + "\n")
     one = results[0]
-    print(f"kernels: {report['kernels']} (ms for one step's 121 linears; x = over the first row count's small_linear)")
+    print(f"kernels: {report['kernels']}, {args.threads} threads (ms for one step's 121 linears; x = over the first row count's small_linear)")
     print("| rows | small_linear | oneDNN packed | F.linear |")
     print("|---|---|---|---|")
     for r in results:
