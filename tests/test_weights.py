@@ -135,3 +135,41 @@ def test_vllm_update_tensors_travel_as_bytes_and_come_back_equal(monkeypatch):
         assert len(pieces) == max(1, -(-t.numel() * t.element_size() // 7))
         rebuilt = vllm_weights._tensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), [bytes(p) for p in pieces])
         assert rebuilt.dtype == t.dtype and torch.equal(rebuilt, t)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "deepseek_v3", "qwen3_next"])
+def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_updates(family, monkeypatch):
+    """A serving engine keeps each projection weight only as `small_linear`'s packed pairs. Its
+    steps give the bits they gave before: short steps from the pairs, a prefill (steps longer than
+    `small_rows`, lowered here so a short prompt is one) and a view's rows (the K/V rows RidgeFill
+    computes from a slice of q/k/v) from the weight unpacked for the call. An update restores the
+    weights, and the next step packs and releases them again."""
+    from kvforge.ops import kernels
+
+    if kernels.kind() == "none":
+        pytest.skip("no compiled kernels here: nothing is packed, so nothing is released")
+    monkeypatch.setattr(kernels, "SMALL_ROWS", 4)
+    monkeypatch.setattr(kernels, "AMX_SMALL_ROWS", 4)
+    kept, engine = (Engine(tiny_loaded(family, dtype=torch.bfloat16)) for _ in range(2))
+    prompt, config = [(7 * i) % 90 + 3 for i in range(40)], GenerationConfig(max_new_tokens=6)
+    expected = kept.generate([prompt], config)[0].token_ids
+    engine.generate([prompt], config)  # packs every weight
+    assert engine.release_unpacked_weights() > 0
+    weight = engine.adapter.gate_up[0][0]  # a dense MLP in every family here
+    assert weight.untyped_storage().nbytes() == 0
+    assert engine.release_unpacked_weights() == 0  # released once
+    assert torch.equal(_logits(engine, prompt), _logits(kept, prompt))
+    assert engine.generate([prompt], config)[0].token_ids == expected
+    layer = engine.num_layers - 1  # an attention layer in every family here
+    h = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for k_kept, k_engine in zip(*(e.adapter.key_value(layer, h, e.adapter.rope(h, torch.arange(6)[None])) for e in (kept, engine))):
+        assert torch.equal(k_kept, k_engine)
+    new = {name: p.detach().clone().bfloat16() for name, p in tiny_hf_model(family, seed=1).named_parameters()}
+    kept.update_weights(new)
+    engine.update_weights(new)
+    assert weight.untyped_storage().nbytes() > 0  # restored for the update
+    assert torch.equal(_logits(engine, prompt), _logits(kept, prompt))
+    assert engine.generate([prompt], config)[0].token_ids == kept.generate([prompt], config)[0].token_ids
+    assert weight.untyped_storage().nbytes() == 0  # packed again at its next short step, and released
+    assert engine.model.fingerprint == kept.model.fingerprint  # read from the weights unpacked for the hash
+    assert weight.untyped_storage().nbytes() == 0

@@ -39,3 +39,18 @@ def keep_freed_memory() -> bool:
     # some glibc releases refuse an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2); 2.36 here takes 1 GiB
     mapped = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP)) or bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20))
     return trimmed and mapped
+
+
+def return_freed_memory() -> bool:
+    """Hand the memory freed so far back to the kernel (glibc's `malloc_trim`), once, after a large
+    free that the process will not need again (weights released: `Engine.release_unpacked_weights`);
+    kept-freed memory otherwise stays resident. Whether it ran (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -218,6 +218,7 @@ def rollout(
                            warn=lambda m: err.print(f"[yellow]warning:[/yellow] {m}", highlight=False, soft_wrap=True))
     config = GenerationConfig(max_new_tokens, temperature, 0, top_p, seed, logprobs=True, epoch=0 if couple_epochs else epoch)
     engine = load_engine(model, device, dtype)
+    engine.release_unpacked_weights()  # bf16 with the kernels: the weights kept packed only
     encoded = [encode_prompt(engine.model.tokenizer, t, chat=chat) for t in texts]
     tokens, total, start = 0, SpecStats(drafting.k), time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -245,10 +245,10 @@ class MapFill:
         norm = self.adapter.input_norm(layer)
         if norm is None:  # a norm kvforge cannot fold: the layer's own norm renormalises the prediction
             return None
-        kv_weight, kv_bias = self.adapter.kv_weights(layer)
-        key = (self.split, layer, self.dtype, kv_weight.data_ptr())
+        key = (self.split, layer, self.dtype, id(self.adapter))  # not the weight's address: a released one has none
         cache = self.maps.folded if self.maps.tensors is not None else {}
         if key not in cache:
+            kv_weight, kv_bias = self.adapter.kv_weights(layer)
             w, b = self.maps.weights(self.split, layer, torch.float32)
             a, c = fold_kv(w, b, norm[0], kv_weight, kv_bias)
             cache[key] = (a.to(self.device, self.dtype), c.to(self.device, self.dtype))

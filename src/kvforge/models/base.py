@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.ops import kernels
-from kvforge.ops.linear import fuse_linears, linear
+from kvforge.ops.linear import fuse_linears, linear, readable
 from kvforge.ops.norms import rms_norm, rms_norm_params
 from kvforge.ops.rope import apply_rope
 
@@ -49,6 +49,17 @@ class LlamaAdapter:
         # every projection of a layer (full fine-tuning: kvforge.fill.lora)
         self.o = [None if a is None else (a.o_proj.weight, a.o_proj.bias) for a in attns]
         self.down = [None if g is None else (l.mlp.down_proj.weight, l.mlp.down_proj.bias) for g, l in zip(self.gate_up, self.layers)]
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """The weights the engine reads through `linear` alone: every layer's fused q/k/v and
+        gate/up, its o and down projections, and the LM head where it is not the embedding
+        table (tied: the lookup reads it)."""
+        pairs = [p for each in (self.qkv, self.gate_up, self.o, self.down) for p in each if p is not None]
+        weights = [weight for weight, _ in pairs]
+        head, table = self.model.lm_head.weight, self.model.get_input_embeddings().weight
+        if head.untyped_storage().data_ptr() != table.untyped_storage().data_ptr():
+            weights.append(head)
+        return weights
 
     def _fuse_attention(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections that read the layer's normed input, fused into one matmul."""
@@ -108,7 +119,7 @@ class LlamaAdapter:
         the full projection keeps its packed copy)."""
         weight, bias = self.qkv[layer]
         start = self._kv_start()
-        return weight[start:], None if bias is None else bias[start:]
+        return readable(weight)[start:], None if bias is None else bias[start:]
 
     def _kv_start(self) -> int:
         return self.num_heads * self.head_dim

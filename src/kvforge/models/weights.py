@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from kvforge.errors import KvforgeError
-from kvforge.ops.linear import invalidate_packed
+from kvforge.ops.linear import invalidate_packed, restore_unpacked
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
@@ -47,6 +47,7 @@ def update_weights(model, tensors: Mapping[str, torch.Tensor], lora_scale: float
         raise WeightUpdateError("the update holds no tensors")
     named = {name.removeprefix(PEFT_PREFIX): t for name, t in tensors.items()}
     params = dict(model.hf.named_parameters(remove_duplicate=False))
+    restore_unpacked(params.values())  # released weights are read and written below (`ops.linear.release_unpacked`)
     lora = any(name.endswith(LORA_PARTS) for name in named)
     writes = _lora_writes(model, params, named, lora_scale) if lora else _full_writes(params, named)
     with torch.inference_mode():

@@ -175,6 +175,9 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail, chunk)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
                                        {"handoff": [engine, target]}, config.kv_cache_memory)
+    for each in served.values():  # every engine and adapted weight set is built: the weights are kept packed only
+        for scheduler in each.schedulers:
+            scheduler.engine.release_unpacked_weights()
     return served
 
 

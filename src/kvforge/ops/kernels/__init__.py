@@ -76,6 +76,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     lib.kvforge_softmax.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr]
     lib.kvforge_pv.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, ptr]
     lib.kvforge_pack_pairs.argtypes = [ptr, ptr, i64, i64]
+    lib.kvforge_unpack_pairs.argtypes = [ptr, ptr, i64, i64]
     lib.kvforge_small_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.kvforge_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ctypes.c_int]
     lib.kvforge_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, ptr, i64]
@@ -87,7 +88,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     entries = _openmp_entries()  # the kernels split their calls over torch's own threads (threads.c), or run alone
     lib.kvforge_use_openmp(*(entries or (None,) * len(_OPENMP_ENTRIES)))
     lib.kvforge_threads = "openmp" if entries else "one"
-    for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_small_linear,
+    for fn in (lib.kvforge_qk, lib.kvforge_softmax, lib.kvforge_pv, lib.kvforge_pack_pairs, lib.kvforge_unpack_pairs, lib.kvforge_small_linear,
                lib.kvforge_rms_norm):
         fn.restype = None
     if hasattr(lib, "kvforge_amx_enable"):
@@ -361,6 +362,19 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor | None:
     packed = torch.empty(n // 16, k // 2, 16, 2, dtype=torch.bfloat16)
     _library().kvforge_pack_pairs(weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
+
+
+def unpack_pairs(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A `pack_pairs` weight back to (N, K) bf16, bit for bit, into `out` where given (contiguous)."""
+    blocks, pairs = packed.shape[:2]
+    n, k = blocks * 16, pairs * 2
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+    if (packed.dtype != torch.bfloat16 or packed.shape[2:] != (16, 2) or not packed.is_contiguous() or out.shape != (n, k)
+            or out.dtype != torch.bfloat16 or not out.is_contiguous() or not _on_cpu(packed, out)):
+        raise ValueError(f"unpack_pairs: a contiguous bf16 (N / 16, K / 2, 16, 2) weight into ({n}, {k}) bf16")
+    _on_torch_threads().kvforge_unpack_pairs(packed.data_ptr(), out.data_ptr(), n, k)
+    return out
 
 
 def small_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include "threads.h"
+#include "transpose16.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define AHEAD 8 /* pairs prefetched ahead in each block: the weights stream from memory */
@@ -29,6 +30,39 @@ void kvforge_pack_pairs(const uint16_t *w, uint16_t *packed, long n, long k) {
                 dst[0] = src[0];
                 dst[1] = src[1];
             }
+}
+
+/* The inverse of kvforge_pack_pairs for blocks [b0, b1): each (input pair, output) is one 32-bit
+ * unit, so a block is a (K / 2) x 16 transpose of them. */
+struct unpack_job {
+    const uint32_t *packed;
+    uint32_t *w;
+    long pairs;
+};
+
+static void unpack_blocks(void *ctx, long b0, long b1) {
+    const struct unpack_job *j = ctx;
+    const long pairs = j->pairs;
+    for (long b = b0; b < b1; b++) {
+        const uint32_t *src = j->packed + b * pairs * 16;
+        uint32_t *dst = j->w + 16 * b * pairs;
+        long p0 = 0;
+        for (; p0 + 16 <= pairs; p0 += 16) { /* 16 pairs x 16 outputs in registers */
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + (p0 + i) * 16);
+            transpose16(r);
+            for (int o = 0; o < 16; o++) _mm512_storeu_si512(dst + o * pairs + p0, r[o]);
+        }
+        for (long o = 0; o < 16; o++)
+            for (long p = p0; p < pairs; p++) dst[o * pairs + p] = src[p * 16 + o];
+    }
+}
+
+/* A packed weight back to (N, K) row-major, over the kernels' threads (a prefill's linear runs
+ * F.linear over it where the unpacked weight was released: `ops.linear.release_unpacked`). */
+void kvforge_unpack_pairs(const uint16_t *packed, uint16_t *w, long n, long k) {
+    struct unpack_job job = {(const uint32_t *)packed, (uint32_t *)w, k / 2};
+    kvforge_parallel(unpack_blocks, &job, n / 16, 1);
 }
 
 /* fp32 -> bf16, round to nearest even (NaN stays NaN) */
