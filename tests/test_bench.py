@@ -15,6 +15,7 @@ from kvforge.bench.speed import bench_speed
 from kvforge.cli import app
 from kvforge.engine import Engine
 from kvforge.fill.speed import SpeedConfig, speed_plan
+from kvforge.ops import kernels
 
 T = 40
 
@@ -233,5 +234,8 @@ def test_bench_load_measures_a_load_in_a_fresh_process(tiny_model_dir):
     assert fp32["weight_bytes"] == 2 * bf16["weight_bytes"] > 0 and fp32["parameters"] == bf16["parameters"]
     assert bf16["fingerprint"] == fp32["fingerprint"] == model_fingerprint(tiny_hf_model("llama"))
     assert bf16["peak_above_import_bytes"] >= bf16["tokenizer_peak_bytes"] > 0
+    assert fp32["released_bytes"] == 0  # fp32 keeps no packed copy to run from
+    assert (bf16["released_bytes"] > 0) == (kernels.kind() != "none")  # the projections' bf16 bytes, kept packed only
+    assert bf16["rss_decoding_bytes"] > 0 and bf16["rss_decoding_released_over_weights"] > 0
     with pytest.raises(ValueError, match="failed"):
         bench_load(str(tiny_model_dir) + "-missing", ["bf16"], threads=1)

@@ -4,6 +4,9 @@ The child process imports torch and transformers, reads its resident set (the ba
 model through `load_model`, takes its fingerprint, then reads its peak resident set (Linux's
 VmHWM): the peak above the baseline is what loading itself held at its worst, against the bytes of
 the weights it loaded. A fresh process per dtype keeps one load's freed pages out of the next's.
+Then it decodes: a 512-token prompt and 8 tokens, its resident set read after (`rss_decoding`:
+the weights' packed copies made by then), and again after `Engine.release_unpacked_weights` and
+the same decoding (`rss_decoding_released`: what `serve` and `rollout` hold).
 """
 
 from __future__ import annotations
@@ -46,10 +49,22 @@ start = time.perf_counter()
 fingerprint = loaded.fingerprint
 fingerprint_s = time.perf_counter() - start
 params = list(loaded.hf.parameters())  # tied ones once
-print(json.dumps({"dtype": str(loaded.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in params),
-                  "weight_bytes": sum(p.numel() * p.element_size() for p in params), "baseline_rss_bytes": base, "peak_above_import_bytes": status("VmHWM") - base,
-                  "rss_after_bytes": status("VmRSS") - base, "load_s": load_s, "fingerprint_s": fingerprint_s, "fingerprint": fingerprint,
-                  "fingerprint_was_cached": cached}))
+row = {"dtype": str(loaded.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in params),
+       "weight_bytes": sum(p.numel() * p.element_size() for p in params), "baseline_rss_bytes": base, "peak_above_import_bytes": status("VmHWM") - base,
+       "rss_after_bytes": status("VmRSS") - base, "load_s": load_s, "fingerprint_s": fingerprint_s, "fingerprint": fingerprint,
+       "fingerprint_was_cached": cached}
+from kvforge.engine import Engine  # noqa: E402
+from kvforge.generation import GenerationConfig  # noqa: E402
+
+engine = Engine(loaded)
+length = min(512, getattr(loaded.hf.config, "max_position_embeddings", 512) - 16)  # a tiny test model's context is shorter
+prompt = [[(7919 * i) % (loaded.hf.config.vocab_size - 10) + 5 for i in range(length)]]
+engine.generate(prompt, GenerationConfig(max_new_tokens=8))  # a prefill and decode steps: the packed copies exist now
+row["rss_decoding_bytes"] = status("VmRSS") - base
+row["released_bytes"] = engine.release_unpacked_weights()  # as `serve` and `rollout` do
+engine.generate(prompt, GenerationConfig(max_new_tokens=8))
+row["rss_decoding_released_bytes"] = status("VmRSS") - base
+print(json.dumps(row))
 """
 
 
@@ -60,6 +75,8 @@ def measure_load(spec: str, dtype: str, threads: int) -> dict:
         raise ValueError("bench load reads /proc/self/status: Linux only")
     row = _child(spec, dtype, threads)
     row["peak_over_weights"] = row["peak_above_import_bytes"] / row["weight_bytes"]
+    for key in ("rss_decoding", "rss_decoding_released"):
+        row[f"{key}_over_weights"] = row[f"{key}_bytes"] / row["weight_bytes"]
     return row
 
 

@@ -55,7 +55,8 @@ def bench_load_cmd(
     threads: Optional[int] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ):
-    """Loading's cost: peak resident memory above `import torch, transformers` against the weights' bytes, load and fingerprint seconds."""
+    """Loading's cost: peak resident memory above `import torch, transformers` against the weights' bytes, load and fingerprint
+    seconds; then the resident memory while decoding, with the unpacked weights kept and released (as `serve` does)."""
     from kvforge.bench.loading import bench_load
     from kvforge.models.loading import DTYPES
 
@@ -69,4 +70,6 @@ def bench_load_cmd(
     for r in report["results"]:
         print(f"{r['dtype']}: {r['parameters'] / 1e6:.0f}M parameters, weights {r['weight_bytes'] / 1e9:.2f} GB, peak "
               f"{r['peak_above_import_bytes'] / 1e9:.2f} GB above the import ({r['peak_over_weights']:.2f}x), load {r['load_s']:.1f} s, "
-              f"fingerprint {r['fingerprint_s']:.1f} s; the tokenizer's share {r['tokenizer_peak_bytes'] / 1e9:.2f} GB")
+              f"fingerprint {r['fingerprint_s']:.1f} s; the tokenizer's share {r['tokenizer_peak_bytes'] / 1e9:.2f} GB; decoding "
+              f"{r['rss_decoding_bytes'] / 1e9:.2f} GB ({r['rss_decoding_over_weights']:.2f}x), with the unpacked weights released "
+              f"{r['rss_decoding_released_bytes'] / 1e9:.2f} GB ({r['rss_decoding_released_over_weights']:.2f}x)")
