@@ -81,9 +81,12 @@ HYBRID_FAMILIES = ["qwen3_next", "qwen3_5"]
 FAMILIES = ATTENTION_FAMILIES + HYBRID_FAMILIES
 
 
-def tiny_hf_model(family: str, seed: int = 0):
+def tiny_hf_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="sdpa", dtype=torch.float32)
+    config = tiny_config(family)
+    for key, value in overrides.items():  # e.g. vocab_size
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     # Random init is near-uniform; sharpen the weights so logits and argmaxes are distinct.
     with torch.no_grad():
         for p in model.parameters():
@@ -112,10 +115,11 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def tiny_loaded(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def tiny_loaded(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
     """A tiny model ready for the engine; in a lower `dtype` it is the fp32 weights cast (as
-    `load_model` casts them), before the adapter fuses its projections, with the fp32 fingerprint."""
-    model = tiny_hf_model(family, seed)
+    `load_model` casts them), before the adapter fuses its projections, with the fp32 fingerprint.
+    `overrides`: config fields set on the family's tiny config."""
+    model = tiny_hf_model(family, seed, **overrides)
     fingerprint = model_fingerprint(model) if dtype != torch.float32 else None
     cast_model(model, dtype)
     loaded = LoadedModel(f"tiny-{family}", "test", model, char_tokenizer(), adapter_for(model), torch.device("cpu"), dtype)

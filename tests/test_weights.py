@@ -151,6 +151,7 @@ def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_upda
     monkeypatch.setattr(kernels, "SMALL_ROWS", 4)
     monkeypatch.setattr(kernels, "AMX_SMALL_ROWS", 4)
     kept, engine = (Engine(tiny_loaded(family, dtype=torch.bfloat16)) for _ in range(2))
+    engine.model.hf.requires_grad_(False)  # as `load_model` leaves a model
     prompt, config = [(7 * i) % 90 + 3 for i in range(40)], GenerationConfig(max_new_tokens=6)
     expected = kept.generate([prompt], config)[0].token_ids
     engine.generate([prompt], config)  # packs every weight
@@ -173,3 +174,23 @@ def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_upda
     assert weight.untyped_storage().nbytes() == 0  # packed again at its next short step, and released
     assert engine.model.fingerprint == kept.model.fingerprint  # read from the weights unpacked for the hash
     assert weight.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: an embedding module that scales its rows
+def test_an_embedding_table_tied_to_a_released_head_looks_its_rows_up_in_the_pairs(family):
+    from kvforge.ops import kernels
+    from kvforge.ops.linear import is_released
+
+    if kernels.kind() == "none":
+        pytest.skip("no compiled kernels here: nothing is packed, so nothing is released")
+    kept, engine = (Engine(tiny_loaded(family, dtype=torch.bfloat16, vocab_size=112, tie_word_embeddings=True)) for _ in range(2))
+    engine.model.hf.requires_grad_(False)  # as `load_model` leaves a model
+    prompt, config = [(7 * i) % 90 + 3 for i in range(20)], GenerationConfig(max_new_tokens=6)
+    engine.generate([prompt], config)
+    engine.release_unpacked_weights()
+    table = engine.model.hf.get_input_embeddings().weight
+    assert table is engine.model.hf.lm_head.weight and is_released(table)
+    ids = torch.tensor([prompt[:7], prompt[7:14]])
+    assert torch.equal(engine.adapter.embed(ids), kept.adapter.embed(ids))
+    assert engine.generate([prompt], config)[0].token_ids == kept.generate([prompt], config)[0].token_ids
+

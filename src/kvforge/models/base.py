@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.ops import kernels
-from kvforge.ops.linear import fuse_linears, linear, readable
+from kvforge.ops.linear import fuse_linears, is_released, linear, packed_rows, readable
 from kvforge.ops.norms import rms_norm, rms_norm_params
 from kvforge.ops.rope import apply_rope
 
@@ -52,14 +52,10 @@ class LlamaAdapter:
 
     def projection_weights(self) -> list[torch.Tensor]:
         """The weights the engine reads through `linear` alone: every layer's fused q/k/v and
-        gate/up, its o and down projections, and the LM head where it is not the embedding
-        table (tied: the lookup reads it)."""
+        gate/up, its o and down projections, and the LM head (an embedding table tied to it is
+        read through `embed`, which can look rows up in the packed pairs)."""
         pairs = [p for each in (self.qkv, self.gate_up, self.o, self.down) for p in each if p is not None]
-        weights = [weight for weight, _ in pairs]
-        head, table = self.model.lm_head.weight, self.model.get_input_embeddings().weight
-        if head.untyped_storage().data_ptr() != table.untyped_storage().data_ptr():
-            weights.append(head)
-        return weights
+        return [weight for weight, _ in pairs] + [self.model.lm_head.weight]
 
     def _fuse_attention(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections that read the layer's normed input, fused into one matmul."""
@@ -91,8 +87,14 @@ class LlamaAdapter:
 
     # --- pieces ----------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, T) -> h (B, T, E); family embedding scales live in the module."""
-        return self.body.embed_tokens(ids)
+        """ids (B, T) -> h (B, T, E); family embedding scales live in the module. A table released
+        to its packed pairs (tied to the LM head: `Engine.release_unpacked_weights`) hands the
+        module just the rows these ids look up."""
+        table = self.body.embed_tokens
+        if not is_released(table.weight):
+            return table(ids)
+        distinct, index = torch.unique(ids, return_inverse=True)
+        return torch.func.functional_call(table, {"weight": packed_rows(table.weight, distinct)}, (index,))
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin (B, T, D) for every rotary table, at `positions` (B, T; padding -1 -> 0)."""

@@ -101,6 +101,7 @@ def release_unpacked(weights) -> int:
     forward, a fingerprint over the tensors): `restore_unpacked` first, as `weights.update_weights`
     does. A weight written after that is packed again at its next use and released again.
     Weights that are views, need gradients or have no pairs here (fp32, no kernels) are kept.
+    An embedding table tied to a released LM head looks its rows up in the pairs (`packed_rows`).
     Returns the bytes freed."""
     freed = 0
     for weight in weights:
@@ -147,6 +148,18 @@ def readable(weight: torch.Tensor) -> torch.Tensor:
     """The weight itself, or for a released one its values unpacked into a tensor of their own
     (for this call: slicing a released weight is not possible)."""
     return kernels.unpack_pairs(weight._kvforge_packed[kernels.pack_pairs][1]) if _released(weight) else weight
+
+
+def packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (R,) of a released weight (N, K), read from its pairs: (R, K) (an embedding table
+    tied to the LM head looks its tokens up this way)."""
+    pairs = weight._kvforge_packed[kernels.pack_pairs][1]
+    return pairs[rows // 16, :, rows % 16, :].reshape(rows.shape[0], weight.shape[1])
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    """Whether `release_unpacked` freed this weight's row-major storage."""
+    return _released(weight)
 
 
 def _released(weight: torch.Tensor) -> bool:
