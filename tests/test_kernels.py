@@ -236,8 +236,21 @@ def test_small_linear_rows_have_the_same_bits_at_every_width_and_match_f_linear(
     assert torch.equal(kernels.small_linear(batch, packed, bias), alone.repeat(5, 1)[:150])
     for m in (33, 64, 97):  # AMX: groups of 32 rows on 2 x 2 tiles, the rest 16 at a time
         assert torch.equal(kernels.small_linear(batch[:m], packed, bias), alone.repeat(5, 1)[:m]), m
+    assert torch.equal(_at_threads(2, lambda: kernels.small_linear(batch, packed, bias)), alone.repeat(5, 1)[:150])
     ref = F.linear(x.float(), w.float(), bias.float())
     assert ((alone.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+
+
+@pytest.mark.parametrize("shape", [(48, 40), (208, 576), (64, 96)])  # 20 pairs: a last part of 4 below a whole 16
+def test_unpack_pairs_gives_the_weight_back_bit_for_bit_at_one_and_two_threads(shape):
+    if kernels.kind() == "none":
+        pytest.skip("no compiled kernels here")
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    packed = kernels.pack_pairs(weight)
+    for threads in (1, 2):
+        assert torch.equal(_at_threads(threads, lambda: kernels.unpack_pairs(packed)), weight)
+    with pytest.raises(ValueError, match="unpack_pairs"):
+        kernels.unpack_pairs(packed, out=torch.empty(shape[0], shape[1] + 2, dtype=torch.bfloat16))
 
 
 def test_small_linear_takes_amx_tiles_where_the_cpu_has_them():

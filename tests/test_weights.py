@@ -143,7 +143,8 @@ def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_upda
     steps give the bits they gave before: short steps from the pairs, a prefill (steps longer than
     `small_rows`, lowered here so a short prompt is one) and a view's rows (the K/V rows RidgeFill
     computes from a slice of q/k/v) from the weight unpacked for the call. An update restores the
-    weights, and the next step packs and releases them again."""
+    weights and packs and releases them again before it returns; one that does not fit leaves
+    them released and unchanged."""
     from kvforge.ops import kernels
 
     if kernels.kind() == "none":
@@ -166,20 +167,22 @@ def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_upda
     for k_kept, k_engine in zip(*(e.adapter.key_value(layer, h, e.adapter.rope(h, torch.arange(6)[None])) for e in (kept, engine))):
         assert torch.equal(k_kept, k_engine)
     new = {name: p.detach().clone().bfloat16() for name, p in tiny_hf_model(family, seed=1).named_parameters()}
+    with pytest.raises(WeightUpdateError):
+        engine.update_weights({**new, "model.norm.weight": torch.zeros(3, dtype=torch.bfloat16)})
+    assert weight.untyped_storage().nbytes() == 0 and torch.equal(_logits(engine, prompt), _logits(kept, prompt))
     kept.update_weights(new)
     engine.update_weights(new)
-    assert weight.untyped_storage().nbytes() > 0  # restored for the update
+    assert weight.untyped_storage().nbytes() == 0  # packed from the new values and released again
     assert torch.equal(_logits(engine, prompt), _logits(kept, prompt))
     assert engine.generate([prompt], config)[0].token_ids == kept.generate([prompt], config)[0].token_ids
-    assert weight.untyped_storage().nbytes() == 0  # packed again at its next short step, and released
-    assert engine.model.fingerprint == kept.model.fingerprint  # read from the weights unpacked for the hash
+    assert engine.model.fingerprint == kept.model.fingerprint  # hashed from the values unpacked, the storage left freed
     assert weight.untyped_storage().nbytes() == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: an embedding module that scales its rows
 def test_an_embedding_table_tied_to_a_released_head_looks_its_rows_up_in_the_pairs(family):
     from kvforge.ops import kernels
-    from kvforge.ops.linear import is_released
+    from kvforge.ops.released import is_released
 
     if kernels.kind() == "none":
         pytest.skip("no compiled kernels here: nothing is packed, so nothing is released")

@@ -63,9 +63,9 @@ class Engine:
     def release_unpacked_weights(self) -> int:
         """Keep each projection weight only in the packed form the bf16 kernels read
         (`ops.linear.release_unpacked`): about half the weights' memory in bf16 with the compiled
-        kernels, nothing elsewhere. For serving from this engine: the model's modules no longer
-        run their own forward, and an adapted engine (`lora.adapted_engine`) must be made before.
-        Returns the bytes freed."""
+        kernels, nothing elsewhere. For serving from this engine: the model's attention and dense MLP
+        modules no longer run their own forward (transformers' forward over the model reads freed
+        memory; experts and other modules keep their weights). Returns the bytes freed."""
         from kvforge.ops.linear import release_unpacked
 
         freed = release_unpacked(self.adapter.projection_weights())

@@ -30,6 +30,7 @@ import torch
 
 from kvforge.cache import atomic_save_safetensors, read_artifact
 from kvforge.errors import ArtifactError
+from kvforge.ops.released import readable
 
 FORMAT = "kvforge.lora"
 VERSION = "1"
@@ -206,7 +207,7 @@ def adapted_engine(engine, lora: LoraAdapter):
 def merged(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """W + delta in W's dtype and device: the fp32 LoRA delta is added in fp32 and rounded once,
     so a bf16 model runs bf16 weights (its activations' dtype) that are as close as bf16 allows."""
-    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return (readable(weight).float() + delta.to(weight.device)).to(weight.dtype)  # a weight kept only packed: its values
 
 
 def _key(layer: int, target: str, part: str) -> str:

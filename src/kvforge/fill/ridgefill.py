@@ -245,7 +245,8 @@ class MapFill:
         norm = self.adapter.input_norm(layer)
         if norm is None:  # a norm kvforge cannot fold: the layer's own norm renormalises the prediction
             return None
-        key = (self.split, layer, self.dtype, id(self.adapter))  # not the weight's address: a released one has none
+        # the q/k/v weight object, not its address: one kept only packed has none (`ops.released`)
+        key = (self.split, layer, self.dtype, self.device, id(self.adapter.qkv[layer][0]))
         cache = self.maps.folded if self.maps.tensors is not None else {}
         if key not in cache:
             kv_weight, kv_bias = self.adapter.kv_weights(layer)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from kvforge.ops import kernels
-from kvforge.ops.linear import fuse_linears, is_released, linear, packed_rows, readable
+from kvforge.ops.linear import fuse_linears, linear
+from kvforge.ops.released import is_released, packed_rows, readable
 from kvforge.ops.norms import rms_norm, rms_norm_params
 from kvforge.ops.rope import apply_rope
 
@@ -121,7 +122,7 @@ class LlamaAdapter:
         the full projection keeps its packed copy)."""
         weight, bias = self.qkv[layer]
         start = self._kv_start()
-        return readable(weight)[start:], None if bias is None else bias[start:]
+        return readable(weight, start), None if bias is None else bias[start:]
 
     def _kv_start(self) -> int:
         return self.num_heads * self.head_dim

@@ -42,14 +42,15 @@ def hash_values(h, values: torch.Tensor) -> None:
     h.update(values.detach().float().cpu().contiguous().numpy())  # hashed in place: no bytes copy
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
+def model_fingerprint(model: torch.nn.Module, read=None) -> str:
     """The id of a loaded model: its type, the config fields that change the computation, and
     every parameter's name, shape and values (as fp32). Re-saving or converting the same weights
-    keeps the id; a fine-tune that moves any weight changes it."""
+    keeps the id; a fine-tune that moves any weight changes it. `read`: a parameter -> its values
+    (`released.readable`, for weights kept only packed)."""
     h = hasher(model.config)
     for name, p in model.named_parameters():
         hash_tensor(h, name, tuple(p.shape))
-        hash_values(h, p)
+        hash_values(h, p if read is None else read(p))
     return h.hexdigest()[:16]
 
 

@@ -27,7 +27,7 @@ from kvforge.paths import kvforge_home
 from kvforge.models.adapters import ModelAdapter, adapter_for
 from kvforge.models.fingerprint import model_fingerprint  # noqa: F401  (re-exported)
 from kvforge.models.streamed import directory_fingerprint, load_streamed
-from kvforge.ops.linear import unpacked
+from kvforge.ops.released import readable
 from kvforge.models.registry import PACKAGED_MODELS, PackagedModel
 
 MANIFEST = "kvforge-conversion.json"
@@ -65,8 +65,7 @@ class LoadedModel:
         in-place edits keep the old id."""
         if self.directory is not None and self.weights_version == 0 and self.dtype != torch.float32:
             return directory_fingerprint(self.directory)  # the fp32 values, from the files
-        with unpacked(self.hf.parameters()):  # weights released to their packed pairs read for the hash
-            return model_fingerprint(self.hf)
+        return model_fingerprint(self.hf, read=readable)  # a released weight's values unpacked for the hash
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,7 +20,8 @@ import torch
 
 from kvforge.cache import LayerCache
 from kvforge.models.base import LlamaAdapter
-from kvforge.ops.linear import fuse_linears, linear, readable
+from kvforge.ops.linear import fuse_linears, linear
+from kvforge.ops.released import readable
 from kvforge.ops.norms import rms_norm
 from kvforge.ops.rope import apply_rope
 
@@ -70,7 +71,7 @@ class DeepseekV3Adapter(LlamaAdapter):
     def kv_weights(self, layer):
         weight, bias = self.qkv[layer]
         start = weight.shape[0] - self.rank - self.rope_dim  # the latent and the rope key, after the query rows
-        return readable(weight)[start:], None if bias is None else bias[start:]
+        return readable(weight, start), None if bias is None else bias[start:]
 
     def cache_rows(self, layer, projected, rope):
         latent, rope_key = projected.split([self.rank, self.rope_dim], dim=-1)

@@ -18,7 +18,9 @@ projections are views of the same storage (`ops.linear.fuse_linears`), so they c
 modules. What was derived from the old values is dropped: the packed weight copies
 (`ops.linear.invalidate_packed`) and the cached fingerprint, so artifacts fitted for the old weights
 no longer match (`LoadedModel.fingerprint` is recomputed on next use); `weights_version` counts
-the updates.
+the updates. Weights a serving engine keeps only packed (`Engine.release_unpacked_weights`) get
+their storage back for the update and are packed from the new values and released again before
+it returns.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Mapping
 import torch
 
 from kvforge.errors import KvforgeError
-from kvforge.ops.linear import invalidate_packed, restore_unpacked
+from kvforge.allocator import return_freed_memory
+from kvforge.ops.linear import invalidate_packed, release_unpacked
+from kvforge.ops.released import restore
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
@@ -47,16 +51,21 @@ def update_weights(model, tensors: Mapping[str, torch.Tensor], lora_scale: float
         raise WeightUpdateError("the update holds no tensors")
     named = {name.removeprefix(PEFT_PREFIX): t for name, t in tensors.items()}
     params = dict(model.hf.named_parameters(remove_duplicate=False))
-    restore_unpacked(params.values())  # released weights are read and written below (`ops.linear.release_unpacked`)
-    lora = any(name.endswith(LORA_PARTS) for name in named)
-    writes = _lora_writes(model, params, named, lora_scale) if lora else _full_writes(params, named)
-    with torch.inference_mode():
-        for name, value in writes.items():
-            params[name].copy_(value)
-    if not lora:
-        for name in writes:
-            model.lora_base.pop(name, None)  # a full update is the new base of what it wrote
-    invalidate_packed()
+    restored = restore(params.values())  # weights kept only packed get their storage back for the writes
+    try:
+        lora = any(name.endswith(LORA_PARTS) for name in named)
+        writes = _lora_writes(model, params, named, lora_scale) if lora else _full_writes(params, named)
+        with torch.inference_mode():
+            for name, value in writes.items():
+                params[name].copy_(value)
+        if not lora:
+            for name in writes:
+                model.lora_base.pop(name, None)  # a full update is the new base of what it wrote
+        invalidate_packed()
+    finally:
+        if restored:  # packed from the values now and released again, here, while no step runs on them
+            release_unpacked(restored)
+            return_freed_memory()
     vars(model).pop("fingerprint", None)  # a cached_property: recomputed from the new values
     model.weights_version += 1
     return "lora" if lora else "full"

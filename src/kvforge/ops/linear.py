@@ -4,25 +4,25 @@ once. Packed copies are kept on the weight tensor and dropped when weights chang
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from kvforge.ops import kernels, torch_private
+from kvforge.ops import kernels, released, torch_private
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, in low precision on CPU with rows that do not depend on how many rows are
     computed at once, and the weight packed once.
 
-    With the compiled kernels (AVX512-BF16), bf16 steps of up to `kernels.SMALL_ROWS` tokens per
-    sequence (decode, verification, at any batch size) run `kernels.small_linear` over the weight
+    With the compiled kernels (AVX512-BF16), bf16 steps of up to `kernels.small_rows` tokens per
+    sequence (32; 256 on AMX tiles: decode, verification at any batch size, prefill chunks) run
+    `kernels.small_linear` over the weight
     packed into pairs (a row's bits independent of the row count by construction; a decode
     step's 121 matmuls at one row 24 -> 12.5 ms, at 9 rows 28 -> 25 ms, at 16 rows 35 -> 31 ms,
     interleaved, on AMD EPYC with AVX512-BF16) and longer ones (prefill) F.linear; elsewhere, what follows.
+    A weight kept only packed (`release_unpacked`) runs from its pairs, or unpacked for the call.
 
     Prepacked: oneDNN's linear over a weight reordered into its blocked layout at first use
     (`mkldnn._reorder_linear_weight`, what torch.compile's CPU backend packs bf16 linears with) and
@@ -41,7 +41,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (`_linear_fp32`): its parity is against transformers."""
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if _released(weight if weight._base is None else weight._base):
+    if released.is_released(weight if weight._base is None else weight._base):
         return _linear_released(x, weight, bias)
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.dtype == torch.float32:
@@ -91,107 +91,40 @@ def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def release_unpacked(weights) -> int:
     """Free the row-major storage of each weight that `small_linear` runs from its packed pairs,
-    keeping the pairs: a bf16 model's projections then take their memory once instead of twice.
-    Such a weight's steps of up to `kernels.small_rows` tokens per sequence read the pairs as
-    before; a longer step (a prefill), or a view of it (a slice such as the K/V rows RidgeFill
-    reads), runs on the weight unpacked from the pairs for that call (`kernels.unpack_pairs`, bit
-    for bit: the same products as before). Measured over smollm2-135m's 121 projection weights,
-    Intel Xeon with AMX: unpacking them all takes 24 ms at one thread, 15 at two (a 1,024-token
-    prefill's linears take ~170 ms). Nothing else may read a released weight (a module's own
-    forward, a fingerprint over the tensors): `restore_unpacked` first, as `weights.update_weights`
-    does. A weight written after that is packed again at its next use and released again.
-    Weights that are views, need gradients or have no pairs here (fp32, no kernels) are kept.
-    An embedding table tied to a released LM head looks its rows up in the pairs (`packed_rows`).
-    Returns the bytes freed."""
+    keeping the pairs (`ops.released`): a bf16 model's projections then take their memory once
+    instead of twice. Such a weight's steps of up to `kernels.small_rows` tokens per sequence read
+    the pairs as before; a longer step (a prefill, a server's prefill chunk of more than 256
+    tokens) and a view of it (the K/V rows RidgeFill reads) run on the weight unpacked from the
+    pairs for that call, bit for bit the same products. Measured over smollm2-135m's 121
+    projection weights, Intel Xeon with AMX: unpacking them all takes 24 ms at one thread, 15 at
+    two, paid by every such step; `benchmarks/released_weights.py` times whole prefills.
+    Nothing else may read a released weight's storage: a module's own forward over it reads freed
+    memory. `released.readable` gives the values, `released.restore` the storage back for a write
+    (`weights.update_weights`, which releases them again after). Kept: weights that are views,
+    share their storage, need gradients, sit on a storage that cannot be resized, or have no pairs
+    here (fp32, no kernels). An embedding table tied to a released LM head is looked up in the
+    pairs (`released.packed_rows`). Returns the bytes freed."""
     freed = 0
     for weight in weights:
+        storage = weight.untyped_storage()
         if (weight._base is not None or weight.requires_grad or not weight.is_contiguous() or weight.storage_offset() != 0
-                or weight.untyped_storage().nbytes() != weight.numel() * weight.element_size()):
+                or storage.nbytes() != weight.numel() * weight.element_size() or not storage.resizable()):
             continue
-        if _released(weight) or _packed(weight, kernels.pack_pairs) is None:
+        if released.is_released(weight) or _packed(weight, kernels.pack_pairs) is None:
             continue
-        weight._kvforge_release = True
-        freed += _release(weight)
-    return freed
-
-
-def restore_unpacked(tensors) -> list[torch.Tensor]:
-    """Give each released weight among `tensors` (or the weight a view of it belongs to) its
-    row-major storage back, unpacked from its pairs, so it can be read or written in place;
-    returns the weights restored. One written is packed again at its next use and released then."""
-    restored = []
-    for tensor in tensors:
-        # a module's own parameter may alias a fused weight without being a view of it (`fuse_linears`)
-        base = _released_storages.get(tensor.untyped_storage()._cdata)
-        if base is not None and _released(base):
-            pairs = base._kvforge_packed[kernels.pack_pairs][1]
-            base.untyped_storage().resize_(base.numel() * base.element_size())
-            kernels.unpack_pairs(pairs, out=base.detach())
-            base._kvforge_released = False
-            restored.append(base)
-    return restored
-
-
-@contextlib.contextmanager
-def unpacked(tensors):
-    """Released weights among `tensors` readable inside the block, released again after it: for
-    reading them (a fingerprint), never for writing."""
-    restored = restore_unpacked(tensors)
-    try:
-        yield
-    finally:
-        for base in restored:
-            _release(base)
-
-
-def readable(weight: torch.Tensor) -> torch.Tensor:
-    """The weight itself, or for a released one its values unpacked into a tensor of their own
-    (for this call: slicing a released weight is not possible)."""
-    return kernels.unpack_pairs(weight._kvforge_packed[kernels.pack_pairs][1]) if _released(weight) else weight
-
-
-def packed_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows (R,) of a released weight (N, K), read from its pairs: (R, K) (an embedding table
-    tied to the LM head looks its tokens up this way)."""
-    pairs = weight._kvforge_packed[kernels.pack_pairs][1]
-    return pairs[rows // 16, :, rows % 16, :].reshape(rows.shape[0], weight.shape[1])
-
-
-def is_released(weight: torch.Tensor) -> bool:
-    """Whether `release_unpacked` freed this weight's row-major storage."""
-    return _released(weight)
-
-
-def _released(weight: torch.Tensor) -> bool:
-    return getattr(weight, "_kvforge_released", False)
-
-
-# released weights by their storage, which the tensors aliasing them (views, modules' parameters) share
-_released_storages: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def _release(weight: torch.Tensor) -> int:
-    storage = weight.untyped_storage()
-    freed = storage.nbytes()
-    storage.resize_(0)
-    weight._kvforge_released = True
-    _released_storages[storage._cdata] = weight
+        freed += released.release(weight)
     return freed
 
 
 def _linear_released(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear` over a released weight or a view of one: the pairs where the weight itself runs
-    `small_linear`, else the weight unpacked for this call, as `linear` would run it."""
-    base = weight if weight._base is None else weight._base
-    pairs = base._kvforge_packed[kernels.pack_pairs][1]
+    `small_linear`, else its values unpacked for this call, run as `linear` runs the original."""
     training = torch.is_grad_enabled() and x.requires_grad
     tokens = x.shape[-2] if x.dim() >= 3 else x.reshape(-1, x.shape[-1]).shape[0]
-    if (weight is base and not training and x.dtype == torch.bfloat16 and tokens <= kernels.small_rows(weight.shape[1])
+    if (weight._base is None and not training and x.dtype == torch.bfloat16 and tokens <= kernels.small_rows(weight.shape[1])
             and (bias is None or bias.dtype == torch.bfloat16)):
-        return kernels.small_linear(x.reshape(-1, x.shape[-1]), pairs, bias).view(*x.shape[:-1], -1)
-    whole = kernels.unpack_pairs(pairs)
-    view = whole if weight is base else whole.as_strided(weight.shape, weight.stride(), weight.storage_offset() - base.storage_offset())
-    return linear(x, view, bias)
+        return kernels.small_linear(x.reshape(-1, x.shape[-1]), released.pairs_of(weight), bias).view(*x.shape[:-1], -1)
+    return linear(x, released.readable(weight), bias)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -230,8 +163,6 @@ def _packed(weight: torch.Tensor, pack=_onednn_pack) -> torch.Tensor | None:
         if packed is None:
             return None
         cached = packs[pack] = (stamp, packed)
-        if pack is kernels.pack_pairs and getattr(weight, "_kvforge_release", False):
-            _release(weight)  # written since it was released (`restore_unpacked`): released again
     return cached[1]
 
 
@@ -254,8 +185,10 @@ def _one_row_rounds_apart(out_features: int, in_features: int, dtype: torch.dtyp
 
 def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One (weight, bias) for several linears that read the same input, so a layer does one
-    larger matmul instead of several. The modules' own weights are re-pointed at views of the
-    fused tensor: memory is not doubled and transformers' forward still works unchanged."""
+    larger matmul instead of several. The modules' own weights are re-pointed at parameters
+    aliasing the fused tensor's storage (not views of it: `_base` is None): memory is not doubled
+    and transformers' forward still works unchanged, until the fused weight is released
+    (`release_unpacked`)."""
     weight = torch.cat([l.weight.detach() for l in linears], dim=0)
     biases = [l.bias for l in linears]
     bias = torch.cat([b.detach() for b in biases], dim=0) if all(b is not None for b in biases) else None

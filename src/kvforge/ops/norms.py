@@ -27,7 +27,7 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor, stream: bool = False) -> to
     step is short enough that the per-op cost of ~200 small ops per layer is a fifth of it.
 
     `stream`: x is a (B, T, E) row block of the residual stream (or a branch's output added to it);
-    in bf16 with the compiled kernels, a step of up to `kernels.SMALL_ROWS` tokens per sequence
+    in bf16 with the compiled kernels, a step of up to `kernels.small_rows` tokens per sequence
     (decode, verification: the steps `linear` sends to `small_linear`) normalises it in one call
     (`kernels.rms_norm`, the same formula, its sum of squares in another order: a decode step's 61
     norms ~1.2 ms -> ~0.1 ms), and so does a prefill (a 4K-token bf16 prefill's 61 norms: 166 ms

@@ -4,11 +4,12 @@
 prefill a few tokens at a time) over a contiguous bf16 cache buffer. torch's batched matmuls read
 such a buffer at 7-9 GB/s here (a 3 x 64 by 64 x T product per head and sequence) where one core
 streams 17-23 GB/s, and a 9-token verification at 4K (27 query rows per KV head) is bound by
-multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for up
-to SMALL_ROWS rows over a weight packed once into pairs (oneDNN streams a decode step's weights at
-~10 GB/s here). On CPUs with AMX-BF16 both do their multiplies on the tiles (`small_linear_amx.c`;
-the attention's tile passes sit in few_query_attention.c), so a linear of up to 32 rows costs about
-one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
+multiplies, which AVX512-BF16's pair dot products halve. `small_linear.c`: a bf16 linear for a
+few rows (up to `small_rows`: 32 tokens per sequence, 256 on AMX tiles) over a weight packed once
+into pairs (oneDNN streams a decode step's weights at ~10 GB/s here); `kvforge_unpack_pairs`
+gives a packed weight back. On CPUs with AMX-BF16 both do their multiplies on the tiles
+(`small_linear_amx.c`; the attention's tile passes sit in few_query_attention.c), so a linear of
+up to 16 rows costs about one row's (`KVFORGE_AMX=0` keeps AVX-512). `rms_norm.c`: a bf16 RMSNorm in one call instead of four
 ops. `silu_mul.c`: a gated MLP's silu(gate) * up in one pass. `threads.c`: each call split over
 torch's own OpenMP threads by independent outputs (a linear's blocks, an attention's heads, a norm's
 rows), so the bits do not depend on the thread count. They are built into one library when kvforge
@@ -328,12 +329,12 @@ def few_query_attention(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 # verification, at any batch size); longer steps (prefill) stay with oneDNN, which reaches this
 # CPU's multiply peak there.
 SMALL_ROWS = 32
-# On AMX tiles `small_linear` stays as fast as oneDNN well past a verification's rows, so a step
-# of up to this many tokens per sequence (a short prompt, a server's prefill chunk) runs it too.
-# Measured over smollm2-135m's bf16 shapes with the weights streaming from memory, Intel Xeon with
-# AMX, per token, F.linear (oneDNN, unpacked weight) / small_linear: 1 thread, 64 rows 0.45 / 0.23
-# ms, 144 0.26 / 0.20, 256 0.20 / 0.17, 384 0.18 / 0.16, 1024 0.156 / 0.174; 2 threads, 144 0.16 /
-# 0.12, 256 0.13 / 0.11, 384 0.11 / 0.11, 512 0.095 / 0.107.
+# On AMX tiles `small_linear` keeps pace with oneDNN well past a verification's rows, so a step of
+# up to this many tokens per sequence (a short prompt, a server's prefill chunk) runs it too.
+# `benchmarks/small_linear.py` over smollm2-135m's 121 bf16 weights, Intel Xeon with AMX, ms per
+# row, F.linear (what a prefill runs) / small_linear (small-linear-amx-1t.json, -2t.json): 1 thread,
+# 64 rows 0.67 / 0.42, 144 0.38 / 0.31, 256 0.26 / 0.24, 512 0.21 / 0.23, 1024 0.17 / 0.21;
+# 2 threads, 144 0.22 / 0.20, 256 0.18 / 0.16, 512 0.12 / 0.14.
 AMX_SMALL_ROWS = 256
 
 

@@ -71,12 +71,6 @@ static void configure(int mr) {
     kvforge_amx_configure(rows);
 }
 
-/* Tiles for two_by_two (and one_block beside it): all eight 16 rows. */
-static void configure_paired(void) {
-    const unsigned char rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-    kvforge_amx_configure(rows);
-}
-
 /* fp32 sums (mr rows, `stride` floats apart) plus bias -> bf16 outputs, rounded once. */
 static void finish(const float *sums, long stride, const uint16_t *bias, uint16_t *out, long n, int mr, int nb, long b0) {
     for (int c = 0; c < nb; c++) {
@@ -190,7 +184,7 @@ void kvforge_small_linear_amx_blocks(const uint16_t *x, const uint16_t *packed, 
         const long g1 = b1 - g0 < GROUP ? b1 : g0 + GROUP;
         long r0 = 0;
         for (; r0 + 2 * ROWS <= m; r0 += 2 * ROWS) { /* row groups of 32: two_by_two */
-            if (configured != -1) configure_paired(), configured = -1;
+            if (configured != ROWS) configure(configured = ROWS); /* two_by_two's tiles are 16-row tiles too */
             long b = g0;
             for (; b + 2 <= g1; b += 2) two_by_two(x + r0 * k, packed, bias, out + r0 * n, n, k, b);
             if (b < g1) /* an odd block left: one_block runs on the same 16-row tiles */
