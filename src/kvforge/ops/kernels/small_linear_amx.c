@@ -86,6 +86,13 @@ static void finish(const float *sums, long stride, const uint16_t *bias, uint16_
 
 #define PAIR_ROW 32 /* uint16 per pair row: 16 outputs x 2 inputs, 64 bytes */
 
+static inline __attribute__((always_inline)) void zero_sums(void) { /* C tiles 0-3 */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 static inline void prefetch_chunk(const uint16_t *w) {
     for (int line = 0; line < 16; line++) _mm_prefetch((const char *)(w + line * PAIR_ROW), _MM_HINT_T0);
 }
@@ -96,10 +103,7 @@ static void four_blocks(const uint16_t *x, const uint16_t *packed, const uint16_
     const long pairs = k / 2, chunks = k / 32;
     const uint16_t *w0 = packed + b0 * pairs * PAIR_ROW, *w1 = w0 + pairs * PAIR_ROW, *w2 = w1 + pairs * PAIR_ROW,
                    *w3 = w2 + pairs * PAIR_ROW;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (long c = 0; c < chunks; c++) {
         const long at = c * 16 * PAIR_ROW;
         if (c + AHEAD < chunks) {
@@ -152,10 +156,7 @@ static void two_by_two(const uint16_t *x, const uint16_t *packed, const uint16_t
                        long b0) {
     const long pairs = k / 2, chunks = k / 32;
     const uint16_t *w0 = packed + b0 * pairs * PAIR_ROW, *w1 = w0 + pairs * PAIR_ROW;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sums();
     for (long c = 0; c < chunks; c++) {
         const long at = c * 16 * PAIR_ROW;
         _tile_loadd(4, x + c * 32, k * 2);
