@@ -193,7 +193,7 @@ def test_an_embedding_table_tied_to_a_released_head_looks_its_rows_up_in_the_pai
     engine.release_unpacked_weights()
     table = engine.model.hf.get_input_embeddings().weight
     assert table is engine.model.hf.lm_head.weight and is_released(table)
-    ids = torch.tensor([prompt[:7], prompt[7:14]])
+    ids = torch.tensor([[0] + prompt[:6], prompt[7:14]])  # 0: the padding id
     assert torch.equal(engine.adapter.embed(ids), kept.adapter.embed(ids))
     assert engine.generate([prompt], config)[0].token_ids == kept.generate([prompt], config)[0].token_ids
 

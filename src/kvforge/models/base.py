@@ -23,6 +23,13 @@ from kvforge.ops.rope import apply_rope
 _SILU = ("SiLUActivation", "SiLU")  # transformers' and torch's silu modules: `kernels.silu_mul` computes them
 
 
+def _looks_rows_up(table: torch.nn.Module) -> bool:
+    """Whether an embedding module's forward is its rows, times Gemma's `embed_scale` at most
+    (what `embed` computes from a released table's packed pairs)."""
+    known = type(table) is torch.nn.Embedding or type(table).__name__ == "Gemma3TextScaledWordEmbedding"
+    return known and table.max_norm is None
+
+
 class LlamaAdapter:
     """Llama, SmolLM2, Mistral and Qwen2 (q/k/v biases live in the modules themselves)."""
 
@@ -56,7 +63,9 @@ class LlamaAdapter:
         gate/up, its o and down projections, and the LM head (an embedding table tied to it is
         read through `embed`, which can look rows up in the packed pairs)."""
         pairs = [p for each in (self.qkv, self.gate_up, self.o, self.down) for p in each if p is not None]
-        return [weight for weight, _ in pairs] + [self.model.lm_head.weight]
+        head, table = self.model.lm_head.weight, self.model.get_input_embeddings()
+        tied = head.untyped_storage().data_ptr() == table.weight.untyped_storage().data_ptr()
+        return [weight for weight, _ in pairs] + ([head] if not tied or _looks_rows_up(table) else [])
 
     def _fuse_attention(self, attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections that read the layer's normed input, fused into one matmul."""
@@ -94,8 +103,9 @@ class LlamaAdapter:
         table = self.body.embed_tokens
         if not is_released(table.weight):
             return table(ids)
-        distinct, index = torch.unique(ids, return_inverse=True)
-        return torch.func.functional_call(table, {"weight": packed_rows(table.weight, distinct)}, (index,))
+        h = packed_rows(table.weight, ids.reshape(-1)).view(*ids.shape, -1)
+        scale = getattr(table, "embed_scale", None)  # Gemma's scaled embedding: its forward's own product
+        return h if scale is None else h * scale.to(h.dtype)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin (B, T, D) for every rotary table, at `positions` (B, T; padding -1 -> 0)."""
