@@ -174,7 +174,7 @@ def test_fingerprint_sees_a_change_to_the_last_value_of_one_weight():
 def test_a_loaded_model_computes_its_fingerprint_once(monkeypatch):
     loaded = tiny_loaded("llama")
     calls = []
-    monkeypatch.setattr(loading, "model_fingerprint", lambda model: calls.append(model) or "id")
+    monkeypatch.setattr(loading, "model_fingerprint", lambda model, read=None: calls.append(model) or "id")
     assert [loaded.fingerprint for _ in range(3)] == ["id"] * 3 and calls == [loaded.hf]
 
 
