@@ -163,9 +163,10 @@ def test_weights_released_to_their_packed_pairs_give_the_same_bits_and_take_upda
     assert torch.equal(_logits(engine, prompt), _logits(kept, prompt))
     assert engine.generate([prompt], config)[0].token_ids == expected
     layer = engine.num_layers - 1  # an attention layer in every family here
-    h = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for k_kept, k_engine in zip(*(e.adapter.key_value(layer, h, e.adapter.rope(h, torch.arange(6)[None])) for e in (kept, engine))):
-        assert torch.equal(k_kept, k_engine)
+    for tokens in (3, 6):  # a step short enough for the packed path, and a longer one
+        h = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+        for k_kept, k_engine in zip(*(e.adapter.key_value(layer, h, e.adapter.rope(h, torch.arange(tokens)[None])) for e in (kept, engine))):
+            assert torch.equal(k_kept, k_engine)
     new = {name: p.detach().clone().bfloat16() for name, p in tiny_hf_model(family, seed=1).named_parameters()}
     with pytest.raises(WeightUpdateError):
         engine.update_weights({**new, "model.norm.weight": torch.zeros(3, dtype=torch.bfloat16)})
@@ -197,3 +198,25 @@ def test_an_embedding_table_tied_to_a_released_head_looks_its_rows_up_in_the_pai
     assert torch.equal(engine.adapter.embed(ids), kept.adapter.embed(ids))
     assert engine.generate([prompt], config)[0].token_ids == kept.generate([prompt], config)[0].token_ids
 
+
+
+def test_released_k_v_rows_run_as_the_kept_weights_slice_does():
+    """RidgeFill computes K/V rows from a slice of q/k/v, which `linear` runs through F.linear (a
+    view has no packed copy). With the weight released, the slice is its values unpacked, and a
+    short step must still take that path, not the packed one, whose sums round in another order."""
+    from unittest import mock
+
+    from kvforge.ops import kernels
+
+    if kernels.kind() == "none":
+        pytest.skip("no compiled kernels here: nothing is packed, so nothing is released")
+    kept, engine = (Engine(tiny_loaded("llama", dtype=torch.bfloat16)) for _ in range(2))
+    engine.model.hf.requires_grad_(False)
+    engine.generate([[5, 6, 7]], GenerationConfig(max_new_tokens=2))
+    assert engine.release_unpacked_weights() > 0
+    h = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rope = kept.adapter.rope(h, torch.arange(3)[None])
+    with torch.inference_mode(), mock.patch.object(kernels, "small_linear", wraps=kernels.small_linear) as small:
+        rows = [e.adapter.key_value(1, h, rope) for e in (kept, engine)]
+        assert small.call_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(*rows))

@@ -51,9 +51,10 @@ def update_weights(model, tensors: Mapping[str, torch.Tensor], lora_scale: float
         raise WeightUpdateError("the update holds no tensors")
     named = {name.removeprefix(PEFT_PREFIX): t for name, t in tensors.items()}
     params = dict(model.hf.named_parameters(remove_duplicate=False))
-    restored = restore(params.values())  # weights kept only packed get their storage back for the writes
+    lora = any(name.endswith(LORA_PARTS) for name in named)
+    read = {name.removesuffix(part) + ".weight" for name in named for part in LORA_PARTS if name.endswith(part)} | set(model.lora_base) if lora else set(named)
+    restored = restore(params[name] for name in read if name in params)  # weights kept only packed: storage back for the writes
     try:
-        lora = any(name.endswith(LORA_PARTS) for name in named)
         writes = _lora_writes(model, params, named, lora_scale) if lora else _full_writes(params, named)
         with torch.inference_mode():
             for name, value in writes.items():

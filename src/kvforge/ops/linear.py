@@ -150,7 +150,8 @@ def _packed(weight: torch.Tensor, pack=_onednn_pack) -> torch.Tensor | None:
     and kept on the tensor (remade if the weight changed since: its version counter, storage,
     dtype or an `invalidate_packed`); None for a view (a slice would be packed on every call), a
     non-contiguous weight, or what this CPU's library cannot run."""
-    if weight._base is not None or not weight.is_contiguous() or weight.dim() != 2:
+    # a slice of an inference tensor has no _base: its storage offset tells it (the K/V rows of q/k/v)
+    if weight._base is not None or weight.storage_offset() or not weight.is_contiguous() or weight.dim() != 2:
         return None
     # inference tensors (made under inference mode, e.g. LoRA-merged weights) keep no version counter
     stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype, _weights_generation)

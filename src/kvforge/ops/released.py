@@ -47,14 +47,12 @@ def pairs_of(weight: torch.Tensor) -> torch.Tensor:
 
 
 def readable(tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """`tensor[start:]` itself, or where it belongs to a released weight, its values unpacked into a
-    tensor of their own for this use (the same values: a linear over them rounds as over the
-    original). Rows from a multiple of 16 of the weight itself unpack only those rows' pairs."""
+    """`tensor[start:]`, or where `tensor` belongs to a released weight, the same slice of its values
+    unpacked for this use: the same values at the same place in their storage, which `linear`
+    runs as it runs the slice (F.linear: a slice is never packed), so the products keep their bits."""
     base = base_of(tensor)
     if base is None:
         return tensor[start:]
-    if tensor is base and start % 16 == 0:
-        return kernels.unpack_pairs(pairs_of(base)[start // 16 :].contiguous())
     whole = kernels.unpack_pairs(pairs_of(base))
     return whole.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())[start:]
 
