@@ -342,7 +342,7 @@ def small_rows(in_features: int) -> int:
     """How many tokens per sequence a bf16 step may have for its linears over a weight of
     `in_features` inputs to run `small_linear`: AMX_SMALL_ROWS where that weight multiplies on
     AMX tiles, SMALL_ROWS elsewhere (with AVX-512 alone its cost grows with the rows: 32 rows
-    cost 4.8x one). The same for every step of a width, so a decode step and a verification
+    cost 4.7x one). The same for every step of a width, so a decode step and a verification
     round alike."""
     return AMX_SMALL_ROWS if _tiles(in_features) else SMALL_ROWS
 
