@@ -305,7 +305,8 @@ def test_a_group_drafts_from_its_previous_epoch_and_commits_the_plain_samples(en
     are plain sampling's with the same key."""
     prompt = [4, 7, 9, 4, 7]
     history = RolloutHistory(2, 4)
-    draft, plain = DraftConfig("ngram", 6), DraftConfig("none", 6)
+    # every proposal verified (no cost gate): what is drafted and accepted must not hang on timings
+    draft, plain = DraftConfig("ngram", 6, gate=False), DraftConfig("none", 6)
     config = lambda epoch: GenerationConfig(24, temperature=1.0, seed=3, epoch=epoch, ignore_eos=True)  # noqa: E731
     first, _ = generate_group(engine, prompt, 4, config(0), plain, history=history)  # a plain epoch leaves its rollouts too
     assert history.previous(prompt) == {i: g.token_ids for i, g in enumerate(first)}
@@ -314,7 +315,7 @@ def test_a_group_drafts_from_its_previous_epoch_and_commits_the_plain_samples(en
     assert stats.accept_by_source["rollout"]["accept_rate"] == 1.0 and stats.mean_accept_len > 3
     # with the prefetcher: its tables hold the n-gram chain's drafts, so they are built only for rows
     # drafting from the chain, and the previous rollouts keep drafting where they win
-    again, prefetched = generate_group(engine, prompt, 4, config(0), DraftConfig("ngram", 6, prefetch=True), history=history)
+    again, prefetched = generate_group(engine, prompt, 4, config(0), DraftConfig("ngram", 6, prefetch=True, gate=False), history=history)
     assert [g.token_ids for g in again] == [g.token_ids for g in first]
     by_source = prefetched.accept_by_source
     assert by_source["rollout"]["rows"] > by_source.get("prefetch", {"rows": 0})["rows"] and prefetched.mean_accept_len > 3
