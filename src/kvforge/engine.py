@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.allocator import keep_freed_memory, return_freed_memory
+from kvforge.allocator import keep_freed_memory
 from kvforge.attention import attend, readable_rows
 from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache, RowKind
 from kvforge.errors import PromptError
@@ -68,10 +68,7 @@ class Engine:
         memory; experts and other modules keep their weights). Returns the bytes freed."""
         from kvforge.ops.linear import release_unpacked
 
-        freed = release_unpacked(self.adapter.projection_weights())
-        if freed:
-            return_freed_memory()  # the allocator keeps freed memory for activations: this much it may give back
-        return freed
+        return release_unpacked(self.adapter.projection_weights())
 
     @property
     def rollback_rows(self) -> int | None:

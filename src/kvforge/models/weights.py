@@ -32,7 +32,6 @@ from typing import Mapping
 import torch
 
 from kvforge.errors import KvforgeError
-from kvforge.allocator import return_freed_memory
 from kvforge.ops.linear import invalidate_packed, release_unpacked
 from kvforge.ops.released import restore
 
@@ -64,9 +63,7 @@ def update_weights(model, tensors: Mapping[str, torch.Tensor], lora_scale: float
                 model.lora_base.pop(name, None)  # a full update is the new base of what it wrote
         invalidate_packed()
     finally:
-        if restored:  # packed from the values now and released again, here, while no step runs on them
-            release_unpacked(restored)
-            return_freed_memory()
+        release_unpacked(restored)  # packed from the values now and released again, here, while no step runs on them
     vars(model).pop("fingerprint", None)  # a cached_property: recomputed from the new values
     model.weights_version += 1
     return "lora" if lora else "full"

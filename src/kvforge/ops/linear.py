@@ -9,6 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvforge.allocator import return_freed_memory
 from kvforge.ops import kernels, released, torch_private
 
 
@@ -103,7 +104,8 @@ def release_unpacked(weights) -> int:
     (`weights.update_weights`, which releases them again after). Kept: weights that are views,
     share their storage, need gradients, sit on a storage that cannot be resized, or have no pairs
     here (fp32, no kernels). An embedding table tied to a released LM head is looked up in the
-    pairs (`released.packed_rows`). Returns the bytes freed."""
+    pairs (`released.packed_rows`). The freed memory goes back to the kernel (the allocator keeps
+    freed memory for activations otherwise). Returns the bytes freed."""
     freed = 0
     for weight in weights:
         storage = weight.untyped_storage()
@@ -113,6 +115,8 @@ def release_unpacked(weights) -> int:
         if released.is_released(weight) or _packed(weight, kernels.pack_pairs) is None:
             continue
         freed += released.release(weight)
+    if freed:
+        return_freed_memory()
     return freed
 
 
