@@ -397,7 +397,7 @@ def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_pat
         maps.only([1])
 
 
-@pytest.mark.parametrize("family, chunk, attended", [("llama", 8, 2), ("gemma3", 8, 2), ("llama", 4, 0)])
+@pytest.mark.parametrize("family, chunk, attended", [("llama", 8, 2), ("gemma3", 8, 2), ("llama", 4, 0), ("qwen3_5", 4, 0)])
 def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chunk, attended):
     """RidgeFill prefills in two phases of chunks (the server's chunked prefill): the layers below
     the split chunk by chunk, then the choice of exact rows (all rows cached by then), then the late
@@ -407,14 +407,16 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     Each layer holds the rows of one pass, of the same kinds, within rounding; the same rows are
     chosen; the logits and the rescue's states agree and greedy decoding continues alike. On Gemma 3
     the sliding layers see 8 rows back, so a filled row is written where an exact row of a later
-    chunk sees it, and the choice is read below a late exact layer (split 3, read at layer 1)."""
+    chunk sees it, and the choice is read below a late exact layer (split 3, read at layer 1). On
+    the hybrid (no attention layer below its split, so no attended rows) the late recurrent layer's
+    state takes each chunk's exact and filled rows in position order, as one pass gives them."""
     from dataclasses import replace
 
     from kvforge.engine import _late_chunks
     from kvforge.generation import GenerationConfig
 
     engine = Engine(tiny_loaded(family, seed=2))
-    split = 2 if family == "llama" else 3
+    split = 3 if family == "gemma3" else 2
     if family == "gemma3":
         engine.adapter.windows = [8, None, 8, 8]
     ids = _ids(8)
@@ -437,6 +439,10 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     for layer in range(engine.num_layers):
         assert torch.equal(whole[layer].row_positions(), chunked[layer].row_positions())
         assert torch.equal(whole[layer].row_kinds(), chunked[layer].row_kinds())
+        if engine.adapter.is_recurrent(layer):  # the state after every row, and the convolution's window
+            assert (whole[layer].state - chunked[layer].state).abs().max() < TOL
+            assert (whole[layer].conv - chunked[layer].conv).abs().max() < TOL
+            continue
         assert (whole[layer].keys() - chunked[layer].keys()).abs().max() < TOL
         assert (whole[layer].values() - chunked[layer].values()).abs().max() < TOL
     assert (whole_logits - chunked_logits).abs().max() < TOL and (whole_states - chunked_states).abs().max() < TOL

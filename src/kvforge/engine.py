@@ -222,7 +222,7 @@ class Engine:
         (where a server runs its running requests' decode step: chunked prefill that shares the
         time with decoding) and returns its result. Plans run in chunks too: one whose rows are
         exact or absent (SPEED) as an exact prefill does, one that fills its rows from one split
-        (RidgeFill) in two phases (`_fill_in_chunks`); other plans, and hybrids' fills, run whole."""
+        (RidgeFill, hybrids' too) in two phases (`_fill_in_chunks`); other plans run whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
             # one prompt's samples (an RL group, `n` completions): prefill it once and copy its rows,
             # which the batch's attention then reads once (`LayerCache.shared`); each sample's cache
@@ -273,13 +273,12 @@ class Engine:
 
     def _leaves_at_one_split(self, plan: PrefillPlan) -> bool:
         """Whether `plan` fills every row it does not keep exact from one split on (RidgeFill), its
-        choice of exact rows made at or below the split, on a model without recurrent layers:
-        what `_fill_in_chunks` runs."""
+        choice of exact rows made at or below the split: what `_fill_in_chunks` runs."""
         left = plan.depth[plan.depth < self.num_layers]
         if plan.fill is None or left.numel() == 0 or not bool((left == left[0]).all()):
             return False
         split = int(left[0])
-        return (plan.choose_at or split) <= split and not any(self.adapter.is_recurrent(layer) for layer in range(self.num_layers))
+        return (plan.choose_at or split) <= split
 
     def _fill_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
         """A plan whose rows leave at one split and are filled past it (`_leaves_at_one_split`) in
@@ -392,10 +391,8 @@ class Engine:
                 held.append(k, v, chunk_positions[:, present], kinds)
 
         if a.is_recurrent(layer):  # the state sees exact and filled rows in position order, absent rows never
-            if rows is not None:
-                raise ValueError("a plan runs a recurrent layer over the whole prompt, not a chunk of it")
-            h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, positions, cache, plan)
-            return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
+            h_new = self._run_recurrent_plan(layer, h_active, active, past, at_depth, chunk_positions, cache, plan, chunk)
+            return h if h_new is None else h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
         if not bool(active.any()):  # a chunk of filled rows only: written, nothing runs
             store(cache[layer], None, None)
             return h
@@ -403,19 +400,26 @@ class Engine:
         # Out of place: autograd may still need the old h when a plan is trained through.
         return h.masked_scatter(active.view(1, -1, 1).expand_as(h), h_new)
 
-    def _run_recurrent_plan(self, layer, h_active, active, past, at_depth, positions, cache, plan) -> torch.Tensor:
-        """One recurrent layer of `run_plan`: a filled row runs the layer's projections and state
-        update from its predicted input, in position order among the exact rows; its output
-        projection and MLP are skipped (nothing reads them). Returns the active rows' new h."""
+    def _run_recurrent_plan(self, layer, h_active, active, past, at_depth, positions, cache, plan, chunk: slice) -> torch.Tensor | None:
+        """One recurrent layer of `run_plan` over the rows `chunk` of the prompt (`active`, `past`
+        and `positions` are that chunk's; chunks come in position order, so the state sees every
+        row in order, as in one pass): a filled row runs the layer's projections and state update
+        from its predicted input, in position order among the exact rows; its output projection and
+        MLP are skipped (nothing reads them). Returns the active rows' new h (None: the chunk holds
+        filled rows only)."""
         a = self.adapter
         present, kinds, rows = active, RowKind.EXACT, h_active
         if plan.fill is not None:
-            x = plan.fill(layer, at_depth, past)
+            whole = torch.zeros(at_depth.shape[1], dtype=torch.bool, device=past.device)
+            whole[chunk] = past  # the fill reads every row's h_split and writes this chunk's filled rows
+            x = plan.fill(layer, at_depth, whole)
             present = active | past
             is_exact = active[present]
             rows = _interleave_rows(h_active, x, is_exact)
             kinds = torch.where(is_exact, int(RowKind.EXACT), int(RowKind.FILLED)).to(torch.uint8).unsqueeze(0)
         core, z = self._recur(layer, rows, positions[:, present], cache[layer], kinds, per_token=False)
+        if not bool(active.any()):
+            return None
         if plan.fill is not None:
             core, z = core[:, is_exact], z[:, is_exact]
         return a.mlp_block(layer, a.mix_output(layer, h_active, (core, z)))

@@ -19,8 +19,8 @@ chunks of `--max-num-batched-tokens`). While requests run, each loop iteration r
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
 long prompt arrives. The chunk runs in its own forward: a decode row's bits do not depend on a
 prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill prompts chunk in two
-phases (`Engine.prefill_steps`). A hand-off prompt chunks its source prefill and its native tail and
-translates a target layer at a time (`hand_off_steps`); hybrids' RidgeFill prompts prefill whole.
+phases (`Engine.prefill_steps`), a hybrid's too. A hand-off prompt chunks its source prefill and its
+native tail and translates a target layer at a time (`hand_off_steps`).
 
 The `n` choices of one API request are a group: queued as one item, admitted together when the
 batch has room for all of them, prefilled once (its rows joined once per choice), and drafting
