@@ -174,6 +174,41 @@ def test_the_sweep_extends_past_an_edge_until_the_best_rate_is_interior(setup, m
     assert math.isclose(best, 1e-5) and lrs[0] < best < lrs[-1] and len(lrs) == 8  # three added below the window: 3e-5, 1e-5, then 3e-6 shows 1e-5 is a floor
 
 
+def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
+    """`stream`: the samples are read in order, each once, prepared as its step reads it and not
+    kept; the run is the fixed-set run over the same samples in that order, to the bit."""
+    from kvforge.translate.distill import PreparedOnUse
+
+    source, target, translator, _ = setup
+    texts = TEXTS * 2
+    lazy = PreparedOnUse(translator, source, target, texts, top_k=8)
+    prepared = []
+    original = lazy.__class__.__getitem__
+    lazy.__class__.__getitem__ = lambda self, i: prepared.append(i) or original(self, i)
+    try:
+        config = DistillConfig(steps=2, lr=1e-3, accumulate=2, samples=4, stream=True, validate_every=100)
+        streamed, state = distill(copy.deepcopy(translator), target, lazy, [], config)
+    finally:
+        lazy.__class__.__getitem__ = original
+    assert prepared == [0, 1, 2, 3]  # in order, once each
+    in_order = [prepare(translator, source, target, text, cut, top_k=8) for text, cut in texts]
+    again, same = distill(copy.deepcopy(translator), target, in_order, [], config)
+    assert state.losses == same.losses
+    for side in "kv":
+        for a, b in zip(streamed.weights[side], again.weights[side]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="steps x accumulate"):
+        DistillConfig(steps=2, accumulate=2, samples=3, stream=True)
+
+
+def test_training_texts_read_around_the_conversations_they_are_told_to_avoid():
+    from kvforge.translate.samples import training_texts
+
+    first, read = training_texts("fit", 3, 2000, 3000, 200, packed_fraction=0.0)
+    around, _ = training_texts("fit", 3, 2000, 3000, 200, packed_fraction=0.0, avoid=range(0, read))
+    assert not {t for t, _ in first} & {t for t, _ in around}
+
+
 def test_training_texts_mix_packed_and_natural_samples_disjointly():
     from kvforge.translate.samples import training_texts
 

@@ -50,7 +50,8 @@ def fit_lingo_cmd(
     steps: int = typer.Option(100, "--steps", help="Stage 2 optimizer steps."),
     lr: float = typer.Option(3e-5, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
-    samples: int = typer.Option(128, "--samples", help="Stage 2 training conversations."),
+    samples: int = typer.Option(128, "--samples", help="Stage 2 training conversations (with --stream: steps x accumulate)."),
+    stream: bool = typer.Option(False, "--stream", help="Stage 2: new conversations at every step, each read once and prepared when its step comes, instead of --samples conversations round and round."),
     recall_fraction: float = typer.Option(0.5, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's; 0: the natural/packed mix alone)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Stage 2: loss/validation-KL PNG (default: benchmarks/results/lingo-distill-<source>-to-<target>.png)."),
@@ -86,13 +87,15 @@ def fit_lingo_cmd(
         raise KvforgeError("--heldout-every is a stage-2 option: the closed form has no steps")
     if stage != 2 and residual:
         raise KvforgeError("--residual is a stage-2 option: the closed form is linear")
+    if stage != 2 and stream:
+        raise KvforgeError("--stream is a stage-2 option: the closed form reads --conversations")
     if stage == 2:
         if heldout_every < 0 or heldout_samples < 1:
             raise KvforgeError("--heldout-every must be >= 0 and --heldout-samples >= 1")
         if pause_at is not None and (pause_at < 1 or checkpoint is None):
             raise KvforgeError("--pause-at needs a step >= 1 and a --checkpoint to go on from")
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
-                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at, residual)
+                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at, residual, stream)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -162,10 +165,10 @@ HELDOUT_CURVE_SKIP = 96  # stage-2 held-out curve: held-out conversations from t
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
-                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None, residual=0):
+                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None, residual=0, stream=False):
     from tqdm import tqdm
 
-    from kvforge.translate.distill import DistillConfig, distill, half_decade_rates, prepare, sweep_learning_rates
+    from kvforge.translate.distill import DistillConfig, PreparedOnUse, distill, half_decade_rates, prepare, sweep_learning_rates
     from kvforge.translate.samples import training_texts
     from kvforge.artifacts import translator_stage2_path
     from kvforge.translate.translator import ModelSide, Translator
@@ -178,24 +181,35 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     if residual and translator.head_wise:
         raise KvforgeError("--residual needs a head-mixing translator (it reads every source head); --init is head-wise")
     residual = residual or translator.residual  # an init with a branch goes on training it
+    if stream and lr_sweep:
+        raise KvforgeError("--lr-sweep runs its short runs over one fixed set of samples: leave out --stream")
+    samples = steps * accumulate if stream else samples
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
-                           native_tail=native_tail, residual=residual)
+                           native_tail=native_tail, residual=residual, stream=stream)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
-    texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction)
-    if read > VALIDATION_SKIP:
-        raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer")
-    # The same validation conversations for every run: past any training sample, and apart from
-    # the held-out split that eval lingo scores.
-    held, _ = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
+    # The same validation conversations for every run: past any fixed set's training samples (a
+    # streamed run reads around them), and apart from the held-out split that eval lingo scores.
+    held, held_read = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
+    try:
+        texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction,
+                                     avoid=range(VALIDATION_SKIP, held_read) if stream else range(0))
+    except ValueError as exc:
+        raise KvforgeError(f"{'--steps x --accumulate' if stream else '--samples'} {config.samples}: {exc}") from exc
+    if read > VALIDATION_SKIP and not stream:
+        raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer, or --stream")
     with err.status("teacher: the target's native distributions, once"):
-        train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in texts]
+        if stream:  # each prepared when its step comes
+            train = PreparedOnUse(translator, src, tgt, texts, config.top_k, config.native_tail)
+        else:
+            train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in held]
     from kvforge.translate.distill import validation_kl
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
-              "tokens": sum(len(s.target_ids) for s in train), "steps": steps, "accumulate": accumulate, "samples": samples,
+              **({"conversations_read": read} if stream else {"tokens": sum(len(s.target_ids) for s in train)}),
+              "steps": steps, "accumulate": accumulate, "samples": samples, "stream": stream,
               "recall_fraction": recall_fraction, "native_tail": native_tail, "residual": residual, "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731

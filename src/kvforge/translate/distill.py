@@ -11,7 +11,9 @@ student) per continuation token, and gradients flow through the frozen target in
 `training.Trainer`: AdamW without weight decay, cosine schedule with warmup, gradient clipping,
 gradient accumulation. A checkpoint (maps, optimizer, schedule, step, losses, validation history,
 settings, held-out scores) is written atomically every `checkpoint_every` steps and a run resumes from it exactly
-(samples are visited in a fixed seeded order by step number). It holds tensors, numbers, lists
+(samples are visited in a fixed seeded order by step number). A streamed run (`stream`) reads new
+conversations at every step, each once, prepared when its step comes (`PreparedOnUse`): a fixed set
+of a few hundred samples is fitted within a few hundred steps, where held-out scores stop improving. It holds tensors, numbers, lists
 and strings only and is read with `torch.load(weights_only=True)`: a checkpoint from elsewhere
 cannot run code, and one that tries is refused.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ class DistillConfig:
     top_k: int = 32
     native_tail: int = 0  # the prefix's last tokens the student prefills natively over the translated rows (as `--native-tail` serves)
     residual: int = 0  # width of a residual branch trained beside each map (`Translator.with_residual`; 0: linear maps only)
+    stream: bool = False  # every step new conversations (`samples` = steps x accumulate), each prepared when its step comes
     validate_every: int = 25
     checkpoint_every: int = 25
     seed: int = 0
@@ -69,6 +72,8 @@ class DistillConfig:
             raise ValueError(f"--residual must be >= 0, got {self.residual}")
         if not 0 <= self.recall_fraction < 1:
             raise ValueError(f"--recall-fraction must be in [0, 1), got {self.recall_fraction}")
+        if self.stream and self.samples != self.steps * self.accumulate:
+            raise ValueError(f"a streamed run reads steps x accumulate = {self.steps * self.accumulate} samples, not {self.samples}")
 
 
 @dataclass
@@ -98,6 +103,23 @@ def prepare(translator: Translator, source, target, text: str, cut: int, top_k: 
     # Clones made outside inference mode: the student's backward saves them.
     frozen = {side: {layer: f.clone() for layer, f in d.items()} for side, d in aligned.items()}
     return DistillSample(split.tgt.ids, pt, head, native_from, frozen, teacher.clone(), index.clone())
+
+
+class PreparedOnUse(Sequence):
+    """Samples prepared when a step reads them (`prepare`), none kept: a streamed run's every
+    sample is read once, so its memory holds one sample's features and teacher at a time,
+    whatever the run's length."""
+
+    def __init__(self, translator: Translator, source, target, texts: list[tuple[str, int]], top_k: int, native_tail: int = 0):
+        self.translator, self.source, self.target, self.texts = translator, source, target, texts
+        self.top_k, self.native_tail = top_k, native_tail
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int) -> DistillSample:
+        text, cut = self.texts[index]
+        return prepare(self.translator, self.source, self.target, text, cut, self.top_k, self.native_tail)
 
 
 def student_logits(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
@@ -152,7 +174,7 @@ def validation_kl(translator: Translator, target, samples: list[DistillSample]) 
         return float(sum(float(student_kl(translator, target, s)) for s in samples) / len(samples))
 
 
-def distill(translator: Translator, target, train: list[DistillSample], validation: list[DistillSample], config: DistillConfig,
+def distill(translator: Translator, target, train: Sequence[DistillSample], validation: list[DistillSample], config: DistillConfig,
             checkpoint: Path | None = None, progress=None, validate_start: bool = True,
             heldout: Callable[[Translator], float] | None = None, heldout_every: int = 0, heldout_setting: str = "",
             pause_at: int | None = None) -> tuple[Translator, DistillState]:
@@ -182,7 +204,8 @@ def distill(translator: Translator, target, train: list[DistillSample], validati
             raise ValueError(f"the checkpoint's held-out scores were taken on {state.heldout_setting or 'other settings'}, "
                              f"not {heldout_setting}: resume with the same held-out settings")
         state.heldout_setting = heldout_setting
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    # a streamed run reads its samples in order, once each; a fixed set in a seeded order, round and round
+    order = list(range(len(train))) if config.stream else torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed)).tolist()
     if validation and validate_start and state.step == 0 and not state.validation:
         state.validation.append((0, validation_kl(translator, target, validation)))  # where training starts (stage 1)
     if scoring and state.step == 0 and not state.heldout:
@@ -217,8 +240,8 @@ def checkpoint_settings(config: DistillConfig) -> dict:
     """The settings a checkpoint is written with and resumed under: a native tail of 0 is left
     out, so checkpoints written before the field existed still resume."""
     settings = asdict(config)
-    for added in ("native_tail", "residual"):  # settings added later: at 0, checkpoints written before them still resume
-        if settings[added] == 0:
+    for added in ("native_tail", "residual", "stream"):  # settings added later: at 0, checkpoints written before them still resume
+        if not settings[added]:
             del settings[added]
     return settings
 

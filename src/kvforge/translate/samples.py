@@ -53,11 +53,13 @@ def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_co
 
 
 def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
-                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0, recall_fraction: float = 0.0) -> tuple[list[tuple[str, int]], int]:
+                   packed_fraction: float = 0.5, seed: int = 0, skip: int = 0, recall_fraction: float = 0.0,
+                   avoid: range = range(0)) -> tuple[list[tuple[str, int]], int]:
     """`count` (text, cut) samples of `split`: a `recall_fraction` of them recall samples, of the
     others a `packed_fraction` packed (prefix of at most `max_packed_chars`, from several
-    conversations) and the rest natural, interleaved; skips the first `skip` conversations and returns how many it
-    read, so a later call can stay disjoint."""
+    conversations) and the rest natural, interleaved; skips the first `skip` conversations, and
+    those whose index (from 0, in file order) is in `avoid` (another call's: the validation
+    ones), and returns how many it read, so a later call can stay disjoint."""
     if not (0 <= recall_fraction < 1 and 0 <= packed_fraction <= 1):
         raise ValueError(f"sample fractions must be in [0, 1) (recall) and [0, 1] (packed), got {recall_fraction} and {packed_fraction}")
     rng = random.Random(seed)
@@ -65,7 +67,7 @@ def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_cha
     room = max_packed_chars - 200  # the lifted question and the assistant header
     for conv in conversations(split):
         read += 1
-        if read <= skip:
+        if read <= skip or read - 1 in avoid:
             continue
         if recall < recall_fraction * (len(out) + 1):
             sample = recall_sample(conv.turns, rng, max_prefix_chars)
