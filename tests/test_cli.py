@@ -523,7 +523,7 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
     streamed = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
                                "--steps", 2, "--lr", 1e-3, "--accumulate", 2, "--stream", "--out", tmp_path / "streamed.safetensors",
                                "--plot", tmp_path / "kl.png", "--json"))
-    assert streamed["stream"] and streamed["samples"] == 4 and streamed["conversations_read"] >= 4 and len(streamed["losses"]) == 2
+    assert streamed["stream"] and streamed["samples"] == 4 and streamed["samples_drawn"] == 4 and len(streamed["losses"]) == 2
     assert Translator.load(tmp_path / "streamed.safetensors").info["distill"]["stream"]
     _assert_one_line_errors([
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stream"), "is a stage-2 option"),

@@ -181,7 +181,7 @@ def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
 
     source, target, translator, _ = setup
     texts = TEXTS * 2
-    lazy = PreparedOnUse(translator, source, target, texts, top_k=8)
+    lazy = PreparedOnUse(translator, source, target, iter(texts), len(texts), top_k=8)
     prepared = []
     original = lazy.__class__.__getitem__
     lazy.__class__.__getitem__ = lambda self, i: prepared.append(i) or original(self, i)
@@ -199,6 +199,10 @@ def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="steps x accumulate"):
         DistillConfig(steps=2, accumulate=2, samples=3, stream=True)
+    short = PreparedOnUse(translator, source, target, iter(TEXTS), 4, top_k=8)  # the conversations run out before the steps do
+    assert short[1].prefix > 0
+    with pytest.raises(ValueError, match="hold 2 samples"):
+        short[2]
 
 
 def test_training_texts_read_around_the_conversations_they_are_told_to_avoid():

@@ -169,7 +169,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, PreparedOnUse, distill, half_decade_rates, prepare, sweep_learning_rates
-    from kvforge.translate.samples import training_texts
+    from kvforge.translate.samples import iter_training_texts, training_texts
     from kvforge.artifacts import translator_stage2_path
     from kvforge.translate.translator import ModelSide, Translator
 
@@ -192,23 +192,21 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     # The same validation conversations for every run: past any fixed set's training samples (a
     # streamed run reads around them), and apart from the held-out split that eval lingo scores.
     held, held_read = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
-    try:
-        texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction,
-                                     avoid=range(VALIDATION_SKIP, held_read) if stream else range(0))
-    except ValueError as exc:
-        raise KvforgeError(f"{'--steps x --accumulate' if stream else '--samples'} {config.samples}: {exc}") from exc
-    if read > VALIDATION_SKIP and not stream:
-        raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer, or --stream")
+    if stream:  # drawn as the steps read them, around the validation conversations, each prepared when its step comes
+        drawn = iter_training_texts("fit", *lengths, recall_fraction=config.recall_fraction, avoid=range(VALIDATION_SKIP, held_read))
+        train = PreparedOnUse(translator, src, tgt, (sample for sample, _ in drawn), config.samples, config.top_k, config.native_tail)
+    else:
+        texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction)
+        if read > VALIDATION_SKIP:
+            raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer, or --stream")
     with err.status("teacher: the target's native distributions, once"):
-        if stream:  # each prepared when its step comes
-            train = PreparedOnUse(translator, src, tgt, texts, config.top_k, config.native_tail)
-        else:
+        if not stream:
             train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in held]
     from kvforge.translate.distill import validation_kl
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
-              **({"conversations_read": read} if stream else {"tokens": sum(len(s.target_ids) for s in train)}),
+              **({} if stream else {"tokens": sum(len(s.target_ids) for s in train)}),
               "steps": steps, "accumulate": accumulate, "samples": samples, "stream": stream,
               "recall_fraction": recall_fraction, "native_tail": native_tail, "residual": residual, "validation_samples": len(validation)}
     if lr_sweep:
@@ -253,6 +251,8 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     path = translator.save(path)
     from kvforge.translate.distill import plot_distill
 
+    if stream:
+        common["samples_drawn"] = len(train.drawn)  # by this process: a resumed run draws from the start to where it stops
     summary = {**common, "lr": lr, "out": str(path), "steps": state.step, "planned_steps": steps, "losses": state.losses, "loss_first": state.losses[0],
                "loss_last": state.losses[-1], "validation_kl": state.validation, **({"heldout_bpb": state.heldout} if state.heldout else {}),
                "seconds": seconds, "heldout_seconds": heldout_seconds,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -106,19 +106,30 @@ def prepare(translator: Translator, source, target, text: str, cut: int, top_k: 
 
 
 class PreparedOnUse(Sequence):
-    """Samples prepared when a step reads them (`prepare`), none kept: a streamed run's every
-    sample is read once, so its memory holds one sample's features and teacher at a time,
-    whatever the run's length."""
+    """`length` samples drawn from `texts` (an iterator of (text, cut)) and prepared when a step
+    reads them (`prepare`), none kept: a streamed run's every sample is read once, in order, so its
+    memory holds one sample's features and teacher at a time, and it reads only as many
+    conversations as the steps it runs (a run paused early reads no further)."""
 
-    def __init__(self, translator: Translator, source, target, texts: list[tuple[str, int]], top_k: int, native_tail: int = 0):
-        self.translator, self.source, self.target, self.texts = translator, source, target, texts
+    def __init__(self, translator: Translator, source, target, texts: Iterator[tuple[str, int]], length: int, top_k: int,
+                 native_tail: int = 0):
+        self.translator, self.source, self.target, self.texts, self.length = translator, source, target, texts, length
         self.top_k, self.native_tail = top_k, native_tail
+        self.drawn: list[tuple[str, int]] = []
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return self.length
 
     def __getitem__(self, index: int) -> DistillSample:
-        text, cut = self.texts[index]
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        while len(self.drawn) <= index:
+            try:
+                self.drawn.append(next(self.texts))
+            except StopIteration:
+                raise ValueError(f"the training conversations hold {len(self.drawn)} samples: a streamed run reads "
+                                 f"steps x accumulate of them, sample {index + 1} is past the end") from None
+        text, cut = self.drawn[index]
         return prepare(self.translator, self.source, self.target, text, cut, self.top_k, self.native_tail)
 
 

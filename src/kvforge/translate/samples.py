@@ -15,6 +15,7 @@ Plain text ("User: ...\n\nAssistant: ..."), the same string for both models.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from kvforge.data.facts import recall_sample
 from kvforge.data.prompts import plain_text
@@ -55,29 +56,40 @@ def packed_sample(group: list[list[tuple[str, str]]], rng: random.Random, max_co
 def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
                    packed_fraction: float = 0.5, seed: int = 0, skip: int = 0, recall_fraction: float = 0.0,
                    avoid: range = range(0)) -> tuple[list[tuple[str, int]], int]:
-    """`count` (text, cut) samples of `split`: a `recall_fraction` of them recall samples, of the
-    others a `packed_fraction` packed (prefix of at most `max_packed_chars`, from several
-    conversations) and the rest natural, interleaved; skips the first `skip` conversations, and
-    those whose index (from 0, in file order) is in `avoid` (another call's: the validation
-    ones), and returns how many it read, so a later call can stay disjoint."""
+    """The first `count` samples of `iter_training_texts` (the same arguments), and how many
+    conversations they took, so a later call can stay disjoint (`skip`)."""
+    out, read = [], 0
+    for sample, read in iter_training_texts(split, max_prefix_chars, max_packed_chars, max_continuation_chars, packed_fraction, seed, skip,
+                                            recall_fraction, avoid):
+        out.append(sample)
+        if len(out) == count:
+            return out, read
+    raise ValueError(f"the {split} split holds too few usable conversations for {count} samples ({len(out)})")
+
+
+def iter_training_texts(split: str, max_prefix_chars: int, max_packed_chars: int, max_continuation_chars: int,
+                        packed_fraction: float = 0.5, seed: int = 0, skip: int = 0, recall_fraction: float = 0.0,
+                        avoid: range = range(0)) -> Iterator[tuple[tuple[str, int], int]]:
+    """(text, cut) samples of `split`, each with how many conversations have been read by then: a
+    `recall_fraction` of them recall samples, of the others a `packed_fraction` packed (prefix of
+    at most `max_packed_chars`, from several conversations) and the rest natural, interleaved;
+    skips the first `skip` conversations, and those whose index (from 0, in file order) is in
+    `avoid` (another call's: the validation ones)."""
     if not (0 <= recall_fraction < 1 and 0 <= packed_fraction <= 1):
         raise ValueError(f"sample fractions must be in [0, 1) (recall) and [0, 1] (packed), got {recall_fraction} and {packed_fraction}")
     rng = random.Random(seed)
-    out, group, read, packed, recall = [], [], 0, 0, 0
+    made, group, read, packed, recall = 0, [], 0, 0, 0
     room = max_packed_chars - 200  # the lifted question and the assistant header
     for conv in conversations(split):
         read += 1
         if read <= skip or read - 1 in avoid:
             continue
-        if recall < recall_fraction * (len(out) + 1):
+        sample = None
+        if recall < recall_fraction * (made + 1):
             sample = recall_sample(conv.turns, rng, max_prefix_chars)
-            if sample is not None:
-                out.append(sample)
-                recall += 1
-        elif packed >= packed_fraction * (len(out) - recall + 1):
+            recall += sample is not None
+        elif packed >= packed_fraction * (made - recall + 1):
             sample = natural_sample(conv.turns, max_prefix_chars, max_continuation_chars)
-            if sample is not None:
-                out.append(sample)
         else:
             exchanges, size = [], 0
             for q, a in _exchanges(conv.turns):  # the leading exchanges that fit in a third of the room
@@ -88,8 +100,8 @@ def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_cha
             if exchanges:
                 group.append(exchanges)
             if sum(len(q) + len(a) + 24 for ex in group for q, a in ex) > room * 3 // 4 or len(group) == 5:
-                out.append(packed_sample(group, rng, max_continuation_chars))
+                sample = packed_sample(group, rng, max_continuation_chars)
                 group, packed = [], packed + 1
-        if len(out) == count:
-            return out, read
-    raise ValueError(f"the {split} split holds too few usable conversations for {count} samples")
+        if sample is not None:
+            made += 1
+            yield sample, read
