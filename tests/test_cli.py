@@ -525,8 +525,13 @@ def test_fit_lingo_stage_2_distills_from_a_stage_1_translator(tiny_gemma_dir, ti
                                "--plot", tmp_path / "kl.png", "--json"))
     assert streamed["stream"] and streamed["samples"] == 4 and streamed["samples_drawn"] == 4 and len(streamed["losses"]) == 2
     assert Translator.load(tmp_path / "streamed.safetensors").info["distill"]["stream"]
+    layered = _last_json(_run("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator,
+                              "--steps", 1, "--lr", 1e-3, "--accumulate", 1, "--samples", 2, "--layer-weight", 0.5,
+                              "--out", tmp_path / "layered.safetensors", "--plot", tmp_path / "kl.png", "--json"))
+    assert layered["layer_weight"] == 0.5 and Translator.load(tmp_path / "layered.safetensors").info["distill"]["layer_weight"] == 0.5
     _assert_one_line_errors([
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stream"), "is a stage-2 option"),
+        (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--layer-weight", 1), "is a stage-2 option"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--stage", 2, "--init", tiny_translator, "--stream", "--lr-sweep"),
          "leave out --stream"),
         (("fit", "lingo", "--source", tiny_gemma_dir, "--target", tiny_model_dir, "--native-tail", 8), "is a stage-2 option"),

@@ -205,6 +205,48 @@ def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
         short[2]
 
 
+def test_layer_wise_targets_add_each_layers_error_against_the_targets_own_rows(setup):
+    """`layer_weight`: the loss is the KL plus the weight times the mean relative squared error of
+    the translated rows against the target's own rows of the same prefix, over every layer, keys
+    and values; at the native rows themselves the term is 0, and training on it moves the maps
+    toward them (the error falls)."""
+    from kvforge.translate.distill import student_loss
+
+    source, target, translator, _ = setup
+    text, cut = TEXTS[0]
+    sample = prepare(translator, source, target, text, cut, top_k=8, layer_targets=True)
+    assert sample.native_rows is not None and len(sample.native_rows["k"]) == target.num_layers
+    assert sample.native_rows["k"][0].dtype == torch.bfloat16 and sample.native_rows["k"][0].shape[1] == sample.native_from - sample.head
+    with torch.no_grad():
+        kl = float(student_kl(translator, target, sample))
+        half, one = float(student_loss(translator, target, sample, 0.5)), float(student_loss(translator, target, sample, 1.0))
+    assert half > kl and math.isclose(one - kl, 2 * (half - kl), rel_tol=1e-4)  # linear in the weight
+    error = one - kl
+    # by hand: the translated rows of a hand-off's cache against the target's own cache
+    split = split_text(source, target, text, cut + 1, translator.align)
+    translated = translate_cache(translator, source, target, split.source_cache, split.alignment, split.tgt.ids)
+    own = target.prefill([split.tgt.ids[: sample.prefix - 1]], logits="none")[1]
+    by_hand = []
+    for layer in range(target.num_layers):
+        for got, want in ((translated[layer].keys(), own[layer].keys()), (translated[layer].values(), own[layer].values())):
+            got, want = got[0, :, sample.head : sample.native_from].float(), want[0, :, sample.head : sample.native_from].bfloat16().float()
+            by_hand.append(float((got - want).pow(2).mean() / want.pow(2).mean()))
+    assert math.isclose(error, sum(by_hand) / len(by_hand), rel_tol=1e-3)
+    exact = dataclasses.replace(sample, native_rows={side: [(translated[l].keys() if side == "k" else translated[l].values())[0, :, sample.head : sample.native_from]
+                                                            .to(torch.bfloat16) for l in range(target.num_layers)] for side in "kv"})
+    with torch.no_grad():
+        assert float(student_loss(translator, target, exact, 1.0)) - kl < 1e-4  # its own rows as the targets: ~0 (bf16 targets)
+    tr = copy.deepcopy(translator)
+    config = DistillConfig(steps=4, lr=3e-3, accumulate=1, samples=1, layer_weight=1.0, warmup_fraction=0.25, validate_every=100)
+    tr, state = distill(tr, target, [sample], [], config)
+    with torch.no_grad():
+        assert float(student_loss(tr, target, sample, 1.0)) < one
+    with pytest.raises(ValueError, match="layer_targets"):
+        student_loss(translator, target, prepare(translator, source, target, text, cut, top_k=8), 1.0)
+    with pytest.raises(ValueError, match="layer-weight"):
+        DistillConfig(layer_weight=-1.0)
+
+
 def test_training_texts_read_around_the_conversations_they_are_told_to_avoid():
     from kvforge.translate.samples import training_texts
 

@@ -51,6 +51,7 @@ def fit_lingo_cmd(
     lr: float = typer.Option(3e-5, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
     samples: int = typer.Option(128, "--samples", help="Stage 2 training conversations (with --stream: steps x accumulate)."),
+    layer_weight: float = typer.Option(0.0, "--layer-weight", help="Stage 2: add this weight times the translated keys' and values' squared error against the target's own rows (every layer, relative to their mean square) to the KL; 0: the KL alone."),
     stream: bool = typer.Option(False, "--stream", help="Stage 2: new conversations at every step, each read once and prepared when its step comes, instead of --samples conversations round and round."),
     recall_fraction: float = typer.Option(0.5, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's; 0: the natural/packed mix alone)."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Stage 2 checkpoint file (resumed when it exists)."),
@@ -89,13 +90,15 @@ def fit_lingo_cmd(
         raise KvforgeError("--residual is a stage-2 option: the closed form is linear")
     if stage != 2 and stream:
         raise KvforgeError("--stream is a stage-2 option: the closed form reads --conversations")
+    if stage != 2 and layer_weight:
+        raise KvforgeError("--layer-weight is a stage-2 option: the closed form fits the layers' rows alone")
     if stage == 2:
         if heldout_every < 0 or heldout_samples < 1:
             raise KvforgeError("--heldout-every must be >= 0 and --heldout-samples >= 1")
         if pause_at is not None and (pause_at < 1 or checkpoint is None):
             raise KvforgeError("--pause-at needs a step >= 1 and a --checkpoint to go on from")
         return _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot,
-                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at, residual, stream)
+                           device, dtype, json_out, train_native_tail, heldout_every, heldout_samples, pause_at, residual, stream, layer_weight)
     if stage != 1:
         raise KvforgeError(f"--stage must be 1 or 2, got {stage}")
     config = LingoFitConfig(capture=capture, align=align_rule, assign=assign, nu=nu, head_wise=head_wise, conversations=conversations, max_chars=max_chars, lam=lam,
@@ -165,7 +168,7 @@ HELDOUT_CURVE_SKIP = 96  # stage-2 held-out curve: held-out conversations from t
 
 
 def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fraction, checkpoint, lr_sweep, validate_every, out, plot, device, dtype, json_out,
-                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None, residual=0, stream=False):
+                native_tail=0, heldout_every=0, heldout_samples=96, pause_at=None, residual=0, stream=False, layer_weight=0.0):
     from tqdm import tqdm
 
     from kvforge.translate.distill import DistillConfig, PreparedOnUse, distill, half_decade_rates, prepare, sweep_learning_rates
@@ -185,7 +188,7 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
         raise KvforgeError("--lr-sweep runs its short runs over one fixed set of samples: leave out --stream")
     samples = steps * accumulate if stream else samples
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
-                           native_tail=native_tail, residual=residual, stream=stream)
+                           native_tail=native_tail, residual=residual, stream=stream, layer_weight=layer_weight)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
     translator.check_pair(ModelSide.of(src), ModelSide.of(tgt))
     lengths = (config.max_prefix_chars, config.max_packed_chars, config.max_continuation_chars, config.packed_fraction, config.seed)
@@ -194,21 +197,22 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     held, held_read = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
     if stream:  # drawn as the steps read them, around the validation conversations, each prepared when its step comes
         drawn = iter_training_texts("fit", *lengths, recall_fraction=config.recall_fraction, avoid=range(VALIDATION_SKIP, held_read))
-        train = PreparedOnUse(translator, src, tgt, (sample for sample, _ in drawn), config.samples, config.top_k, config.native_tail)
+        train = PreparedOnUse(translator, src, tgt, (sample for sample, _ in drawn), config.samples, config.top_k, config.native_tail,
+                              layer_targets=bool(layer_weight))
     else:
         texts, read = training_texts("fit", config.samples, *lengths, recall_fraction=config.recall_fraction)
         if read > VALIDATION_SKIP:
             raise KvforgeError(f"--samples {samples} reads {read} conversations, into the validation ones (from {VALIDATION_SKIP}); use fewer, or --stream")
     with err.status("teacher: the target's native distributions, once"):
         if not stream:
-            train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in texts]
+            train = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail, bool(layer_weight)) for text, cut in texts]
         validation = [prepare(translator, src, tgt, text, cut, config.top_k, config.native_tail) for text, cut in held]
     from kvforge.translate.distill import validation_kl
 
     common = {"command": "fit lingo", "model": target, "source": source, "target": target, "method": "lingo", "stage": 2, "dtype": dtype_of(tgt),
               **({} if stream else {"tokens": sum(len(s.target_ids) for s in train)}),
               "steps": steps, "accumulate": accumulate, "samples": samples, "stream": stream,
-              "recall_fraction": recall_fraction, "native_tail": native_tail, "residual": residual, "validation_samples": len(validation)}
+              "recall_fraction": recall_fraction, "native_tail": native_tail, "residual": residual, "layer_weight": layer_weight, "validation_samples": len(validation)}
     if lr_sweep:
         report = lambda rate, kl: err.print(f"[dim]lr {rate:.2e}: validation KL {kl:.4f} after {steps} steps[/dim]")  # noqa: E731
         common["validation_kl_start"] = validation_kl(translator, tgt, validation)  # the stage-1 maps

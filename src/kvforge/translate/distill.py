@@ -7,7 +7,11 @@ Teacher: the target's next-token distribution over the continuation given its *n
 the prefix, computed once per sample and kept as its top-k log-probabilities (renormalised over
 those k). Student: the same forward given the *translated* cache; the loss is KL(teacher ‖
 student) per continuation token, and gradients flow through the frozen target into the maps only
-(the source is frozen too: its aligned features are computed once per sample). The loop is
+(the source is frozen too: its aligned features are computed once per sample). With layer-wise
+targets (`layer_weight`) the loss adds, for every target layer, the translated keys' and values'
+squared error against the target's own rows of the same prefix (relative to their mean square),
+which the closed form minimised on its own data: the KL pulls the maps toward what the continuation
+reads, this term keeps every layer near the rows the target would have made. The loop is
 `training.Trainer`: AdamW without weight decay, cosine schedule with warmup, gradient clipping,
 gradient accumulation. A checkpoint (maps, optimizer, schedule, step, losses, validation history,
 settings, held-out scores) is written atomically every `checkpoint_every` steps and a run resumes from it exactly
@@ -57,6 +61,9 @@ class DistillConfig:
     native_tail: int = 0  # the prefix's last tokens the student prefills natively over the translated rows (as `--native-tail` serves)
     residual: int = 0  # width of a residual branch trained beside each map (`Translator.with_residual`; 0: linear maps only)
     stream: bool = False  # every step new conversations (`samples` = steps x accumulate), each prepared when its step comes
+    # layer-wise targets: this weight times the translated rows' mean relative squared error against
+    # the target's own rows of the same text (every layer, keys and values) is added to the KL
+    layer_weight: float = 0.0
     validate_every: int = 25
     checkpoint_every: int = 25
     seed: int = 0
@@ -72,6 +79,8 @@ class DistillConfig:
             raise ValueError(f"--residual must be >= 0, got {self.residual}")
         if not 0 <= self.recall_fraction < 1:
             raise ValueError(f"--recall-fraction must be in [0, 1), got {self.recall_fraction}")
+        if self.layer_weight < 0:
+            raise ValueError(f"--layer-weight must be >= 0, got {self.layer_weight}")
         if self.stream and self.samples != self.steps * self.accumulate:
             raise ValueError(f"a streamed run reads steps x accumulate = {self.steps * self.accumulate} samples, not {self.samples}")
 
@@ -85,11 +94,16 @@ class DistillSample:
     aligned: dict[str, dict[int, torch.Tensor]]  # frozen source features of the translated rows
     teacher_logp: torch.Tensor  # (T, k) renormalised top-k log-probs
     teacher_index: torch.Tensor  # (T, k)
+    # the target's own rows [head, native_from) per layer, keys and values (H, R, D) in bf16; None: not kept
+    native_rows: dict[str, list[torch.Tensor]] | None = None
 
 
-def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int, native_tail: int = 0) -> DistillSample:
+def prepare(translator: Translator, source, target, text: str, cut: int, top_k: int, native_tail: int = 0,
+            layer_targets: bool = False) -> DistillSample:
     """Everything frozen about one sample: aligned source features of the rows the student
-    translates (all but the head and the last `native_tail`) and the teacher's top-k."""
+    translates (all but the head and the last `native_tail`), the teacher's top-k, and with
+    `layer_targets` the target's own keys and values of those rows (bf16: a sample's rows of every
+    layer take a few MB)."""
     with torch.inference_mode():
         # cut + 1: a prefix ending "Assistant:" keeps the space when the tokenizer splits it off
         split = split_text(source, target, text, cut + 1, translator.align)
@@ -100,9 +114,15 @@ def prepare(translator: Translator, source, target, text: str, cut: int, top_k: 
         logits = continuation_logits(target, split.tgt.ids, pt, split.native_cache)
         values, index = torch.topk(torch.log_softmax(logits.float(), -1), min(top_k, logits.shape[-1]), dim=-1)
         teacher = torch.log_softmax(values, -1)
+        native = None
+        if layer_targets:
+            held = split.native_cache
+            native = {side: [(held[layer].keys() if side == "k" else held[layer].values())[0, :, head:native_from].to(torch.bfloat16)
+                             for layer in range(target.num_layers)] for side in SIDES}
     # Clones made outside inference mode: the student's backward saves them.
     frozen = {side: {layer: f.clone() for layer, f in d.items()} for side, d in aligned.items()}
-    return DistillSample(split.tgt.ids, pt, head, native_from, frozen, teacher.clone(), index.clone())
+    native = {side: [t.clone() for t in rows] for side, rows in native.items()} if native is not None else None
+    return DistillSample(split.tgt.ids, pt, head, native_from, frozen, teacher.clone(), index.clone(), native)
 
 
 class PreparedOnUse(Sequence):
@@ -112,9 +132,9 @@ class PreparedOnUse(Sequence):
     conversations as the steps it runs (a run paused early reads no further)."""
 
     def __init__(self, translator: Translator, source, target, texts: Iterator[tuple[str, int]], length: int, top_k: int,
-                 native_tail: int = 0):
+                 native_tail: int = 0, layer_targets: bool = False):
         self.translator, self.source, self.target, self.texts, self.length = translator, source, target, texts, length
-        self.top_k, self.native_tail = top_k, native_tail
+        self.top_k, self.native_tail, self.layer_targets = top_k, native_tail, layer_targets
         self.drawn: list[tuple[str, int]] = []
 
     def __len__(self) -> int:
@@ -130,12 +150,17 @@ class PreparedOnUse(Sequence):
                 raise ValueError(f"the training conversations hold {len(self.drawn)} samples: a streamed run reads "
                                  f"steps x accumulate of them, sample {index + 1} is past the end") from None
         text, cut = self.drawn[index]
-        return prepare(self.translator, self.source, self.target, text, cut, self.top_k, self.native_tail)
+        return prepare(self.translator, self.source, self.target, text, cut, self.top_k, self.native_tail, self.layer_targets)
 
 
 def student_logits(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
     """(T, V) logits over the continuation from the cache a hand-off serves: head rows native,
     translated rows, then the native tail (if any) over them. Differentiable in the translator."""
+    return _student(translator, target, sample)[0]
+
+
+def _student(translator: Translator, target, sample: DistillSample):
+    """`student_logits`, and the cache they were read from (its translated rows differentiable)."""
     cache = target.new_cache(1, capacity=len(sample.target_ids))
     with torch.no_grad():
         target.prefill([sample.target_ids[: sample.head]], cache=cache, logits="none")
@@ -146,13 +171,40 @@ def student_logits(translator: Translator, target, sample: DistillSample) -> tor
     ids = sample.target_ids
     positions = torch.arange(sample.native_from, len(ids) - 1, device=target.device).view(1, -1)
     h = target.run_layers(target.adapter.embed(torch.tensor([ids[sample.native_from : -1]], device=target.device)), positions, cache)
-    return target.adapter.head(h[:, sample.prefix - 1 - sample.native_from :])[0].float()
+    return target.adapter.head(h[:, sample.prefix - 1 - sample.native_from :])[0].float(), cache
 
 
 def student_kl(translator: Translator, target, sample: DistillSample) -> torch.Tensor:
     """Mean KL(teacher ‖ student) per continuation token, differentiable in the translator."""
-    student = torch.log_softmax(student_logits(translator, target, sample).float(), -1).gather(-1, sample.teacher_index)
+    return _kl(student_logits(translator, target, sample), sample)
+
+
+def _kl(logits: torch.Tensor, sample: DistillSample) -> torch.Tensor:
+    student = torch.log_softmax(logits.float(), -1).gather(-1, sample.teacher_index)
     return (sample.teacher_logp.exp() * (sample.teacher_logp - student)).sum(-1).mean()
+
+
+def student_loss(translator: Translator, target, sample: DistillSample, layer_weight: float = 0.0) -> torch.Tensor:
+    """What stage 2 minimises: `student_kl`, plus with `layer_weight` that weight times the mean,
+    over the target's layers and over keys and values, of the translated rows' squared error
+    against the target's own rows of the same text, relative to those rows' mean square (each layer
+    counts alike, whatever its scale). Differentiable in the translator."""
+    if not layer_weight:
+        return student_kl(translator, target, sample)
+    if sample.native_rows is None:
+        raise ValueError("layer-wise targets need samples prepared with layer_targets=True")
+    logits, cache = _student(translator, target, sample)
+    errors = []
+    for side in SIDES:
+        for layer, want in enumerate(sample.native_rows[side]):
+            rows = cache[layer].keys() if side == "k" else cache[layer].values()
+            got, want = rows[0, :, sample.head : sample.native_from].float(), want.float()
+            if got.shape != want.shape:
+                raise ValueError(f"layer {layer} holds {tuple(got.shape)} translated rows, its targets {tuple(want.shape)}")
+            if want.numel():
+                errors.append((got - want).pow(2).mean() / want.pow(2).mean().clamp(min=1e-12))
+    layer_error = torch.stack(errors).mean() if errors else logits.new_zeros(())
+    return _kl(logits, sample) + layer_weight * layer_error
 
 
 def trainable(translator: Translator) -> list[torch.nn.Parameter]:
@@ -225,7 +277,7 @@ def distill(translator: Translator, target, train: Sequence[DistillSample], vali
     while state.step < last:
         start = time.perf_counter()
         first = state.step * config.accumulate
-        total = trainer.step(lambda j: student_kl(translator, target, train[order[(first + j) % len(train)]]))
+        total = trainer.step(lambda j: student_loss(translator, target, train[order[(first + j) % len(train)]], config.layer_weight))
         state.step += 1
         state.losses.append(total)
         if validation and (state.step % config.validate_every == 0 or state.step == last):
@@ -251,7 +303,7 @@ def checkpoint_settings(config: DistillConfig) -> dict:
     """The settings a checkpoint is written with and resumed under: a native tail of 0 is left
     out, so checkpoints written before the field existed still resume."""
     settings = asdict(config)
-    for added in ("native_tail", "residual", "stream"):  # settings added later: at 0, checkpoints written before them still resume
+    for added in ("native_tail", "residual", "stream", "layer_weight"):  # settings added later: at 0, checkpoints written before them still resume
         if not settings[added]:
             del settings[added]
     return settings
@@ -295,7 +347,8 @@ def plot_distill(summary: dict, path) -> str:
     curve = summary.get("heldout_bpb") or []
     fig, axes = new_figure(2 if curve else 1, (12 if curve else 7, 4))
     ax = axes[0] if curve else axes
-    ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.5, label="training KL (per step)")
+    trained = "training KL" if not summary.get("layer_weight") else f"training loss (KL + {summary['layer_weight']:g} x layer error)"
+    ax.plot(range(1, len(summary["losses"]) + 1), summary["losses"], alpha=0.5, label=f"{trained} (per step)")
     steps, kl = zip(*summary["validation_kl"]) if summary["validation_kl"] else ((), ())
     ax.plot(steps, kl, marker="o", label=f"validation KL ({summary['validation_samples']} conversations)")
     ax.set_xlabel("optimizer step")
