@@ -174,7 +174,7 @@ def test_the_sweep_extends_past_an_edge_until_the_best_rate_is_interior(setup, m
     assert math.isclose(best, 1e-5) and lrs[0] < best < lrs[-1] and len(lrs) == 8  # three added below the window: 3e-5, 1e-5, then 3e-6 shows 1e-5 is a floor
 
 
-def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
+def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup, tmp_path):
     """`stream`: the samples are read in order, each once, prepared as its step reads it and not
     kept; the run is the fixed-set run over the same samples in that order, to the bit."""
     from kvforge.translate.distill import PreparedOnUse
@@ -199,6 +199,16 @@ def test_a_streamed_run_prepares_each_sample_once_when_its_step_comes(setup):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="steps x accumulate"):
         DistillConfig(steps=2, accumulate=2, samples=3, stream=True)
+    # in pieces: paused at step 1 with its checkpoint, then on with a fresh draw, to the bit
+    pieces = tmp_path / "streamed.pt"
+    distill(copy.deepcopy(translator), target, PreparedOnUse(translator, source, target, iter(texts), len(texts), top_k=8), [], config,
+            pieces, pause_at=1)
+    resumed = PreparedOnUse(translator, source, target, iter(texts), len(texts), top_k=8)
+    rest, rest_state = distill(copy.deepcopy(translator), target, resumed, [], config, pieces)
+    assert rest_state.losses == state.losses and len(resumed.drawn) == 4
+    for side in "kv":
+        for a, b in zip(streamed.weights[side], rest.weights[side]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
     short = PreparedOnUse(translator, source, target, iter(TEXTS), 4, top_k=8)  # the conversations run out before the steps do
     assert short[1].prefix > 0
     with pytest.raises(ValueError, match="hold 2 samples"):
@@ -253,6 +263,13 @@ def test_training_texts_read_around_the_conversations_they_are_told_to_avoid():
     first, read = training_texts("fit", 3, 2000, 3000, 200, packed_fraction=0.0)
     around, _ = training_texts("fit", 3, 2000, 3000, 200, packed_fraction=0.0, avoid=range(0, read))
     assert not {t for t, _ in first} & {t for t, _ in around}
+    # natural samples, one conversation each: avoiding all but the first one's conversation keeps that one sample
+    one, upto = training_texts("fit", 1, 2000, 3000, 200, packed_fraction=0.0)
+    kept, _ = training_texts("fit", 1, 2000, 3000, 200, packed_fraction=0.0, avoid=range(upto, read))
+    assert kept == one
+    moved, _ = training_texts("fit", 1, 2000, 3000, 200, packed_fraction=0.0, avoid=range(upto - 1, read))
+    assert moved != one
+    assert training_texts("fit", 0, 2000, 3000, 200) == ([], 0)
 
 
 def test_training_texts_mix_packed_and_natural_samples_disjointly():

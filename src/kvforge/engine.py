@@ -490,7 +490,8 @@ FILL_COST = 0.25
 def _late_chunks(exact: list[bool], chunk: int) -> list[int]:
     """Where the late-layer chunks of a filled prompt start: each holds at most `chunk` exact rows'
     worth of work, its filled rows counted at `FILL_COST` each (a chunk of filled rows only is
-    written without running the layer)."""
+    written without running an attention layer or MLP; a hybrid's recurrent layer still advances its
+    state through them, at more than `FILL_COST`)."""
     starts, work = [0], 0.0
     for row, is_exact in enumerate(exact):
         cost = 1.0 if is_exact else FILL_COST

@@ -50,7 +50,7 @@ def fit_lingo_cmd(
     steps: int = typer.Option(100, "--steps", help="Stage 2 optimizer steps."),
     lr: float = typer.Option(3e-5, "--lr", help="Stage 2 peak learning rate (cosine, 5 % warmup)."),
     accumulate: int = typer.Option(8, "--accumulate", help="Stage 2 conversations per step."),
-    samples: int = typer.Option(128, "--samples", help="Stage 2 training conversations (with --stream: steps x accumulate)."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Stage 2 training conversations (default 128; with --stream: steps x accumulate, not given)."),
     layer_weight: float = typer.Option(0.0, "--layer-weight", help="Stage 2: add this weight times the translated keys' and values' squared error against the target's own rows (every layer, relative to their mean square) to the KL; 0: the KL alone."),
     stream: bool = typer.Option(False, "--stream", help="Stage 2: new conversations at every step, each read once and prepared when its step comes, instead of --samples conversations round and round."),
     recall_fraction: float = typer.Option(0.5, "--recall-fraction", help="Stage 2: share of samples that plant a fact early and ask it at the end (training facts, none of the QA set's; 0: the natural/packed mix alone)."),
@@ -186,7 +186,9 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     residual = residual or translator.residual  # an init with a branch goes on training it
     if stream and lr_sweep:
         raise KvforgeError("--lr-sweep runs its short runs over one fixed set of samples: leave out --stream")
-    samples = steps * accumulate if stream else samples
+    if stream and samples is not None:
+        raise KvforgeError("--stream reads steps x accumulate samples: leave out --samples")
+    samples = steps * accumulate if stream else (128 if samples is None else samples)
     config = DistillConfig(steps=steps, lr=lr, accumulate=accumulate, samples=samples, recall_fraction=recall_fraction, validate_every=validate_every, checkpoint_every=validate_every,
                            native_tail=native_tail, residual=residual, stream=stream, layer_weight=layer_weight)
     src, tgt = load_engine(source, device, dtype), load_engine(target, device, dtype)
@@ -196,7 +198,13 @@ def _fit_stage2(source, target, init, steps, lr, accumulate, samples, recall_fra
     # streamed run reads around them), and apart from the held-out split that eval lingo scores.
     held, held_read = training_texts("fit", config.validation_samples, *lengths, skip=VALIDATION_SKIP, recall_fraction=config.recall_fraction)
     if stream:  # drawn as the steps read them, around the validation conversations, each prepared when its step comes
-        drawn = iter_training_texts("fit", *lengths, recall_fraction=config.recall_fraction, avoid=range(VALIDATION_SKIP, held_read))
+        around = dict(recall_fraction=config.recall_fraction, avoid=range(VALIDATION_SKIP, held_read))
+        available = sum(1 for _ in iter_training_texts("fit", *lengths, **around))  # texts only: seconds, where running dry would come hours in
+        needed = min(steps, pause_at or steps) * accumulate  # a long schedule may run in pieces: this piece's end
+        if available < needed:
+            raise KvforgeError(f"--stream reads {needed} samples to step {needed // accumulate}, and the training conversations hold "
+                               f"{available}: at most {available // accumulate} steps at --accumulate {accumulate} (--steps, or --pause-at)")
+        drawn = iter_training_texts("fit", *lengths, **around)
         train = PreparedOnUse(translator, src, tgt, (sample for sample, _ in drawn), config.samples, config.top_k, config.native_tail,
                               layer_targets=bool(layer_weight))
     else:

@@ -59,6 +59,8 @@ def training_texts(split: str, count: int, max_prefix_chars: int, max_packed_cha
     """The first `count` samples of `iter_training_texts` (the same arguments), and how many
     conversations they took, so a later call can stay disjoint (`skip`)."""
     out, read = [], 0
+    if count <= 0:
+        return out, read
     for sample, read in iter_training_texts(split, max_prefix_chars, max_packed_chars, max_continuation_chars, packed_fraction, seed, skip,
                                             recall_fraction, avoid):
         out.append(sample)
