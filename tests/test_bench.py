@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_hf_model, tiny_loaded
 from kvforge.bench.exact import _logit_diff, bench_exact
-from kvforge.bench.flops import _keys_seen, decode_macs, decode_span_macs, exact_macs, prefill_macs
+from kvforge.flops import _keys_seen, decode_macs, decode_span_macs, exact_macs, filled_row_share, prefill_macs
 from kvforge.bench.harness import interleaved_metric_medians, interleaved_samples
 from kvforge.bench.speed import bench_speed
 from kvforge.cli import app
@@ -110,6 +110,32 @@ def test_a_hybrid_counts_deltanet_rows_by_hand():
     keys = 1 + 2 + (T - 3) + (T - 2) + (T - 1) + T  # layer 3: exact rows see every row up to theirs
     expected += 6 * attention_row + keys * 2 * q_dim + n * (e * e + e * 2 * kv_dim)
     assert prefill_macs(adapter, depth, 1, True) == expected + head
+
+
+def test_a_filled_rows_share_of_a_chunk_counts_its_late_layers_by_hand():
+    """What a filled row costs a chunk's budget, in exact rows over layers [split, L), attention
+    left out of both: llama (4 layers, split 2) writes K/V at the split layer, a map and K/V above
+    it; folded maps are one multiply. On the hybrid (split 1) the recurrent layers' filled rows run
+    their projections, conv and state update: a larger share than an attention layer's."""
+    adapter = tiny_loaded("llama").adapter
+    e, q_dim, kv_dim = adapter.hidden_size, adapter.num_heads * adapter.head_dim, adapter.kv_heads * adapter.head_dim
+    linear = e * (q_dim + 2 * kv_dim) + q_dim * e + 3 * e * adapter.config.intermediate_size
+    filled = e * 2 * kv_dim + (e * e + e * 2 * kv_dim)
+    assert filled_row_share(adapter, 2) == pytest.approx(filled / (2 * linear))
+    assert filled_row_share(adapter, 2, map_inputs=2) == pytest.approx((filled + e * e) / (2 * linear))
+    assert filled_row_share(adapter, 2, folded=True) == pytest.approx((e * 2 * kv_dim + e * 2 * kv_dim) / (2 * linear))
+    assert filled_row_share(adapter, 2, map_inputs=0) == pytest.approx(2 * e * 2 * kv_dim / (2 * linear))  # the identity fill
+    hybrid = tiny_loaded("qwen3_5").adapter
+    c = hybrid.config
+    e, mlp = 64, 3 * 64 * c.intermediate_size
+    conv_dim, value_dim, state = 2 * 16 + 32, 32, 4 * 8 * 8
+    into_state = e * (conv_dim + value_dim + 2 * 4) + conv_dim * 4
+    exact_row = into_state + 3 * state + state + value_dim * e + mlp
+    q_dim, kv_dim = 4 * 16, 2 * 16
+    attention_row = e * (2 * q_dim + 2 * kv_dim) + q_dim * e + mlp
+    filled = (into_state + 3 * state) + (e * e + into_state + 3 * state) + (e * e + e * 2 * kv_dim)  # layers 1, 2 recurrent; 3 attention
+    assert filled_row_share(hybrid, 1) == pytest.approx(filled / (2 * exact_row + attention_row))
+    assert filled_row_share(hybrid, 1) > filled_row_share(tiny_loaded("llama").adapter, 2)
 
 
 def test_decode_span_macs_sums_the_growing_steps():

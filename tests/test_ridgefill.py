@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import tiny_loaded
-from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.flops import exact_macs, prefill_macs
 from kvforge.cache import RecurrentLayerCache, RowKind
 from kvforge.engine import Engine
 from kvforge.errors import ArtifactError
@@ -432,7 +432,8 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     chunked_logits, chunked, chunked_states = done.value.value
     kept = final_depth(whole, T) == engine.num_layers
     assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and (8 if attended else 6) < int(kept.sum()) < T
-    starts = _late_chunks(kept.tolist(), chunk)
+    assert 0 < plan.fill_cost < 1  # the maps' share of a late layer's work (`flops.filled_row_share`)
+    starts = _late_chunks(kept.tolist(), chunk, plan.fill_cost)
     assert yields == T // chunk + len(starts) - 1  # the chunks below the split, then the late chunks
     if not attended:  # some late chunk holds filled rows only
         assert any(not bool(kept[a:b].any()) for a, b in zip(starts, starts[1:] + [T]))
@@ -452,12 +453,14 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
 
 def test_late_chunks_hold_a_chunk_of_work_with_filled_rows_at_their_share():
     """The late layers of a chunked RidgeFill prefill run in chunks of about `chunk` exact rows'
-    worth of work, a filled row counting `FILL_COST` (writing it is cheaper than running a row), so
-    a long run of filled rows is split too and written without running the layer."""
-    from kvforge.engine import FILL_COST, _late_chunks
+    worth of work, a filled row counting its plan's share (writing it is cheaper than running a
+    row), so a long run of filled rows is split too and written without running the layer; a plan
+    with no share counts a filled row as an exact one."""
+    from kvforge.engine import _late_chunks
 
-    assert FILL_COST == 0.25
     rows = [True] * 3 + [False] * 40 + [True] * 10
-    assert _late_chunks(rows, 8) == [0, 23, 46]  # 3 + 20 x 0.25 = 8; 20 x 0.25 + 3 = 8; the last 7
-    assert _late_chunks([True] * 20, 8) == [0, 8, 16]
-    assert _late_chunks([True] * 4, 8) == [0]
+    assert _late_chunks(rows, 8, 0.25) == [0, 23, 46]  # 3 + 20 x 0.25 = 8; 20 x 0.25 + 3 = 8; the last 7
+    assert _late_chunks(rows, 8, 0.5) == [0, 13, 29, 44, 52]  # 3 + 10 x 0.5; 16 x 0.5; 14 x 0.5 + 1; 8 exact; the last 1
+    assert _late_chunks(rows, 8, 1.0) == list(range(0, 53, 8))  # every row counted whole
+    assert _late_chunks([True] * 20, 8, 0.25) == [0, 8, 16]
+    assert _late_chunks([True] * 4, 8, 0.25) == [0]

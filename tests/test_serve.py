@@ -991,8 +991,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         from kvforge.engine import _late_chunks
 
         kept = final_depth(engine.prefill([long_prompt], plan=make_plan(long_prompt))[1], 100) == engine.num_layers
-        late = len(_late_chunks(kept.tolist(), 8))
-        assert 8 < int(kept.sum()) < 100
+        fill_cost = make_plan(long_prompt).fill_cost
+        late = len(_late_chunks(kept.tolist(), 8, fill_cost))
+        assert 8 < int(kept.sum()) < 100 and 0 < fill_cost < 1
     assert len(chunks) == 13 + late  # 100 tokens in chunks of 8
     assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:])), events[before:]
     assert running.seq.token_ids == engine.generate(running.prompt_ids, running.config)[0].token_ids

@@ -312,7 +312,7 @@ class Engine:
                 depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
                 if not bool(((depth == split) | (depth == self.num_layers)).all()):
                     raise ValueError("a plan's choice that runs in chunks keeps rows exact or leaves them at the split")
-        starts = _late_chunks((depth == self.num_layers).tolist(), chunk)
+        starts = _late_chunks((depth == self.num_layers).tolist(), chunk, 1.0 if plan.fill_cost is None else plan.fill_cost)
         for start, end in zip(starts, starts[1:] + [tokens]):
             yield
             rows = slice(start, end)
@@ -481,20 +481,14 @@ def _row_kinds(positions: torch.Tensor) -> RowKind | torch.Tensor:
     return kinds
 
 
-# What writing a filled row costs in a late layer, in exact rows: its map (an E x E product, 2E x E
-# with the previous row's state) and K/V projection against an exact row's projections, MLP and
-# attention (smollm2-135m: about a quarter at short context, less as attention grows)
-FILL_COST = 0.25
-
-
-def _late_chunks(exact: list[bool], chunk: int) -> list[int]:
+def _late_chunks(exact: list[bool], chunk: int, fill_cost: float) -> list[int]:
     """Where the late-layer chunks of a filled prompt start: each holds at most `chunk` exact rows'
-    worth of work, its filled rows counted at `FILL_COST` each (a chunk of filled rows only is
-    written without running an attention layer or MLP; a hybrid's recurrent layer still advances its
-    state through them, at more than `FILL_COST`)."""
+    worth of work, its filled rows counted at `fill_cost` each (the plan's, from MACs: a filled row
+    runs no attention or MLP, and on a hybrid's recurrent layer still its projections and state
+    update)."""
     starts, work = [0], 0.0
     for row, is_exact in enumerate(exact):
-        cost = 1.0 if is_exact else FILL_COST
+        cost = 1.0 if is_exact else fill_cost
         if work + cost > chunk and row > starts[-1]:
             starts.append(row)
             work = 0.0

@@ -56,6 +56,9 @@ class PrefillPlan:
     # RidgeFill: while decoding, recompute filled rows a copy reads next (`fill.rescue.RescueConfig`;
     # the decode loop starts a `DecodeRescue` per sequence from what the prefill returns); None: off
     rescue: "RescueConfig | None" = None
+    # what a filled row costs a prefill chunk's budget in the layers past its depth, in exact rows
+    # (RidgeFill: `flops.filled_row_share` of its maps); None: as much as an exact row
+    fill_cost: float | None = None
 
     @classmethod
     def exact(cls, tokens: int, num_layers: int, reason: str | None = None) -> "PrefillPlan":

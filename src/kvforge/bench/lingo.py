@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.bench.flops import decode_macs, exact_macs
+from kvforge.flops import decode_macs, exact_macs
 from kvforge.bench.harness import environment, interleaved_metric_medians, timed
 from kvforge.data.prompts import plain_texts
 from kvforge.translate.align import align, tokenize

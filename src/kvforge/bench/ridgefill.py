@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 
-from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_medians, interleaved_samples
 from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.bench.flops import decode_span_macs, exact_macs, prefill_macs
+from kvforge.flops import decode_span_macs, exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_samples, synchronize
 from kvforge.bench.plotting import new_figure, save_figure
 from kvforge.data.prompts import held_out_text_tokens

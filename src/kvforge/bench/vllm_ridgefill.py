@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_samples
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.fill.maps import RidgeMaps

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from kvforge.bench.flops import decode_span_macs, exact_macs, prefill_macs
+from kvforge.flops import decode_span_macs, exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_samples
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.fill.speed import SpeedConfig, speed_plan

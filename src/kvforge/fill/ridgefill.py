@@ -30,6 +30,7 @@ from kvforge.errors import ArtifactError, KvforgeError
 from kvforge.fill.calibrate import validate_splits
 from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.rescue import RescueConfig
+from kvforge.flops import filled_row_share
 from kvforge.plan import PrefillPlan
 
 FILLS = ("ridge", "identity")
@@ -190,11 +191,13 @@ def ridgefill_plan(engine: Engine, prompt: list[int], config: RidgeFillConfig, m
     fill = MapFill(maps, config.split, engine.adapter, engine.dtype, engine.device) if config.fill == "ridge" else identity_fill
     rescue = config.rescue if isinstance(fill, MapFill) else None  # the identity fill has no maps to fall short of
     a = engine.adapter
+    inputs, folded = (len(maps.inputs), maps.predicts_normed) if isinstance(fill, MapFill) else (0, False)  # the identity fill maps nothing
+    fill_cost = filled_row_share(a, config.split, inputs, folded)
     read = attention_read_layer(a.windows, config.split, [a.is_recurrent(layer) for layer in range(a.num_layers)])
     if not config.attended_rows or read is None:  # read None: a hybrid with no attention layer below the split
-        return PrefillPlan(depth, fill, "ridgefill", rescue=rescue)
+        return PrefillPlan(depth, fill, "ridgefill", rescue=rescue, fill_cost=fill_cost)
     return PrefillPlan(depth, fill, "ridgefill", AttendedRows(engine, config.attended_rows, config.tail, config.attended_span),
-                       choose_at=read + 1, rescue=rescue)
+                       choose_at=read + 1, rescue=rescue, fill_cost=fill_cost)
 
 
 def attention_read_layer(windows: list[int | None], split: int, recurrent: list[bool] | None = None) -> int | None:

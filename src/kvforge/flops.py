@@ -41,7 +41,7 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, 
     (`filled`: from a map of `map_inputs` E-wide inputs at layers > split, the split state at the
     split layer) or absent. `folded`: an attention layer's map is folded into its K/V projection
     (maps of the normed input), one (map_inputs · E) × 2 kv-width multiply a row."""
-    e, q_dim, kv_dim, ffn, vocab = _dims(adapter)
+    e, q_dim, _, _, vocab = _dims(adapter)
     t = depth.numel()
     positions = torch.arange(t)
     total = 0
@@ -49,11 +49,9 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, 
         per_row_linear = _per_row_linear(adapter, layer)
         active = depth > layer
         if adapter.is_recurrent(layer):
-            state_in, state_update = _recurrent_row(adapter, layer)
             total += int(active.sum()) * per_row_linear
             if filled:
-                map_macs = map_inputs * e * e if (split is not None and layer > split) else 0
-                total += int((~active).sum()) * (map_macs + state_in + state_update)
+                total += int((~active).sum()) * _filled_row(adapter, layer, split, map_inputs, folded)
             continue
         window = adapter.windows[layer]
         written = ~active & readable_rows(positions, active, window) if filled else torch.zeros_like(active)
@@ -61,10 +59,32 @@ def prefill_macs(adapter, depth: torch.Tensor, split: int | None, filled: bool, 
         # QKᵀ and AV: 2 · head dim per visible key per query head
         total += int(active.sum()) * per_row_linear + int(seen.sum()) * 2 * q_dim
         if filled:
-            mapped = split is not None and layer > split
-            row_macs = map_inputs * e * 2 * kv_dim if mapped and folded else (map_inputs * e * e if mapped else 0) + e * 2 * kv_dim
-            total += int(written.sum()) * row_macs
+            total += int(written.sum()) * _filled_row(adapter, layer, split, map_inputs, folded)
     return total + e * vocab
+
+
+def _filled_row(adapter, layer: int, split: int | None, map_inputs: int, folded: bool) -> int:
+    """One filled row's MACs at `layer`: its map (none at the split layer, whose input is the split
+    state itself), then an attention layer's k/v projections (one multiply when the map is folded
+    into them) or a recurrent layer's input projections, conv and state update."""
+    e, _, kv_dim, _, _ = _dims(adapter)
+    mapped = split is not None and layer > split
+    map_macs = map_inputs * e * e if mapped else 0
+    if adapter.is_recurrent(layer):
+        state_in, state_update = _recurrent_row(adapter, layer)
+        return map_macs + state_in + state_update
+    return map_inputs * e * 2 * kv_dim if mapped and folded else map_macs + e * 2 * kv_dim
+
+
+def filled_row_share(adapter, split: int, map_inputs: int = 1, folded: bool = False) -> float:
+    """A filled row's MACs over layers [split, L) in exact rows: against an exact row's projections
+    and MLPs over the same layers, attention left out of both (a prefill chunk's budget counts
+    rows, whatever their attention costs). smollm2-135m's maps of one input: about a sixth; a
+    hybrid's recurrent layer, whose filled rows still run their projections and state update,
+    raises it."""
+    filled = sum(_filled_row(adapter, layer, split, map_inputs, folded) for layer in range(split, adapter.num_layers))
+    exact = sum(_per_row_linear(adapter, layer) for layer in range(split, adapter.num_layers))
+    return filled / exact
 
 
 def _keys_seen(present: torch.Tensor, window: int | None) -> torch.Tensor:
