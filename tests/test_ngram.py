@@ -539,6 +539,23 @@ def test_while_no_draft_could_pay_a_request_looks_one_up_every_few_steps():
     assert out[0].token_ids == plain and ungated.calls == stats.steps - 1  # the last step has no room for a draft
 
 
+def test_a_batch_of_plain_requests_never_measures_step_costs():
+    """A server's gate serves every request, and most decode plain: a step with no drafter in its
+    batch measures nothing (a measurement pauses every stream), and commits plain decoding's
+    tokens; the first step with a drafter in it measures its batch's widths."""
+    from kvforge.speculative.gate import DraftGate, StepCost
+    from kvforge.speculative.ngram import NoDrafter
+
+    engine = Engine(tiny_loaded("llama"))
+    prompts, config = [list(range(10, 30)), list(range(40, 52))], GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    plain = [engine.generate(p, config)[0].token_ids for p in prompts]
+    cost = StepCost(engine)
+    out, _ = speculative_generate(engine, prompts, [NoDrafter(), NoDrafter()], config, 4, gate=DraftGate(cost))
+    assert [o.token_ids for o in out] == plain and cost.prior == {}
+    out, _ = speculative_generate(engine, prompts, [NoDrafter(), PromptLookupDrafter(1, 3)], config, 4, gate=DraftGate(cost))
+    assert [o.token_ids for o in out] == plain and sorted(cost.prior) == [1, 2]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_the_bound_of_would_draft_holds_for_any_drafts_within_the_rows_rooms(data):

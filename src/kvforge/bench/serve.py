@@ -57,6 +57,16 @@ def stop_server(server) -> None:
     server.thread.join(timeout=60)
 
 
+def warm_gates(schedulers, batch: int) -> None:
+    """Measure the drafting gate's step costs up to `batch` rows before a timed level: a server
+    measures a batch size the first time drafting requests reach it, a pause of every stream (seconds
+    at 16 rows on a CPU without AMX), once in its life; a level would otherwise time that pause."""
+    for scheduler in schedulers:
+        if scheduler.gate is not None:
+            with scheduler.step_lock:
+                scheduler.gate.prepare(min(batch, scheduler.max_batch), scheduler.draft.k + 1)
+
+
 def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
     """One streaming request: {ttft_s, tokens, complete, text, status} and, from the final chunk,
     prompt_tokens and what the prefill ran (prefill, filled_rows, shallow_rows, reason)."""
@@ -280,6 +290,8 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
         for method in methods:
             with httpx.Client() as http:  # warm-up
                 stream_completion(http, url, {"model": model, "prompt": prompts[0], "max_tokens": 4, "temperature": 0, "kvforge": METHOD_OPTIONS[method]})
+            if "draft" in METHOD_OPTIONS[method]:  # the gate's step costs at every level's batch size, measured once per server
+                warm_gates(served[model].schedulers, max(levels))
             base = None
             for level in levels:
                 if progress:

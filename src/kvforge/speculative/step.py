@@ -328,7 +328,10 @@ def speculative_step(
         raise ValueError(f"k {k} is too long for this model: its recurrent layers roll back steps of at most {limit} rows (k <= {limit - 1})")
     stats = stats if stats is not None else SpecStats(k)
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
-    if gate is not None:
+    # a batch of plain requests has nothing to gate: its step costs are never measured for it (a
+    # measurement is a pause of every stream, seconds at a batch of 16 on a CPU without AMX)
+    gating = gate is not None and any(not isinstance(r.drafter, NoDrafter) for r in requests)
+    if gating:
         gate.prepare(len(requests), k + 1)
     step_start, lookup_s = time.perf_counter(), 0.0
     rooms = [_room(r, k, context_limit) for r in requests]
@@ -337,7 +340,7 @@ def speculative_step(
     together = len({r.offset + len(r.context) for r in requests}) == 1  # the sequences end at the same row
     # a step that would verify no draft however long the rows' drafts came out looks up none,
     # but on every PROBE_EVERY-th step of a request: its acceptance keeps learning
-    probing_only = gate is not None and not gate.would_draft(rooms, [r.acceptance for r in requests], context, remaining, together)
+    probing_only = gating and not gate.would_draft(rooms, [r.acceptance for r in requests], context, remaining, together)
     proposals, prefetched, sources = [], [], []  # per row: the draft proposed, 1 when it is the previous step's prefetch hit, its source
     for r, room in zip(requests, rooms):
         ready, r.ready = r.ready, None
@@ -358,7 +361,7 @@ def speculative_step(
     # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
     proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
-    step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining, together) if gate is not None else k
+    step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining, together) if gating else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
     starts = [r.offset + len(r.context) - 1 for r in requests]
