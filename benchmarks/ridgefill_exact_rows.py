@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvforge.artifacts import find_artifact
-from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.flops import exact_macs, prefill_macs
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge import provenance
 from kvforge.engine import Engine

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.bench.flops import exact_macs, prefill_macs
+from kvforge.flops import exact_macs, prefill_macs
 from kvforge.bench.harness import environment, interleaved_medians
 from kvforge.data.prompts import held_out_text_tokens
 from kvforge.engine import Engine

@@ -451,6 +451,35 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     assert engine.generate(ids, replace(greedy, chunk_size=chunk), plan=plan)[0].token_ids == engine.generate(ids, greedy, plan=plan)[0].token_ids
 
 
+def test_a_chunked_ridgefill_prefill_cuts_its_late_layers_by_the_plans_fill_cost():
+    """The engine's late-layer chunks follow the plan's `fill_cost`: a cheaper filled row packs
+    more rows into a chunk, so fewer chunks; a plan with none counts a filled row as an exact one.
+    The rows are the same whichever way the work is cut, within rounding."""
+    from dataclasses import replace
+
+    from kvforge.engine import _late_chunks
+
+    engine = Engine(tiny_loaded("llama", seed=2))
+    ids = _ids(8)
+    config = RidgeFillConfig(split=2, tail=5, sinks=2, attended_rows=0, attended_span=1)
+    plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, 2))
+    chunk, results = 4, {}
+    for cost in (0.1, 1.0, None):
+        steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=replace(plan, fill_cost=cost)), 0
+        with pytest.raises(StopIteration) as done:
+            while True:
+                next(steps)
+                yields += 1
+        results[cost] = (yields, done.value.value)
+    kept = final_depth(results[None][1][1], T) == engine.num_layers
+    late = {cost: len(_late_chunks(kept.tolist(), chunk, 1.0 if cost is None else cost)) for cost in results}
+    assert late[0.1] < late[1.0] == late[None] == T // chunk  # filled rows at full cost: chunks of `chunk` rows
+    assert all(results[cost][0] == T // chunk + late[cost] - 1 for cost in results)
+    for layer in range(engine.num_layers):
+        assert (results[0.1][1][1][layer].keys() - results[None][1][1][layer].keys()).abs().max() < TOL
+    assert (results[0.1][1][0] - results[None][1][0]).abs().max() < TOL
+
+
 def test_late_chunks_hold_a_chunk_of_work_with_filled_rows_at_their_share():
     """The late layers of a chunked RidgeFill prefill run in chunks of about `chunk` exact rows'
     worth of work, a filled row counting its plan's share (writing it is cheaper than running a

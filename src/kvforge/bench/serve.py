@@ -63,7 +63,7 @@ def warm_gates(schedulers, batch: int) -> None:
     at 16 rows on a CPU without AMX), once in its life; a level would otherwise time that pause."""
     for scheduler in schedulers:
         if scheduler.gate is not None:
-            with scheduler.step_lock:
+            with scheduler.paused():
                 scheduler.gate.prepare(min(batch, scheduler.max_batch), scheduler.draft.k + 1)
 
 

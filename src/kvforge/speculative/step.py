@@ -330,7 +330,7 @@ def speculative_step(
     tokenizer, context_limit = engine.model.tokenizer, engine.model.context_length
     # a batch of plain requests has nothing to gate: its step costs are never measured for it (a
     # measurement is a pause of every stream, seconds at a batch of 16 on a CPU without AMX)
-    gating = gate is not None and any(not isinstance(r.drafter, NoDrafter) for r in requests)
+    gating = gate is not None and any(not isinstance(r.drafter, NoDrafter) or r.ready is not None for r in requests)
     if gating:
         gate.prepare(len(requests), k + 1)
     step_start, lookup_s = time.perf_counter(), 0.0
