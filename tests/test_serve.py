@@ -383,6 +383,24 @@ def test_sampling_with_a_seed_is_reproducible(client, dirs):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_vllms_extra_sampling_parameters_reach_decoding(client, dirs):
+    """vLLM's top-level `top_k` and `ignore_eos`, as its clients send them: top_k 1 samples the
+    greedy tokens at temperature 1 (a sampled reply without it parts from them), -1 and 0 are off,
+    and ignore_eos decodes past the end of sequence."""
+    from kvforge.serve.app import ServeConfig, _make_group, build_served
+    from kvforge.serve.protocol import CompletionRequest
+
+    model = str(dirs[0])
+    kw = dict(model=model, prompt=PROMPTS[2], max_tokens=12, seed=5)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    assert client.completions.create(**kw, temperature=1.0, extra_body={"top_k": 1}).choices[0].text == greedy
+    assert client.completions.create(**kw, temperature=1.0).choices[0].text != greedy
+    served = build_served(ServeConfig(model, max_batch=1, queue_size=1, dtype="fp32"))[model]
+    for extra, top_k, ignore_eos in (({}, 0, False), ({"top_k": -1}, 0, False), ({"top_k": 7, "ignore_eos": True}, 7, True)):
+        (request,) = _make_group(served, CompletionRequest(model=model, prompt=PROMPTS[0], max_tokens=4, **extra), chat=False)
+        assert (request.config.top_k, request.config.ignore_eos) == (top_k, ignore_eos)
+
+
 # fp32 log-probabilities: the server's decode steps against the library's (see test_logprobs.TOL)
 TOL = 1e-5
 

@@ -538,7 +538,8 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     try:
         config = GenerationConfig(
             max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=body.stops(),
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=max(body.top_k or 0, 0), ignore_eos=bool(body.ignore_eos),
+            seed=body.seed, stop=body.stops(),
             logprobs=top is not None, top_logprobs=top or 0, logprobs_of=options.logprobs_of, epoch=options.epoch,
         )
     except ValueError as exc:

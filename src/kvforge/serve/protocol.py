@@ -95,6 +95,10 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # vLLM's extra sampling parameters, as its clients send them (`vllm bench serve` sets
+    # ignore_eos): top_k 0 or -1 is off; ignore_eos decodes past the end-of-sequence token
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool | None = None
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     stream: bool | None = None
