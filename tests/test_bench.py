@@ -88,18 +88,26 @@ def test_ridgefill_macs_unchanged_where_every_row_is_present():
     assert prefill_macs(adapter, depth, 2, True) == expected
 
 
-def test_a_hybrid_counts_deltanet_rows_by_hand():
-    """qwen3_5 tiny: layers 0-2 Gated DeltaNet (E 64; q, k 2 heads x 8, v 4 heads x 8; conv 4), layer 3
-    gated full attention. RidgeFill at split 1 fills rows 2..T-5 above layer 1."""
-    adapter = tiny_loaded("qwen3_5").adapter
-    c = adapter.config
-    e, mlp = 64, 3 * 64 * c.intermediate_size
-    conv_dim, value_dim, state = 2 * 16 + 32, 32, 4 * 8 * 8
+def _tiny_hybrid_rows(adapter) -> dict[str, int]:
+    """qwen3_5 tiny, counted by hand: layers 0-2 Gated DeltaNet (E 64; q, k 2 heads x 8, v 4 heads
+    x 8; conv 4), layer 3 gated full attention. A DeltaNet row up to its state (projections, conv),
+    the value heads' Dk x Dv states (their size), an exact DeltaNet row and an exact attention row."""
+    e, mlp, value_dim = 64, 3 * 64 * adapter.config.intermediate_size, 32
+    conv_dim, state = 2 * 16 + value_dim, 4 * 8 * 8
     into_state = e * (conv_dim + value_dim + 2 * 4) + conv_dim * 4  # projections, conv
-    exact_row = into_state + 3 * state + state + value_dim * e + mlp  # update, read, out_proj, MLP
     q_dim, kv_dim = 4 * 16, 2 * 16
-    attention_row = e * (2 * q_dim + 2 * kv_dim) + q_dim * e + mlp  # the query projection also yields the gate
-    head = e * c.vocab_size
+    return {"e": e, "q_dim": q_dim, "kv_dim": kv_dim, "into_state": into_state, "state": state,
+            "exact_row": into_state + 3 * state + state + value_dim * e + mlp,  # update, read, out_proj, MLP
+            "attention_row": e * (2 * q_dim + 2 * kv_dim) + q_dim * e + mlp}  # the query projection also yields the gate
+
+
+def test_a_hybrid_counts_deltanet_rows_by_hand():
+    """The tiny qwen3_5 (`_tiny_hybrid_rows`): RidgeFill at split 1 fills rows 2..T-5 above layer 1."""
+    adapter = tiny_loaded("qwen3_5").adapter
+    rows = _tiny_hybrid_rows(adapter)
+    e, q_dim, kv_dim, into_state, state = (rows[k] for k in ("e", "q_dim", "kv_dim", "into_state", "state"))
+    exact_row, attention_row = rows["exact_row"], rows["attention_row"]
+    head = e * adapter.config.vocab_size
     assert exact_macs(adapter, T) == 3 * T * exact_row + T * attention_row + T * (T + 1) // 2 * 2 * q_dim + head
     depth = torch.full((T,), 4)
     depth[2:-4] = 1  # rows 0, 1 and the last 4 exact; split 1
@@ -126,15 +134,10 @@ def test_a_filled_rows_share_of_a_chunk_counts_its_late_layers_by_hand():
     assert filled_row_share(adapter, 2, folded=True) == pytest.approx((e * 2 * kv_dim + e * 2 * kv_dim) / (2 * linear))
     assert filled_row_share(adapter, 2, map_inputs=0) == pytest.approx(2 * e * 2 * kv_dim / (2 * linear))  # the identity fill
     hybrid = tiny_loaded("qwen3_5").adapter
-    c = hybrid.config
-    e, mlp = 64, 3 * 64 * c.intermediate_size
-    conv_dim, value_dim, state = 2 * 16 + 32, 32, 4 * 8 * 8
-    into_state = e * (conv_dim + value_dim + 2 * 4) + conv_dim * 4
-    exact_row = into_state + 3 * state + state + value_dim * e + mlp
-    q_dim, kv_dim = 4 * 16, 2 * 16
-    attention_row = e * (2 * q_dim + 2 * kv_dim) + q_dim * e + mlp
-    filled = (into_state + 3 * state) + (e * e + into_state + 3 * state) + (e * e + e * 2 * kv_dim)  # layers 1, 2 recurrent; 3 attention
-    assert filled_row_share(hybrid, 1) == pytest.approx(filled / (2 * exact_row + attention_row))
+    rows = _tiny_hybrid_rows(hybrid)
+    e, kv_dim, to_state = rows["e"], rows["kv_dim"], rows["into_state"] + 3 * rows["state"]
+    filled = to_state + (e * e + to_state) + (e * e + e * 2 * kv_dim)  # layers 1, 2 recurrent; 3 attention
+    assert filled_row_share(hybrid, 1) == pytest.approx(filled / (2 * rows["exact_row"] + rows["attention_row"]))
     assert filled_row_share(hybrid, 1) > filled_row_share(tiny_loaded("llama").adapter, 2)
 
 

@@ -397,6 +397,16 @@ def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_pat
         maps.only([1])
 
 
+def _prefill_in_steps(engine, ids, chunk, plan):
+    """(how many times the prefill yielded between its chunks, what it returned)."""
+    steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=plan), 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+            yields += 1
+    return yields, done.value.value
+
+
 @pytest.mark.parametrize("family, chunk, attended", [("llama", 8, 2), ("gemma3", 8, 2), ("llama", 4, 0), ("qwen3_5", 4, 0)])
 def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chunk, attended):
     """RidgeFill prefills in two phases of chunks (the server's chunked prefill): the layers below
@@ -424,12 +434,7 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, split))
     assert (plan.choose is not None and plan.choose_at == 2) if attended else plan.choose is None
     whole_logits, whole, whole_states = engine.prefill_with_states([ids], plan=plan)
-    steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=plan), 0
-    with pytest.raises(StopIteration) as done:
-        while True:
-            next(steps)
-            yields += 1
-    chunked_logits, chunked, chunked_states = done.value.value
+    yields, (chunked_logits, chunked, chunked_states) = _prefill_in_steps(engine, ids, chunk, plan)
     kept = final_depth(whole, T) == engine.num_layers
     assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and (8 if attended else 6) < int(kept.sum()) < T
     assert 0 < plan.fill_cost < 1  # the maps' share of a late layer's work (`flops.filled_row_share`)
@@ -465,12 +470,7 @@ def test_a_chunked_ridgefill_prefill_cuts_its_late_layers_by_the_plans_fill_cost
     plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, 2))
     chunk, results = 4, {}
     for cost in (0.1, 1.0, None):
-        steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=replace(plan, fill_cost=cost)), 0
-        with pytest.raises(StopIteration) as done:
-            while True:
-                next(steps)
-                yields += 1
-        results[cost] = (yields, done.value.value)
+        results[cost] = _prefill_in_steps(engine, ids, chunk, replace(plan, fill_cost=cost))
     kept = final_depth(results[None][1][1], T) == engine.num_layers
     late = {cost: len(_late_chunks(kept.tolist(), chunk, 1.0 if cost is None else cost)) for cost in results}
     assert late[0.1] < late[1.0] == late[None] == T // chunk  # filled rows at full cost: chunks of `chunk` rows

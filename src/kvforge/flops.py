@@ -81,8 +81,8 @@ def filled_row_share(adapter, split: int, map_inputs: int = 1, folded: bool = Fa
     """A filled row's MACs over layers [split, L) in exact rows: against an exact row's projections
     and MLPs over the same layers, attention left out of both (a prefill chunk's budget counts
     rows, whatever their attention costs). smollm2-135m at split 15: 0.15 for maps of one input,
-    0.24 for two (the shipped maps); a hybrid's recurrent layer, whose filled rows still run their projections and state update,
-    raises it."""
+    0.24 for two (the shipped maps); a hybrid's recurrent layer, whose filled rows still run their
+    projections and state update, raises it."""
     filled = sum(_filled_row(adapter, layer, split, map_inputs, folded) for layer in range(split, adapter.num_layers))
     exact = sum(_per_row_linear(adapter, layer) for layer in range(split, adapter.num_layers))
     return filled / exact
