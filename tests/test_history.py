@@ -22,8 +22,9 @@ from kvforge.generation import GenerationConfig
 from kvforge.speculative.decode import speculative_generate
 from kvforge.speculative.history import RolloutHistory, prompt_key
 from kvforge.speculative.ngram import NgramCache, NgramDrafter
-from kvforge.speculative.previous import PreviousRolloutDrafter
+from kvforge.speculative.previous import IndexedRollout, PreviousRolloutDrafter
 from kvforge.speculative.rollout import DraftConfig, generate_group
+from kvforge.speculative.step import new_drafters
 
 A = [5, 6, 7, 5, 6, 7, 5, 6, 8]
 B = [9, 10, 11, 9, 10, 12]
@@ -273,6 +274,31 @@ def test_realigning_finds_the_rule_s_alignment(rollouts, output):
     drafter = PreviousRolloutDrafter(rollouts, len(prompt))
     drafter.aligned = None  # search now, as after a miss
     assert drafter.propose(context, 3) == reference()
+
+
+def test_a_groups_drafters_share_each_previous_rollouts_index():
+    """Sample i drafts from its own previous rollout first, the others in index order, and every
+    drafter of the group reads one index per previous rollout: built once, by whichever sample
+    searches first."""
+    prompt = [1, 2, 3]
+    previous = {0: [10, 11, 12, 13], 1: [20, 12, 13, 21], 2: [30, 12, 13, 32]}
+    drafters, _ = new_drafters(DraftConfig("ngram", 4), prompt, 3, previous=previous)
+    orders = [d.drafters["rollout"].indexed for d in drafters]
+    assert [[r.tokens.tolist() for r in order] for order in orders] == [
+        [previous[0], previous[1], previous[2]], [previous[1], previous[0], previous[2]], [previous[2], previous[0], previous[1]]]
+    assert all(orders[0][0] is order[next(i for i, r in enumerate(order) if r.tokens.tolist() == previous[0])] for order in orders)
+    output = [99, 12, 13]  # no rollout begins with 99: each drafter searches by n-gram
+    found = []
+    for d in drafters:
+        rollout = d.drafters["rollout"]
+        rollout.observe(output)
+        found.append(rollout.propose(prompt + output, 2))
+    # its own rollout first where it holds 12 13 with a token after; sample 0's ends there, so sample 1's
+    assert found == [[21], [21], [32]]
+    built = {id(r) for order in orders for r in order if r._grams is not None}
+    assert built == {id(r) for r in orders[0]}  # the three indexes, each built once for the group
+    with pytest.raises(ValueError, match="indexed by other n-grams"):
+        PreviousRolloutDrafter([IndexedRollout([1, 2, 3], 1, 3)], 2)
 
 
 def test_the_drafter_takes_the_previous_rollout_source_and_reports_it():

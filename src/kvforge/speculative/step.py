@@ -42,6 +42,7 @@ from kvforge.sampling import SampleKey
 from kvforge.speculative.gate import PROBE_EVERY, Acceptance, DraftGate, step_cost
 from kvforge.speculative.ngram import Drafter, NgramCache, NgramDrafter, NoDrafter, PromptLookupDrafter
 from kvforge.speculative.prefetch import PREFETCHED_SOURCES, Prefetcher
+from kvforge.speculative.previous import IndexedRollout
 from kvforge.speculative.verify import verify
 
 DRAFTS = ("none", "prompt-lookup", "ngram")
@@ -100,10 +101,11 @@ def new_drafters(
         if shared is not None and (shared.n_min, shared.n_max) != (config.n_min, config.n_max):
             raise ValueError(f"the prompt's cache holds {shared.n_min}..{shared.n_max}-grams, the drafter uses {config.n_min}..{config.n_max}")
         shared = shared if shared is not None else NgramCache(prompt, config.n_min, config.n_max)
-        previous = previous or {}
+        # each previous rollout indexed once for the group, not once per sample
+        indexed = {j: IndexedRollout(tokens, config.n_min, config.n_max) for j, tokens in (previous or {}).items()}
         indices = indices if indices is not None else list(range(samples))
-        own_first = lambda i: sorted(previous, key=lambda j: (j != i, j))  # noqa: E731
-        return [NgramDrafter(shared, prompt, [previous[j] for j in own_first(i)]) for i in indices], shared
+        own_first = lambda i: sorted(indexed, key=lambda j: (j != i, j))  # noqa: E731
+        return [NgramDrafter(shared, prompt, [indexed[j] for j in own_first(i)]) for i in indices], shared
     if config.draft == "prompt-lookup":
         return [PromptLookupDrafter(config.n_min, config.n_max) for _ in range(samples)], None
     return [NoDrafter() for _ in range(samples)], None
