@@ -256,8 +256,13 @@ def test_an_update_of_the_source_marks_a_hand_off_mid_prefill_crossed(dirs, arti
     llama, gemma = str(dirs[0]), str(dirs[1])
     served = build_served(ServeConfig(llama, translator=artifacts["translator"], target=gemma, max_batch=2, dtype="fp32", max_num_batched_tokens=8))
     source = served[llama].engine
-    forward = source.forward
-    source.forward = lambda *args, **kwargs: time.sleep(0.02) or forward(*args, **kwargs)
+    forward_steps = source.forward_steps
+
+    def slow_chunks(*args, **kwargs):  # the source's prefill chunks
+        time.sleep(0.02)
+        return (yield from forward_steps(*args, **kwargs))
+
+    source.forward_steps = slow_chunks
     body = {"model": gemma, "prompt": "the quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 2, "temperature": 0,
             "kvforge": {"prefill": "handoff"}}
     new = {name: p.detach().clone() for name, p in tiny_hf_model("llama", seed=3).named_parameters()}
@@ -308,11 +313,12 @@ def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(di
         steps = inner(r)
         while True:
             try:
-                next(steps)
+                point = next(steps)
             except StopIteration as done:
                 return done.value
-            events.append("piece")
-            yield
+            if point is None:  # not a point between two layers of a chunk
+                events.append("piece")
+            yield point
 
     target.forward = forward_spy
     done = threading.Semaphore(0)
@@ -928,6 +934,67 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
         assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
 
 
+def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch):
+    """While requests decode, an exact chunk's layers run in slices of about their step time
+    (`PREFILL_SLICE`; 0 here: one layer a slice), a step of theirs between two slices, so a long
+    chunk holds no stream for all its layers. Both decode what they decode alone. The prefill's
+    steps pause between chunks (None) and may pause between a chunk's layers ("layer")."""
+    from dataclasses import replace
+
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve import scheduler as scheduling
+    from kvforge.serve.app import planned_prefiller
+
+    engine = tiny_engine
+    monkeypatch.setattr(scheduling, "PREFILL_SLICE", 0.0)
+    running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    long_prompt = [3 + (i * 7) % 90 for i in range(20)]
+    arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    events, forward, run_layer = [], engine.forward, engine.run_layer
+
+    def forward_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    def layer_spy(layer, h, positions, *rest, **kw):
+        if h.shape[0] == 1 and h.shape[1] > 1 and positions[0].tolist() == list(range(int(positions[0, 0]), int(positions[0, -1]) + 1)):
+            events.append(("layer", int(positions[0, 0]), layer))  # a chunk of the arriving prompt
+        return run_layer(layer, h, positions, *rest, **kw)
+
+    monkeypatch.setattr(engine, "forward", forward_spy)
+    monkeypatch.setattr(engine, "run_layer", layer_spy)
+    done = threading.Semaphore(0)
+    for r in (running, arriving):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4)
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        while running.steps < 3:
+            time.sleep(0.001)
+        with scheduler.paused():
+            before = len(events)
+            scheduler.submit(arriving)
+        assert done.acquire(timeout=120)
+        running.cancelled.set()
+        assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "run_layer", run_layer)
+    layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
+    assert [events[i][1:] for i in layers] == [(start, layer) for start in (0, 8, 16) for layer in range(engine.num_layers)]
+    assert all("step" in events[a:b] for a, b in zip(layers, layers[1:])), events[before:]
+    assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
+    steps = engine.prefill_steps([long_prompt], chunk_size=8)
+    points = []
+    with pytest.raises(StopIteration):
+        while True:
+            points.append(next(steps))
+    assert points.count(None) == 2 and points.count("layer") == 3 * (engine.num_layers - 1)
+
+
 @pytest.mark.parametrize("method", ["exact", "speed", "ridgefill"])
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny_engine, monkeypatch, method):
     """Each loop iteration runs one chunk of the prompt being prefilled and one step of the
@@ -951,15 +1018,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(100)]
     arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
-    events, forward, run_plan = [], engine.forward, engine.run_plan
+    events, forward, forward_steps, run_plan = [], engine.forward, engine.forward_steps, engine.run_plan
 
     def forward_spy(ids, positions, cache, logits="last"):
-        at = int(positions[0, 0])
         if logits == "all":
             events.append("step")
-        elif ids.shape[0] == 1 and at >= 0 and ids[0].tolist() == long_prompt[at : at + ids.shape[1]]:
-            events.append("chunk")  # an exact chunk, not the gate's timing forwards
         return forward(ids, positions, cache, logits)
+
+    def steps_spy(ids, positions, cache, logits="last"):
+        events.append("chunk")  # an exact chunk
+        return forward_steps(ids, positions, cache, logits)
 
     def plan_spy(ids, *rest):
         events.append("chunk")  # a planned chunk
@@ -978,6 +1046,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         return plan_layer(layer, h, *rest, **kw)
 
     monkeypatch.setattr(engine, "forward", forward_spy)
+    monkeypatch.setattr(engine, "forward_steps", steps_spy)
     monkeypatch.setattr(engine, "run_plan", plan_spy)
     if method == "ridgefill":
         monkeypatch.setattr(engine, "run_layer", layer_spy)
@@ -1001,6 +1070,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         scheduler.stop()
     chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
     monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "forward_steps", forward_steps)
     monkeypatch.setattr(engine, "run_plan", run_plan)
     monkeypatch.setattr(engine, "run_layer", run_layer)
     monkeypatch.setattr(engine, "_plan_layer", plan_layer)

@@ -38,6 +38,11 @@ class RewrittenRows:
     index: torch.Tensor
 
 
+# What a prefill's steps yield between two layers of an exact chunk (`Engine.forward_steps`): a
+# point where the caller may pause; between two chunks they yield None, where it pauses.
+LAYER_BOUNDARY = "layer"
+
+
 class Engine:
     """Exact prefill and decode for one loaded model."""
 
@@ -176,6 +181,26 @@ class Engine:
         """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or 'none'."""
         h = self.adapter.embed(ids)
         h = self.run_layers(h, positions, cache)
+        return self._logits(h, logits)
+
+    def forward_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last"):
+        """`forward` as a generator that yields `LAYER_BOUNDARY` between two layers and returns
+        forward's result: a server may run its running requests' decode step there, so a long
+        chunk of prefill need not hold them for all its layers (`serve.scheduler`). The same
+        layers on the same rows: the same bits as `forward`."""
+        with torch.inference_mode():
+            h = self.adapter.embed(ids)
+            rope = self.adapter.rope(h, positions)
+        kind = _row_kinds(positions)
+        for layer in range(self.num_layers):
+            if layer:
+                yield LAYER_BOUNDARY
+            with torch.inference_mode():
+                h = self.run_layer(layer, h, positions, cache, rope, kind)
+        with torch.inference_mode():
+            return self._logits(h, logits)
+
+    def _logits(self, h: torch.Tensor, logits: str) -> torch.Tensor | None:
         if logits == "none":
             return None
         if logits == "last":
@@ -219,8 +244,9 @@ class Engine:
         exact_shortcut: bool = True,
     ):
         """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
-        (where a server runs its running requests' decode step: chunked prefill that shares the
-        time with decoding) and returns its result. Plans run in chunks too: one whose rows are
+        (None: where a server runs its running requests' decode step: chunked prefill that shares
+        the time with decoding), and `LAYER_BOUNDARY` between two layers of a chunk (where it may),
+        and returns its result. Plans run in chunks too: one whose rows are
         exact or absent (SPEED) as an exact prefill does, one that fills its rows from one split
         (RidgeFill, hybrids' too) in two phases (`_fill_in_chunks`); other plans run whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
@@ -252,7 +278,7 @@ class Engine:
                 yield
             end = min(start + chunk, ids.shape[1])
             want = logits if (end == ids.shape[1] or logits == "all") else "none"
-            outputs.append(self.forward(ids[:, start:end], positions[:, start:end], cache, want))
+            outputs.append((yield from self.forward_steps(ids[:, start:end], positions[:, start:end], cache, want)))
         if logits == "all":
             return torch.cat(outputs, dim=1), cache, None
         return outputs[-1], cache, None

@@ -193,17 +193,17 @@ def hand_off_steps(
 
 
 def _timed(steps, clock: list[float]):
-    """Drive `steps`, yielding where it yields, and add the time it ran (not the time spent
+    """Drive `steps`, yielding what it yields where it yields, and add the time it ran (not the time spent
     away at its yields) to clock[0]; returns what it returns."""
     try:
         while True:
             start = time.perf_counter()
             try:
-                next(steps)
+                point = next(steps)
             except StopIteration as done:
                 clock[0] += time.perf_counter() - start
                 return done.value
             clock[0] += time.perf_counter() - start
-            yield
+            yield point
     finally:
         steps.close()  # a hand-off abandoned mid-way (its request aborted) ends its inner steps too
