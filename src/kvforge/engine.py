@@ -191,7 +191,7 @@ class Engine:
         with torch.inference_mode():
             h = self.adapter.embed(ids)
             rope = self.adapter.rope(h, positions)
-        kind = _row_kinds(positions)
+            kind = _row_kinds(positions)
         for layer in range(self.num_layers):
             if layer:
                 yield LAYER_BOUNDARY

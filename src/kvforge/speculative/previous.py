@@ -45,11 +45,12 @@ class IndexedRollout:
     @property
     def grams(self) -> dict[tuple[int, ...], list[int]]:
         if self._grams is None:
-            self._grams = {}
+            grams: dict[tuple[int, ...], list[int]] = {}
             tokens = self.tokens.tolist()
             for n in range(self.n_min, self.n_max + 1):
                 for end in range(n, len(tokens)):
-                    self._grams.setdefault(tuple(tokens[end - n : end]), []).append(end)
+                    grams.setdefault(tuple(tokens[end - n : end]), []).append(end)
+            self._grams = grams  # whole or not at all: a reader never sees it half built
         return self._grams
 
 
