@@ -935,10 +935,11 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
 
 
 def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch):
-    """While requests decode, an exact chunk's layers run in slices of about their step time
+    """While requests decode, a long prompt's first chunk runs whole, as a prompt of one chunk
+    does, and its later exact chunks run their layers in slices of about their step time
     (`PREFILL_SLICE`; 0 here: one layer a slice), a step of theirs between two slices, so a long
-    chunk holds no stream for all its layers. Both decode what they decode alone. The prefill's
-    steps pause between chunks (None) and may pause between a chunk's layers ("layer")."""
+    prompt holds no stream for a whole chunk past its first. Both decode what they decode alone.
+    The prefill's steps pause between chunks (None) and may pause between a chunk's layers ("layer")."""
     from dataclasses import replace
 
     from kvforge.generation import GenerationConfig
@@ -985,7 +986,9 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
     monkeypatch.setattr(engine, "run_layer", run_layer)
     layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
     assert [events[i][1:] for i in layers] == [(start, layer) for start in (0, 8, 16) for layer in range(engine.num_layers)]
-    assert all("step" in events[a:b] for a, b in zip(layers, layers[1:])), events[before:]
+    first, later = layers[: engine.num_layers], layers[engine.num_layers :]
+    assert first == list(range(first[0], first[0] + engine.num_layers))  # the first chunk: its layers with no step between
+    assert all("step" in events[a:b] for a, b in zip(later, later[1:])), events[before:]
     assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
     steps = engine.prefill_steps([long_prompt], chunk_size=8)
     points = []

@@ -17,9 +17,9 @@ mechanism. Finished or cancelled requests (a client that disconnected) leave the
 Chunked prefill: a prefiller may prefill in chunks (the app's exact, SPEED and RidgeFill prefills do, in
 chunks of `--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
-long prompt arrives. An exact chunk's layers run in slices of about one step's time
-(`PREFILL_SLICE`), a step between two slices, so however long the chunk, a stream waits about two
-steps for a token. The chunk runs in its own forward: a decode row's bits do not depend on a
+long prompt arrives. From a prompt's second chunk on, an exact chunk's layers run in slices of
+about one step's time (`PREFILL_SLICE`), a step between two slices, so however long the prompt,
+a stream waits about two steps for a token past its first chunk. The chunk runs in its own forward: a decode row's bits do not depend on a
 prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill prompts chunk in two
 phases (`Engine.prefill_steps`), a hybrid's too. A hand-off prompt chunks its source prefill and its
 native tail and translates a target layer at a time (`hand_off_steps`).
@@ -131,13 +131,15 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
     return prefilled
 
 
-# While requests decode, a chunk of an exact prefill runs its layers in slices (`Engine.forward_steps`
-# pauses between two layers) of at most PREFILL_SLICE times their recent step time (a slice ends
-# before a layer that would cost past it, judged by the layer before; at least one layer a slice),
-# with a step of theirs between two slices: a stream then waits about two steps for a token however
-# long the chunk and its context (a 64-token chunk of smollm2-135m at 4K of context costs five
-# 15-row steps in bf16 on AVX512-BF16, one thread), and the prompt takes about half the time while
-# they run.
+# While requests decode, a prompt longer than one chunk runs its second and later exact chunks in
+# slices of their layers (`Engine.forward_steps` pauses between two layers) of at most PREFILL_SLICE
+# times the requests' recent step time (a slice ends before a layer that would cost past it, judged
+# by the layer before; at least one layer a slice), with a step of theirs between two slices: a
+# stream then waits about two steps for a token however long the prompt and its context (a 64-token
+# chunk of smollm2-135m at 4K of context costs five 15-row steps in bf16 on AVX512-BF16, one
+# thread), and the prompt takes about half the time while they run. A prompt's first chunk runs
+# whole, as a prompt of one chunk does: slicing every admission runs the decode steps with fewer
+# rows each and cost 16 clients of 512-token prompts a third of their throughput there.
 PREFILL_SLICE = 1.0
 STEP_AVERAGE = 0.2  # the weight of the latest step in the average step time
 
@@ -190,6 +192,7 @@ class Scheduler:
         # since the start: seconds in decode steps and in prefills, and the tokens the steps committed
         self.decode_s, self.prefill_s, self.decoded_tokens = 0.0, 0.0, 0
         self._step_seconds: float | None = None  # the running batch's recent decode step time (an exponential average)
+        self._chunks_passed = 0  # the chunks of the prompt being prefilled that have run to their end
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def _budget_cache(self) -> KVCache:
@@ -323,17 +326,18 @@ class Scheduler:
                     self._finish(r, error="cancelled")
                 continue
             self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
+            self._chunks_passed = 0
             self._prefill_chunk()
 
     def _slice_seconds(self) -> float:
-        """How long a slice of a prefill chunk may run while requests decode: `PREFILL_SLICE` of
-        their recent step time."""
+        """How long a slice of a prefill chunk (a long prompt's second chunk or later) may run while
+        requests decode: `PREFILL_SLICE` of their recent step time."""
         return PREFILL_SLICE * (self._step_seconds or 0.0)
 
     def _prefill_chunk(self) -> None:
         """The next chunk of the prompt being prefilled (a prefiller that is a generator yields
-        between chunks: `Engine.prefill_steps`), or while requests run, the next slice of its
-        layers (`PREFILL_SLICE`); when its prefill is done, its group joins."""
+        between chunks: `Engine.prefill_steps`), or, from its second chunk on while requests run,
+        the next slice of its layers (`PREFILL_SLICE`); when its prefill is done, its group joins."""
         if self._prefilling is None:
             return
         group, steps = self._prefilling
@@ -348,14 +352,16 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 try:
-                    # the chunk's layers to its end, or while requests run, as long as the next
-                    # layer (costing what the last one did) fits the slice's time
+                    # the chunk's layers to its end; from a prompt's second chunk on, while requests
+                    # run, as long as the next layer (costing what the last one did) fits the slice's time
                     budget, last = self._slice_seconds(), start
-                    while next(steps) is LAYER_BOUNDARY:
+                    sliced = bool(self.active) and self._chunks_passed > 0
+                    while (point := next(steps)) is LAYER_BOUNDARY:
                         now = time.perf_counter()
-                        if self.active and 2 * now - last - start > budget:
+                        if sliced and 2 * now - last - start > budget:
                             break
                         last = now
+                    self._chunks_passed += point is None
                     return  # more of the prompt: the running requests' step goes first
                 except StopIteration as done:
                     self._prefilling = None
