@@ -280,6 +280,29 @@ def test_an_update_of_the_source_marks_a_hand_off_mid_prefill_crossed(dirs, arti
     assert results[0]["kvforge"]["weights_crossed"] is True
 
 
+def _arrival_beside_a_stream(scheduler, running, arriving, events: list) -> int:
+    """Start `scheduler` with `running` decoding, submit `arriving` once `running` has made three
+    steps, wait until `arriving` is done, then cancel `running`. Returns len(events) at the
+    arrival: the events recorded from then on are the arrival's."""
+    done = threading.Semaphore(0)
+    for r in (running, arriving):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+    scheduler.submit(running)
+    scheduler.start()
+    try:
+        while running.steps < 3:
+            time.sleep(0.001)
+        with scheduler.paused():
+            before = len(events)
+            scheduler.submit(arriving)
+        assert done.acquire(timeout=120)
+        running.cancelled.set()
+        assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    return before
+
+
 def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(dirs, artifacts):
     """A hand-off prompt arriving while a stream decodes: the source's prefill in chunks, the
     translation a target layer at a time and the native tail in chunks, with a step of the running
@@ -321,23 +344,10 @@ def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(di
             yield point
 
     target.forward = forward_spy
-    done = threading.Semaphore(0)
-    for r in (running, arriving):
-        r.emit = lambda kind, payload: done.release() if kind == "done" else None
-    scheduler = Scheduler(target, {"exact": planned_prefiller(target, lambda ids: None, 8), "handoff": prefill}, max_batch=4)
-    scheduler.submit(running)
-    scheduler.start()
     try:
-        while running.steps < 3:
-            time.sleep(0.001)
-        with scheduler.paused():
-            before = len(events)
-            scheduler.submit(arriving)
-        assert done.acquire(timeout=120)
-        running.cancelled.set()
-        assert done.acquire(timeout=120)
+        scheduler = Scheduler(target, {"exact": planned_prefiller(target, lambda ids: None, 8), "handoff": prefill}, max_batch=4)
+        before = _arrival_beside_a_stream(scheduler, running, arriving, events)
     finally:
-        scheduler.stop()
         target.forward = forward
     pieces = [i for i, e in enumerate(events) if e == "piece" and i >= before]
     source_ids = len(source.model.tokenizer(text).input_ids)
@@ -965,23 +975,8 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
 
     monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "run_layer", layer_spy)
-    done = threading.Semaphore(0)
-    for r in (running, arriving):
-        r.emit = lambda kind, payload: done.release() if kind == "done" else None
     scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4)
-    scheduler.submit(running)
-    scheduler.start()
-    try:
-        while running.steps < 3:
-            time.sleep(0.001)
-        with scheduler.paused():
-            before = len(events)
-            scheduler.submit(arriving)
-        assert done.acquire(timeout=120)
-        running.cancelled.set()
-        assert done.acquire(timeout=120)
-    finally:
-        scheduler.stop()
+    before = _arrival_beside_a_stream(scheduler, running, arriving, events)
     monkeypatch.setattr(engine, "forward", forward)
     monkeypatch.setattr(engine, "run_layer", run_layer)
     layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
