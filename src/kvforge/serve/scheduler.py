@@ -138,8 +138,8 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
 # stream then waits about two steps for a token however long the prompt and its context (a 64-token
 # chunk of smollm2-135m at 4K of context costs five 15-row steps in bf16 on AVX512-BF16, one
 # thread), and the prompt takes about half the time while they run. A prompt's first chunk runs
-# whole, as a prompt of one chunk does: slicing every admission runs the decode steps with fewer
-# rows each and cost 16 clients of 512-token prompts a third of their throughput there.
+# whole, as a prompt of one chunk does: slicing every admission would run the decode steps more
+# often, with fewer rows each, and lower the throughput of many short prompts.
 PREFILL_SLICE = 1.0
 STEP_AVERAGE = 0.2  # the weight of the latest step in the average step time
 
