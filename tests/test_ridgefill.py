@@ -398,13 +398,13 @@ def test_maps_restricted_to_one_split_keep_its_tensors_and_drop_the_rest(tmp_pat
 
 
 def _prefill_in_steps(engine, ids, chunk, plan):
-    """(how many times the prefill yielded between its chunks, what it returned)."""
-    steps, yields = engine.prefill_steps([ids], chunk_size=chunk, plan=plan), 0
+    """((how many times the prefill yielded between its chunks, and between two layers of a
+    chunk), what it returned)."""
+    steps, points = engine.prefill_steps([ids], chunk_size=chunk, plan=plan), []
     with pytest.raises(StopIteration) as done:
         while True:
-            next(steps)
-            yields += 1
-    return yields, done.value.value
+            points.append(next(steps))
+    return (points.count(None), points.count("layer")), done.value.value
 
 
 @pytest.mark.parametrize("family, chunk, attended", [("llama", 8, 2), ("gemma3", 8, 2), ("llama", 4, 0), ("qwen3_5", 4, 0)])
@@ -434,12 +434,14 @@ def test_a_ridgefill_prefill_in_chunks_leaves_the_rows_one_pass_does(family, chu
     plan = ridgefill_plan(engine, ids, config, _previous_row_maps(engine, split))
     assert (plan.choose is not None and plan.choose_at == 2) if attended else plan.choose is None
     whole_logits, whole, whole_states = engine.prefill_with_states([ids], plan=plan)
-    yields, (chunked_logits, chunked, chunked_states) = _prefill_in_steps(engine, ids, chunk, plan)
+    (yields, layer_points), (chunked_logits, chunked, chunked_states) = _prefill_in_steps(engine, ids, chunk, plan)
     kept = final_depth(whole, T) == engine.num_layers
     assert torch.equal(kept, final_depth(chunked, T) == engine.num_layers) and (8 if attended else 6) < int(kept.sum()) < T
     assert 0 < plan.fill_cost < 1  # the maps' share of a late layer's work (`flops.filled_row_share`)
     starts = _late_chunks(kept.tolist(), chunk, plan.fill_cost)
     assert yields == T // chunk + len(starts) - 1  # the chunks below the split, then the late chunks
+    # and a pause between two layers of each chunk, where a server may run a decode step
+    assert layer_points == T // chunk * (split - 1) + len(starts) * (engine.num_layers - split - 1)
     if not attended:  # some late chunk holds filled rows only
         assert any(not bool(kept[a:b].any()) for a, b in zip(starts, starts[1:] + [T]))
     for layer in range(engine.num_layers):
@@ -474,7 +476,7 @@ def test_a_chunked_ridgefill_prefill_cuts_its_late_layers_by_the_plans_fill_cost
     kept = final_depth(results[None][1][1], T) == engine.num_layers
     late = {cost: len(_late_chunks(kept.tolist(), chunk, 1.0 if cost is None else cost)) for cost in results}
     assert late[0.1] < late[1.0] == late[None] == T // chunk  # filled rows at full cost: chunks of `chunk` rows
-    assert all(results[cost][0] == T // chunk + late[cost] - 1 for cost in results)
+    assert all(results[cost][0][0] == T // chunk + late[cost] - 1 for cost in results)
     for layer in range(engine.num_layers):
         assert (results[0.1][1][1][layer].keys() - results[None][1][1][layer].keys()).abs().max() < TOL
     assert (results[0.1][1][0] - results[None][1][0]).abs().max() < TOL

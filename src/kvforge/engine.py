@@ -245,8 +245,8 @@ class Engine:
     ):
         """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
         (None: where a server runs its running requests' decode step: chunked prefill that shares
-        the time with decoding), and `LAYER_BOUNDARY` between two layers of a chunk (where it may),
-        and returns its result. Plans run in chunks too: one whose rows are
+        the time with decoding), and `LAYER_BOUNDARY` between two layers of an exact or RidgeFill
+        chunk (where it may), and returns its result. Plans run in chunks too: one whose rows are
         exact or absent (SPEED) as an exact prefill does, one that fills its rows from one split
         (RidgeFill, hybrids' too) in two phases (`_fill_in_chunks`); other plans run whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
@@ -308,7 +308,8 @@ class Engine:
 
     def _fill_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
         """A plan whose rows leave at one split and are filled past it (`_leaves_at_one_split`) in
-        two phases of chunks, yielding between chunks: layers [0, split) over `chunk` rows at a time
+        two phases of chunks, yielding None between chunks and `LAYER_BOUNDARY` between two layers
+        of a chunk (as `forward_steps` does): layers [0, split) over `chunk` rows at a time
         (every row is exact there); then the plan's choice of exact rows, which reads the cache of
         its layer and the tail's stream entering it, both whole by then; then layers [split, L) over
         chunks of about `chunk` rows' worth of work each (`_late_chunks`: exact rows, and the
@@ -327,9 +328,12 @@ class Engine:
             with torch.inference_mode():
                 h = a.embed(ids[:, rows])
                 rope = a.rope(h, positions[:, rows])
-                for layer in range(split):
-                    if layer == read:
-                        read_streams.append(h)
+            for layer in range(split):
+                if layer:
+                    yield LAYER_BOUNDARY
+                if layer == read:
+                    read_streams.append(h)
+                with torch.inference_mode():
                     h = self.run_layer(layer, h, positions[:, rows], cache, rope)
             streams.append(h)
         with torch.inference_mode():
@@ -345,7 +349,10 @@ class Engine:
             with torch.inference_mode():
                 h = at_depth[:, rows]
                 rope = a.rope(h, positions[:, rows])
-                for layer in range(split, self.num_layers):
+            for layer in range(split, self.num_layers):
+                if layer > split:
+                    yield LAYER_BOUNDARY
+                with torch.inference_mode():
                     h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth, rows=rows)
         states = at_depth if bool((depth < self.num_layers).any()) else None  # as one pass: None when no row left
         with torch.inference_mode():

@@ -17,7 +17,7 @@ mechanism. Finished or cancelled requests (a client that disconnected) leave the
 Chunked prefill: a prefiller may prefill in chunks (the app's exact, SPEED and RidgeFill prefills do, in
 chunks of `--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
-long prompt arrives. From a prompt's second chunk on, an exact chunk's layers run in slices of
+long prompt arrives. From a prompt's second chunk on, an exact or RidgeFill chunk's layers run in slices of
 about one step's time (`PREFILL_SLICE`), a step between two slices, so however long the prompt,
 a stream waits about two steps for a token past its first chunk. The chunk runs in its own forward: a decode row's bits do not depend on a
 prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill prompts chunk in two
@@ -131,8 +131,8 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
     return prefilled
 
 
-# While requests decode, a prompt longer than one chunk runs its second and later exact chunks in
-# slices of their layers (`Engine.forward_steps` pauses between two layers) of at most PREFILL_SLICE
+# While requests decode, a prompt longer than one chunk runs its second and later exact or RidgeFill
+# chunks in slices of their layers (`Engine.prefill_steps` pauses between two layers) of at most PREFILL_SLICE
 # times the requests' recent step time (a slice ends before a layer that would cost past it, judged
 # by the layer before; at least one layer a slice), with a step of theirs between two slices: a
 # stream then waits about two steps for a token however long the prompt and its context (a 64-token
