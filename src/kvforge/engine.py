@@ -38,8 +38,9 @@ class RewrittenRows:
     index: torch.Tensor
 
 
-# What a prefill's steps yield between two layers of an exact chunk (`Engine.forward_steps`): a
-# point where the caller may pause; between two chunks they yield None, where it pauses.
+# What a prefill's steps yield between two layers of an exact or RidgeFill chunk
+# (`Engine.forward_steps`, `Engine._fill_in_chunks`): a point where the caller may pause; between
+# two chunks they yield None, where it pauses.
 LAYER_BOUNDARY = "layer"
 
 
