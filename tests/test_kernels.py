@@ -156,6 +156,41 @@ def test_a_prefill_in_chunks_gives_each_row_the_bits_of_its_own_decode_step(toke
     assert (whole.float() - ref).abs().max() < 2e-2
 
 
+def test_a_long_steps_attention_pauses_between_its_blocks_of_query_rows_with_attends_bits():
+    """`attend_steps` yields between the blocks of query rows the kernel runs a long step in (where
+    a server runs its decode steps) and returns `attend`'s result to the bit; a short step, a
+    windowed layer longer than its window and an fp32 layer do not pause."""
+    from kvforge.attention import QUERY_BLOCK, attend, attend_steps
+    from kvforge.cache import KVCache
+
+    g = torch.Generator().manual_seed(5)
+    layer = KVCache.empty(1, 1, 3, 64, torch.bfloat16, capacity=224)[0]
+    k, v = torch.randn(1, 3, 200, 64, generator=g).bfloat16(), torch.randn(1, 3, 200, 64, generator=g).bfloat16()
+    positions = torch.arange(200)[None]
+    layer.append(k, v, positions)
+    q = torch.randn(1, 9, 150, 64, generator=g).bfloat16()  # the last 150 rows: a chunk after 50 earlier rows
+
+    def run(steps):
+        points = []
+        while True:
+            try:
+                points.append(next(steps))
+            except StopIteration as done:
+                return points, done.value
+
+    points, out = run(attend_steps(q, layer, positions[:, 50:], 0.125, new_rows=150))
+    assert points == [QUERY_BLOCK] * (-(-150 // PREFILL_CHUNK) - 1)
+    assert torch.equal(out, attend(q, layer, positions[:, 50:], 0.125, new_rows=150))
+    for args, kw in (((q[:, :, -PREFILL_CHUNK:], layer, positions[:, -PREFILL_CHUNK:], 0.125), {"new_rows": PREFILL_CHUNK}),
+                     ((q, layer, positions[:, 50:], 0.125), {"window": 16, "new_rows": 150})):
+        points, out = run(attend_steps(*args, **kw))
+        assert points == [] and torch.equal(out, attend(*args, **kw))
+    wide = KVCache.empty(1, 1, 3, 64, torch.float32, capacity=224)[0]
+    wide.append(k.float(), v.float(), positions)
+    points, out = run(attend_steps(q.float(), wide, positions[:, 50:], 0.125, new_rows=150))
+    assert points == [] and torch.equal(out, attend(q.float(), wide, positions[:, 50:], 0.125, new_rows=150))
+
+
 def test_a_bf16_prefill_attends_through_the_kernel_and_stays_close_to_sdpa():
     """attend() sends a contiguous layer's long bf16 step to the kernel (SDPA's bf16 flash kernel
     is 2-3x slower on CPU); a sliding-window layer longer than its window keeps SDPA's mask."""

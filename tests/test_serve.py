@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import char_tokenizer, tiny_hf_model
 from kvforge.bench.serve import free_port
 from kvforge.cli import app
-from kvforge.engine import run_to_end
+from kvforge.steps import run_to_end
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 PROMPTS = ["the cat sat on the mat. the cat", "abc abc abc abc", "hello world, hello", "one two three four five"]
@@ -944,53 +944,111 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
         assert r.error is None and r.seq.token_ids == engine.generate(r.prompt_ids, greedy)[0].token_ids
 
 
-def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("method", ["exact", "speed"])
+def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch, method):
     """While requests decode, a long prompt's first chunk runs whole, as a prompt of one chunk
-    does, and its later exact chunks run their layers in slices of about their step time
+    does, and its later exact or SPEED chunks run their layers in slices of about their step time
     (`PREFILL_SLICE`; 0 here: one layer a slice), a step of theirs between two slices, so a long
     prompt holds no stream for a whole chunk past its first. Both decode what they decode alone.
     The prefill's steps pause between chunks (None) and may pause between a chunk's layers ("layer")."""
     from dataclasses import replace
 
+    from kvforge.fill.speed import SpeedConfig, speed_plan
     from kvforge.generation import GenerationConfig
     from kvforge.serve import scheduler as scheduling
     from kvforge.serve.app import planned_prefiller
 
     engine = tiny_engine
+    make_plan = {"exact": lambda ids: None, "speed": lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers)}[method]
     monkeypatch.setattr(scheduling, "PREFILL_SLICE", 0.0)
     running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(20)]
-    arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    events, forward, run_layer = [], engine.forward, engine.run_layer
+    arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
+    events, forward, run_layer_steps, plan_layer = [], engine.forward, engine.run_layer_steps, engine._plan_layer
 
     def forward_spy(ids, positions, cache, logits="last"):
         if logits == "all":
             events.append("step")
         return forward(ids, positions, cache, logits)
 
-    def layer_spy(layer, h, positions, *rest, **kw):
-        if h.shape[0] == 1 and h.shape[1] > 1 and positions[0].tolist() == list(range(int(positions[0, 0]), int(positions[0, -1]) + 1)):
-            events.append(("layer", int(positions[0, 0]), layer))  # a chunk of the arriving prompt
-        return run_layer(layer, h, positions, *rest, **kw)
+    def spy(run):  # a layer of a chunk of the arriving prompt: exact (`run_layer_steps`), or SPEED's past its cut (`_plan_layer`)
+        def layer_spy(layer, h, positions, *rest, **kw):
+            if h.shape[0] == 1 and h.shape[1] > 1 and positions[0].tolist() == list(range(int(positions[0, 0]), int(positions[0, -1]) + 1)):
+                events.append(("layer", int(positions[0, 0]), layer))
+            return run(layer, h, positions, *rest, **kw)
+        return layer_spy
 
     monkeypatch.setattr(engine, "forward", forward_spy)
-    monkeypatch.setattr(engine, "run_layer", layer_spy)
-    scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4)
+    monkeypatch.setattr(engine, "run_layer_steps", spy(run_layer_steps))
+    monkeypatch.setattr(engine, "_plan_layer", spy(plan_layer))
+    prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), method: planned_prefiller(engine, make_plan, chunk_size=8)}
+    scheduler = scheduling.Scheduler(engine, prefillers, max_batch=4)
     before = _arrival_beside_a_stream(scheduler, running, arriving, events)
     monkeypatch.setattr(engine, "forward", forward)
-    monkeypatch.setattr(engine, "run_layer", run_layer)
+    monkeypatch.setattr(engine, "run_layer_steps", run_layer_steps)
+    monkeypatch.setattr(engine, "_plan_layer", plan_layer)
     layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
     assert [events[i][1:] for i in layers] == [(start, layer) for start in (0, 8, 16) for layer in range(engine.num_layers)]
     first, later = layers[: engine.num_layers], layers[engine.num_layers :]
     assert first == list(range(first[0], first[0] + engine.num_layers))  # the first chunk: its layers with no step between
     assert all("step" in events[a:b] for a, b in zip(later, later[1:])), events[before:]
-    assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=8))[0].token_ids
-    steps = engine.prefill_steps([long_prompt], chunk_size=8)
+    expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
+    assert arriving.seq.token_ids == expected
+    steps = engine.prefill_steps([long_prompt], chunk_size=8, plan=make_plan(long_prompt))
     points = []
     with pytest.raises(StopIteration):
         while True:
             points.append(next(steps))
     assert points.count(None) == 2 and points.count("layer") == 3 * (engine.num_layers - 1)
+
+
+def test_a_long_chunks_attention_runs_in_slices_of_query_rows_between_the_running_requests_steps(monkeypatch):
+    """In bf16 the kernel runs a long chunk's attention in blocks of query rows; past a prompt's
+    first chunk, a step of the running requests may run between two blocks (`PREFILL_SLICE` 0
+    here: one piece a slice), and the prompt decodes what `generate` with the same chunk size gives."""
+    from dataclasses import replace
+
+    from conftest import tiny_loaded
+    from kvforge.attention import PREFILL_CHUNK
+    from kvforge.engine import Engine
+    from kvforge.generation import GenerationConfig
+    from kvforge.ops import kernels
+    from kvforge.serve import scheduler as scheduling
+    from kvforge.serve.app import planned_prefiller
+
+    engine = Engine(tiny_loaded("llama", dtype=torch.bfloat16))
+    if not kernels.available(engine.adapter.attention_view(0, engine.new_cache()[0]).k.shape[-1]):
+        pytest.skip(f"no kernels here: {kernels.status()['why_not']}")
+    monkeypatch.setattr(scheduling, "PREFILL_SLICE", 0.0)
+    chunk = PREFILL_CHUNK + 8  # two blocks of query rows a layer
+    running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    long_prompt = [3 + (i * 7) % 90 for i in range(2 * chunk)]
+    arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    events, forward, fused = [], engine.forward, kernels.few_query_attention
+
+    def forward_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    def fused_spy(rows, k, v, length, scaling, tokens=1, **kw):
+        if tokens > 1 and rows.shape[0] == 1:  # a block of the arriving prompt's query rows
+            events.append(("block", length))
+        return fused(rows, k, v, length, scaling, tokens, **kw)
+
+    monkeypatch.setattr(engine, "forward", forward_spy)
+    monkeypatch.setattr(kernels, "few_query_attention", fused_spy)
+    scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=chunk)}, max_batch=4)
+    before = _arrival_beside_a_stream(scheduler, running, arriving, events)
+    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(kernels, "few_query_attention", fused)
+    blocks = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
+    assert len(blocks) == 2 * 2 * engine.num_layers
+    first, later = blocks[: 2 * engine.num_layers], blocks[2 * engine.num_layers :]
+    assert all(events[i][1] <= chunk for i in first) and all(events[i][1] > chunk for i in later)
+    assert "step" not in events[first[0] : first[-1]]  # the first chunk runs whole
+    assert all("step" in events[a:b] for a, b in zip(later, later[1:])), events[before:]
+    assert arriving.seq.token_ids == engine.generate(long_prompt, replace(arriving.config, chunk_size=chunk))[0].token_ids
 
 
 @pytest.mark.parametrize("method", ["exact", "speed", "ridgefill"])
@@ -1016,7 +1074,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(100)]
     arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
-    events, forward, forward_steps, run_plan = [], engine.forward, engine.forward_steps, engine.run_plan
+    events, forward, forward_steps, run_plan_steps = [], engine.forward, engine.forward_steps, engine.run_plan_steps
 
     def forward_spy(ids, positions, cache, logits="last"):
         if logits == "all":
@@ -1029,14 +1087,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
 
     def plan_spy(ids, *rest):
         events.append("chunk")  # a planned chunk
-        return run_plan(ids, *rest)
+        return run_plan_steps(ids, *rest)
 
-    run_layer, plan_layer = engine.run_layer, engine._plan_layer
+    run_layer_steps, plan_layer = engine.run_layer_steps, engine._plan_layer
 
     def layer_spy(layer, h, *rest, **kw):
         if layer == 0 and h.shape[0] == 1 and 1 < h.shape[1] <= 8:  # a RidgeFill chunk below the split (not a one-token step, nor the gate's scratch forwards)
             events.append("chunk")
-        return run_layer(layer, h, *rest, **kw)
+        return run_layer_steps(layer, h, *rest, **kw)
 
     def late_spy(layer, h, *rest, **kw):
         if layer == ridgefill.split and kw.get("rows") is not None:  # a RidgeFill chunk of late layers
@@ -1045,9 +1103,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
 
     monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "forward_steps", steps_spy)
-    monkeypatch.setattr(engine, "run_plan", plan_spy)
+    monkeypatch.setattr(engine, "run_plan_steps", plan_spy)
     if method == "ridgefill":
-        monkeypatch.setattr(engine, "run_layer", layer_spy)
+        monkeypatch.setattr(engine, "run_layer_steps", layer_spy)
         monkeypatch.setattr(engine, "_plan_layer", late_spy)
     done = threading.Semaphore(0)
     for r in (running, arriving):
@@ -1069,8 +1127,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     chunks = [i for i, e in enumerate(events) if e == "chunk" and i >= before]
     monkeypatch.setattr(engine, "forward", forward)
     monkeypatch.setattr(engine, "forward_steps", forward_steps)
-    monkeypatch.setattr(engine, "run_plan", run_plan)
-    monkeypatch.setattr(engine, "run_layer", run_layer)
+    monkeypatch.setattr(engine, "run_plan_steps", run_plan_steps)
+    monkeypatch.setattr(engine, "run_layer_steps", run_layer_steps)
     monkeypatch.setattr(engine, "_plan_layer", plan_layer)
     late = 0
     if method == "ridgefill":  # then its late-layer chunks

@@ -478,10 +478,10 @@ def test_a_speed_prefill_in_chunks_leaves_the_rows_one_pass_does(family):
     prompt = [3 + (i * 7) % 90 for i in range(100)]
     plan = speed_plan(len(prompt), SpeedConfig(cut=2, first=2, tail=6), engine.num_layers)
     whole_logits, whole = engine.prefill([prompt], plan=plan)
-    passes, run_plan = [], engine.run_plan
-    engine.run_plan = lambda ids, *rest: passes.append(ids.shape[1]) or run_plan(ids, *rest)
+    passes, run_plan_steps = [], engine.run_plan_steps
+    engine.run_plan_steps = lambda ids, *rest: passes.append(ids.shape[1]) or run_plan_steps(ids, *rest)
     chunked_logits, chunked = engine.prefill([prompt], plan=plan, chunk_size=8)
-    del engine.run_plan
+    del engine.run_plan_steps
     assert passes == [8] * 12 + [4]  # the plan ran in chunks
     for layer in range(engine.num_layers):
         if not isinstance(whole[layer], RecurrentLayerCache):

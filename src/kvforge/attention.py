@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvforge.ops import kernels
 from kvforge.cache import LayerCache
+from kvforge.steps import run_to_end
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -69,7 +70,7 @@ def attend(
     # sees the same number of columns, so decode and verification round alike. With the compiled
     # kernel a bf16 prefill takes this path too, a few tokens at a time (SDPA's bf16 flash kernel
     # costs 3x it at 512 tokens here, 1.7x at 4K).
-    if continues and unwindowed and layer.k.is_contiguous() and (few or _compiled(q, layer.k, layer.v)):
+    if _continues_over_buffer(q, layer, window, new_rows) and (few or _compiled(q, layer.k, layer.v)):
         return grouped_attention(q, layer.k, layer.v, scaling, length=layer.length, shared=layer.shared)
     if (layer.aligned and layer.ends is not None and new_rows == tq and few and unwindowed and layer.k.is_contiguous()
             and _compiled(q, layer.k, layer.v)):
@@ -97,6 +98,38 @@ def attend(
     if few:
         return grouped_attention(q, k, v, scaling, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+# What a long step's attention yields between two blocks of its query rows (`attend_steps`): a
+# point where its caller may pause, as between two layers (`engine.LAYER_BOUNDARY`).
+QUERY_BLOCK = "query block"
+
+
+def attend_steps(
+    q: torch.Tensor,
+    layer: LayerCache,
+    q_pos: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    new_rows: int | None = None,
+):
+    """`attend` as a generator that returns its result and, where the compiled kernel runs a long
+    step's query rows in blocks (`_chunked_prefill`: a bf16 prefill chunk continuing its sequence),
+    yields `QUERY_BLOCK` between two blocks: a server may run its running requests' decode step
+    there, so a chunk at a long context need not hold them for a whole layer's attention. A row's
+    bits depend only on its own query and the keys it sees (the kernel's invariant): the same bits
+    as `attend`."""
+    if (q.shape[2] > PREFILL_CHUNK and _continues_over_buffer(q, layer, window, new_rows)
+            and _compiled(q, layer.k, layer.v)):
+        return (yield from _chunked_prefill_steps(q, layer.k, layer.v, scaling, layer.length))
+    return attend(q, layer, q_pos, scaling, window, new_rows)
+
+
+def _continues_over_buffer(q: torch.Tensor, layer: LayerCache, window: int | None, new_rows: int | None) -> bool:
+    """Whether the queries continue a contiguous layer whose last rows are their own, unwindowed,
+    its buffers whole and contiguous: the path that reads the whole buffer up to `length`, unmasked."""
+    return (layer.contiguous and new_rows == q.shape[2] and (window is None or layer.capacity <= window)
+            and layer.k.is_contiguous())
 
 
 # Below this many query rows, a low-precision step (decode, speculative verification) attends
@@ -181,11 +214,18 @@ def _chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     [c0, c1) of the step's tq tokens ends at row length - (tq - c1) and has c1 - c0 tokens, which
     is all the kernel needs to give each row its own causal keys. A row's bits depend only on
     its own query and the keys it sees (the kernel's invariant), so the chunking never shows."""
+    return run_to_end(_chunked_prefill_steps(q, k, v, scaling, length))
+
+
+def _chunked_prefill_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, length: int):
+    """`_chunked_prefill` as a generator that yields `QUERY_BLOCK` between two chunks of tokens."""
     b, hq, tq, d = q.shape
     heads = k.shape[1]
     group = hq // heads
     out = torch.empty(b, hq, tq, v.shape[-1], dtype=v.dtype)
     for c0 in range(0, tq, PREFILL_CHUNK):
+        if c0:
+            yield QUERY_BLOCK
         c1 = min(tq, c0 + PREFILL_CHUNK)
         n, read = c1 - c0, length - (tq - c1)
         rows = q[:, :, c0:c1].reshape(b, heads, group * n, d)

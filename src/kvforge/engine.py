@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.allocator import keep_freed_memory
-from kvforge.attention import attend, readable_rows
+from kvforge.attention import QUERY_BLOCK, attend_steps, readable_rows
 from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache, RowKind
 from kvforge.errors import PromptError
 from kvforge.models.deltanet import PER_TOKEN_STEPS
 from kvforge.models.loading import LoadedModel
 from kvforge.plan import PrefillPlan, filled_key_value
+from kvforge.steps import in_inference_mode, run_to_end
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,12 @@ class RewrittenRows:
     index: torch.Tensor
 
 
-# What a prefill's steps yield between two layers of an exact or RidgeFill chunk
-# (`Engine.forward_steps`, `Engine._fill_in_chunks`): a point where the caller may pause; between
-# two chunks they yield None, where it pauses.
+# What a prefill's steps yield between two layers of an exact, SPEED or RidgeFill chunk
+# (`Engine.forward_steps`, `Engine._fill_in_chunks`, `Engine.run_plan_steps`), and within a long
+# chunk's attention (`QUERY_BLOCK`): points where the caller may pause; between two chunks they
+# yield None, where it pauses.
 LAYER_BOUNDARY = "layer"
+PAUSE_POINTS = (LAYER_BOUNDARY, QUERY_BLOCK)
 
 
 class Engine:
@@ -110,6 +113,12 @@ class Engine:
         appended to the layer's cache first, so they attend to themselves and all earlier rows.
         `rewrite` (B, R): the first R rows of h are rows the cache holds already, at these row
         indices (-1: none), and replace them in place instead of being appended (`RewrittenRows`)."""
+        return run_to_end(self.run_layer_steps(layer, h, positions, cache, rope, kind, rewrite))
+
+    def run_layer_steps(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, rope: dict,
+                        kind: RowKind | torch.Tensor = RowKind.EXACT, rewrite: torch.Tensor | None = None):
+        """`run_layer` as a generator that returns its result and yields `QUERY_BLOCK` where its
+        attention may pause (`attention_layer_steps`)."""
         a = self.adapter
         if a.is_recurrent(layer):
             if rewrite is not None:
@@ -119,14 +128,14 @@ class Engine:
             return a.mlp_block(layer, a.mix_output(layer, h, mixed))
         if rewrite is None:
             store = lambda held, k, v: held.append(k, v, positions, kind)  # noqa: E731
-            return self.attention_layer(layer, h, positions, cache, rope, store, new_rows=h.shape[1])
+            return (yield from self.attention_layer_steps(layer, h, positions, cache, rope, store, new_rows=h.shape[1]))
         n = rewrite.shape[1]
 
         def store(held: LayerCache, k: torch.Tensor, v: torch.Tensor) -> None:
             held.rewrite(rewrite, k[:, :, :n], v[:, :, :n])
             held.append(k[:, :, n:], v[:, :, n:], positions[:, n:], kind)
 
-        return self.attention_layer(layer, h, positions, cache, rope, store)
+        return (yield from self.attention_layer_steps(layer, h, positions, cache, rope, store))
 
     def attention_layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, rope: dict, store,
                         new_rows: int | None = None) -> torch.Tensor:
@@ -136,10 +145,16 @@ class Engine:
         attends to the cache as it stands, masked by positions, and attention output and MLP give
         the next layer's input. `new_rows`: the layer's last rows are these rows' own (attention's
         mask-free path)."""
+        return run_to_end(self.attention_layer_steps(layer, h, positions, cache, rope, store, new_rows))
+
+    def attention_layer_steps(self, layer: int, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, rope: dict, store,
+                              new_rows: int | None = None):
+        """`attention_layer` as a generator that returns its result and yields `QUERY_BLOCK` between
+        two blocks of a long step's query rows (`attention.attend_steps`)."""
         a = self.adapter
         q, k, v, gate = a.attention_inputs(layer, h, rope)
         store(cache[layer], k, v)
-        o = attend(q, a.attention_view(layer, cache[layer]), positions, a.scaling[layer], a.windows[layer], new_rows=new_rows)
+        o = yield from attend_steps(q, a.attention_view(layer, cache[layer]), positions, a.scaling[layer], a.windows[layer], new_rows=new_rows)
         return a.mlp_block(layer, a.attention_output(layer, h, o, gate))
 
     def _recur(self, layer: int, h, positions, state: RecurrentLayerCache, kind, padding=None, per_token: bool | None = None):
@@ -185,21 +200,22 @@ class Engine:
         return self._logits(h, logits)
 
     def forward_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last"):
-        """`forward` as a generator that yields `LAYER_BOUNDARY` between two layers and returns
-        forward's result: a server may run its running requests' decode step there, so a long
-        chunk of prefill need not hold them for all its layers (`serve.scheduler`). The same
-        layers on the same rows: the same bits as `forward`."""
-        with torch.inference_mode():
-            h = self.adapter.embed(ids)
-            rope = self.adapter.rope(h, positions)
-            kind = _row_kinds(positions)
+        """`forward` as a generator that yields `LAYER_BOUNDARY` between two layers (and
+        `QUERY_BLOCK` within a long chunk's attention) and returns forward's result: a server may run
+        its running requests' decode step there, so a long chunk of prefill need not hold them for
+        all its layers (`serve.scheduler`). The same layers on the same rows: the same bits as
+        `forward`."""
+        return (yield from in_inference_mode(self._forward_steps(ids, positions, cache, logits)))
+
+    def _forward_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str):
+        h = self.adapter.embed(ids)
+        rope = self.adapter.rope(h, positions)
+        kind = _row_kinds(positions)
         for layer in range(self.num_layers):
             if layer:
                 yield LAYER_BOUNDARY
-            with torch.inference_mode():
-                h = self.run_layer(layer, h, positions, cache, rope, kind)
-        with torch.inference_mode():
-            return self._logits(h, logits)
+            h = yield from self.run_layer_steps(layer, h, positions, cache, rope, kind)
+        return self._logits(h, logits)
 
     def _logits(self, h: torch.Tensor, logits: str) -> torch.Tensor | None:
         if logits == "none":
@@ -246,8 +262,9 @@ class Engine:
     ):
         """`prefill_with_states` as a generator that yields between two chunks of an exact prefill
         (None: where a server runs its running requests' decode step: chunked prefill that shares
-        the time with decoding), and `LAYER_BOUNDARY` between two layers of an exact or RidgeFill
-        chunk (where it may), and returns its result. Plans run in chunks too: one whose rows are
+        the time with decoding), and `LAYER_BOUNDARY` between two layers of an exact, SPEED or
+        RidgeFill chunk and `QUERY_BLOCK` within a long chunk's attention (where it may:
+        `PAUSE_POINTS`), and returns its result. Plans run in chunks too: one whose rows are
         exact or absent (SPEED) as an exact prefill does, one that fills its rows from one split
         (RidgeFill, hybrids' too) in two phases (`_fill_in_chunks`); other plans run whole."""
         if cache is None and plan is None and _copies_of_one(prompts):
@@ -286,15 +303,16 @@ class Engine:
 
     def _plan_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
         """A plan whose rows are exact or absent (SPEED: each row's depth known from the prompt's
-        length, no fill, no choice) run `chunk` rows at a time, yielding between chunks: each chunk's
-        rows attend over the rows earlier chunks left in the cache at each layer, as they would in
-        one pass. The rows' bits are `generate`'s with the same chunk size."""
+        length, no fill, no choice) run `chunk` rows at a time, yielding None between chunks and
+        `LAYER_BOUNDARY` between two layers of a chunk (`run_plan_steps`): each chunk's rows attend
+        over the rows earlier chunks left in the cache at each layer, as they would in one pass.
+        The rows' bits are `generate`'s with the same chunk size."""
         for start in range(0, ids.shape[1], chunk):
             if start:
                 yield
             end = min(start + chunk, ids.shape[1])
-            with torch.inference_mode():
-                h, _ = self.run_plan(ids[:, start:end], positions[:, start:end], cache, PrefillPlan(plan.depth[start:end], method=plan.method))
+            rows = PrefillPlan(plan.depth[start:end], method=plan.method)
+            h, _ = yield from in_inference_mode(self.run_plan_steps(ids[:, start:end], positions[:, start:end], cache, rows))
         with torch.inference_mode():
             return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, None
 
@@ -334,8 +352,7 @@ class Engine:
                     yield LAYER_BOUNDARY
                 if layer == read:
                     read_streams.append(h)
-                with torch.inference_mode():
-                    h = self.run_layer(layer, h, positions[:, rows], cache, rope)
+                h = yield from in_inference_mode(self.run_layer_steps(layer, h, positions[:, rows], cache, rope))
             streams.append(h)
         with torch.inference_mode():
             at_depth = torch.cat(streams, dim=1)  # every row's h_split
@@ -360,7 +377,12 @@ class Engine:
             return a.head(h[:, -1:]).squeeze(1).float(), cache, states
 
     def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer by layer: rows still within their depth run the layer exactly; rows past it are
+        """`run_plan_steps` run to its end."""
+        return run_to_end(self.run_plan_steps(ids, positions, cache, plan))
+
+    def run_plan_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan):
+        """A generator that yields `LAYER_BOUNDARY` between two layers (as `forward_steps` does) and
+        returns (h, at_depth). Layer by layer: rows still within their depth run the layer exactly; rows past it are
         filled (their K/V written from the plan's predicted input, in position order among the
         exact rows, before those attend) or absent. Returns the residual stream leaving the last
         layer (1, T, E), final for full-depth rows only, and every row's stream entering its own
@@ -368,7 +390,7 @@ class Engine:
         what a decode-time rescue recomputes a filled row from.
 
         Not under inference mode, so training under a plan (SPEED adaptation) backpropagates
-        through it; `prefill` is the inference entry point."""
+        through it; `prefill` is the inference entry point (`in_inference_mode` for the steps)."""
         a = self.adapter
         depth = plan.depth.to(self.device)
         h = a.embed(ids)  # (1, T, E)
@@ -379,6 +401,8 @@ class Engine:
         at_depth = None
         h_before, chosen = h, plan.choose is None
         for layer in range(self.num_layers):
+            if layer:
+                yield LAYER_BOUNDARY
             if not chosen and layer > 0 and (layer == plan.choose_at or bool((depth <= layer).any())):
                 depth, chosen = plan.choose(layer, h_before, positions, cache, depth).to(self.device), True
             leaving = depth == layer
@@ -388,7 +412,7 @@ class Engine:
                 else:
                     at_depth[:, leaving] = h[:, leaving]
             if not bool((depth <= layer).any()):  # below every row's depth: the plain exact layer, no gathers
-                h_before, h = h, self.run_layer(layer, h, positions, cache, rope)
+                h_before, h = h, (yield from self.run_layer_steps(layer, h, positions, cache, rope))
                 continue
             h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth)
         return h, at_depth
@@ -486,15 +510,6 @@ class Engine:
         from kvforge.speculative.decode import generate  # the decode loop builds on the engine
 
         return generate(self, prompts, config, on_text, plan, cache)
-
-
-def run_to_end(steps):
-    """Drive a generator such as `Engine.prefill_steps` to its end; returns what it returns."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 def _copies_of_one(prompts) -> bool:

@@ -17,7 +17,8 @@ mechanism. Finished or cancelled requests (a client that disconnected) leave the
 Chunked prefill: a prefiller may prefill in chunks (the app's exact, SPEED and RidgeFill prefills do, in
 chunks of `--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
-long prompt arrives. From a prompt's second chunk on, an exact or RidgeFill chunk's layers run in slices of
+long prompt arrives. From a prompt's second chunk on, an exact, SPEED or RidgeFill chunk's layers (a long
+chunk's attention by blocks of its query rows) run in slices of
 about one step's time (`PREFILL_SLICE`), a step between two slices, so however long the prompt,
 a stream waits about two steps for a token past its first chunk. The chunk runs in its own forward: a decode row's bits do not depend on a
 prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill prompts chunk in two
@@ -66,7 +67,7 @@ from typing import Callable
 import torch
 
 from kvforge.cache import KVCache
-from kvforge.engine import LAYER_BOUNDARY
+from kvforge.engine import PAUSE_POINTS
 from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
 from kvforge.sampling import SampleKey, fresh_seed, prompt_key, sample
@@ -131,10 +132,11 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
     return prefilled
 
 
-# While requests decode, a prompt longer than one chunk runs its second and later exact or RidgeFill
-# chunks in slices of their layers (`Engine.prefill_steps` pauses between two layers) of at most PREFILL_SLICE
-# times the requests' recent step time (a slice ends before a layer that would cost past it, judged
-# by the layer before; at least one layer a slice), with a step of theirs between two slices: a
+# While requests decode, a prompt longer than one chunk runs its second and later exact, SPEED or RidgeFill
+# chunks in slices of their layers (`Engine.prefill_steps` pauses between two layers, and between two
+# blocks of a long chunk's attention query rows: `engine.PAUSE_POINTS`) of at most PREFILL_SLICE
+# times the requests' recent step time (a slice ends before a piece that would cost past it, judged
+# by the piece before; at least one piece a slice), with a step of theirs between two slices: a
 # stream then waits about two steps for a token however long the prompt and its context (a 64-token
 # chunk of smollm2-135m at 4K of context costs five 15-row steps in bf16 on AVX512-BF16, one
 # thread), and the prompt takes about half the time while they run. A prompt's first chunk runs
@@ -353,10 +355,11 @@ class Scheduler:
             with torch.inference_mode():
                 try:
                     # the chunk's layers to its end; from a prompt's second chunk on, while requests
-                    # run, as long as the next layer (costing what the last one did) fits the slice's time
+                    # run, as long as the next piece (a layer, or a block of its attention's query
+                    # rows), costing what the last one did, fits the slice's time
                     budget, last = self._slice_seconds(), start
                     sliced = bool(self.active) and self._chunks_passed > 0
-                    while (point := next(steps)) is LAYER_BOUNDARY:
+                    while (point := next(steps)) in PAUSE_POINTS:
                         now = time.perf_counter()
                         if sliced and 2 * now - last - start > budget:
                             break

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.cache import KVCache, RowKind
-from kvforge.engine import run_to_end
+from kvforge.steps import run_to_end
 from kvforge.errors import PromptError
 from kvforge.translate.align import Alignment, Tokenized, align, tokenize
 from kvforge.translate.capture import cache_features, own_tokens
