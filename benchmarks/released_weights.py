@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from kvforge import provenance
-from kvforge.engine import Engine, run_to_end
+from kvforge.engine import Engine
 from kvforge.generation import GenerationConfig
 from kvforge.models import load_model
 from kvforge.ops import kernels
+from kvforge.steps import run_to_end
 
 
 def main() -> None:

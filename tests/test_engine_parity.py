@@ -26,6 +26,31 @@ def test_prefill_logits_match_transformers(family):
     assert cache.lengths() == [40] * model.adapter.num_layers
 
 
+def test_steps_driven_in_inference_mode_run_each_step_in_it_and_end_with_their_driver():
+    """`in_inference_mode`: each step of the inner generator runs under inference mode, the caller
+    between steps does not, and closing the driver midway (a cancelled prefill) closes the inner
+    steps; run to its end, it returns what they return."""
+    from kvforge.steps import in_inference_mode, run_to_end
+
+    modes, closed = [], []
+
+    def inner():
+        try:
+            modes.append(torch.is_inference_mode_enabled())
+            yield "a"
+            modes.append(torch.is_inference_mode_enabled())
+            yield "b"
+            return 3
+        finally:
+            closed.append(True)
+
+    outer = in_inference_mode(inner())
+    assert next(outer) == "a" and not torch.is_inference_mode_enabled()
+    outer.close()
+    assert modes == [True] and closed == [True]
+    assert run_to_end(in_inference_mode(inner())) == 3 and modes == [True, True, True]
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 def test_chunked_prefill_equals_single_pass(family, chunk):
     model = tiny_loaded(family)

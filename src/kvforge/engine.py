@@ -304,7 +304,7 @@ class Engine:
     def _plan_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
         """A plan whose rows are exact or absent (SPEED: each row's depth known from the prompt's
         length, no fill, no choice) run `chunk` rows at a time, yielding None between chunks and
-        `LAYER_BOUNDARY` between two layers of a chunk (`run_plan_steps`): each chunk's rows attend
+        the `PAUSE_POINTS` of a chunk's layers (`run_plan_steps`): each chunk's rows attend
         over the rows earlier chunks left in the cache at each layer, as they would in one pass.
         The rows' bits are `generate`'s with the same chunk size."""
         for start in range(0, ids.shape[1], chunk):
@@ -328,7 +328,7 @@ class Engine:
     def _fill_in_chunks(self, ids, positions, cache: KVCache, plan: PrefillPlan, chunk: int):
         """A plan whose rows leave at one split and are filled past it (`_leaves_at_one_split`) in
         two phases of chunks, yielding None between chunks and `LAYER_BOUNDARY` between two layers
-        of a chunk (as `forward_steps` does): layers [0, split) over `chunk` rows at a time
+        of a chunk (and `QUERY_BLOCK` within an exact layer's attention, as `forward_steps` does): layers [0, split) over `chunk` rows at a time
         (every row is exact there); then the plan's choice of exact rows, which reads the cache of
         its layer and the tail's stream entering it, both whole by then; then layers [split, L) over
         chunks of about `chunk` rows' worth of work each (`_late_chunks`: exact rows, and the

@@ -11,13 +11,16 @@ def in_inference_mode(steps):
     """Drive generator `steps` with each of its steps under inference mode, and yield what it
     yields outside it: a generator that is not itself under inference mode (`run_plan_steps`, which
     training runs too) can serve a prefill whose caller does other work between its steps."""
-    while True:
-        with torch.inference_mode():
-            try:
-                point = next(steps)
-            except StopIteration as done:
-                return done.value
-        yield point
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    point = next(steps)
+                except StopIteration as done:
+                    return done.value
+            yield point
+    finally:
+        steps.close()  # closed midway (a cancelled prefill): the inner steps end with it
 
 
 def run_to_end(steps):

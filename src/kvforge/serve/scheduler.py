@@ -339,7 +339,8 @@ class Scheduler:
     def _prefill_chunk(self) -> None:
         """The next chunk of the prompt being prefilled (a prefiller that is a generator yields
         between chunks: `Engine.prefill_steps`), or, from its second chunk on while requests run,
-        the next slice of its layers (`PREFILL_SLICE`); when its prefill is done, its group joins."""
+        the next slice of its pieces (layers, blocks of a layer's attention query rows:
+        `PREFILL_SLICE`); when its prefill is done, its group joins."""
         if self._prefilling is None:
             return
         group, steps = self._prefilling

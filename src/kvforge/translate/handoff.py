@@ -63,8 +63,8 @@ def translate_cache_steps(
 ):
     """`translate_cache` as a generator that yields between pieces of the work, where a server
     runs its running requests' steps: None after each target layer's translated rows and between
-    chunks of `chunk_size` native-tail tokens, and "layer" between two layers of a tail chunk
-    (`Engine.forward_steps`: where a server may pause). With `chunk_size` None the translation
+    chunks of `chunk_size` native-tail tokens, and the points within a tail chunk where a server
+    may pause (`Engine.forward_steps`: `PAUSE_POINTS`). With `chunk_size` None the translation
     and the tail run as one piece, the tail still pausable between its layers. Returns the cache."""
     head, native_from = native_rows(alignment, native_tail)
     cache = target.new_cache(1, capacity=alignment.rows + 1)
@@ -170,9 +170,9 @@ def hand_off_steps(
 ):
     """`hand_off` as a generator that yields between pieces of its work, where a server runs its
     running requests' steps: the source's prefill in chunks of `chunk_size` tokens, the translation
-    a target layer at a time, the native tail in chunks (`translate_cache_steps`), and "layer"
-    between two layers of an exact chunk (`Engine.forward_steps`); None: the source's prefill and
-    the rest each one piece, pausable between layers only. The checks run before the first yield. Returns the `Handoff`, whose `translate_s`
+    a target layer at a time, the native tail in chunks (`translate_cache_steps`), and the points
+    within an exact chunk where a server may pause (`Engine.forward_steps`: `PAUSE_POINTS`); None:
+    the source's prefill and the rest each one piece, pausable within its chunk only. The checks run before the first yield. Returns the `Handoff`, whose `translate_s`
     counts its own work only."""
     translator.check_pair(ModelSide.of(source), ModelSide.of(target))
     if not text or not text.strip():
