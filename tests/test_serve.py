@@ -945,12 +945,14 @@ def test_a_request_whose_share_of_a_step_raises_fails_alone(tiny_engine):
 
 
 @pytest.mark.parametrize("method", ["exact", "speed"])
-def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch, method):
-    """While requests decode, a long prompt's first chunk runs whole, as a prompt of one chunk
-    does, and its later exact or SPEED chunks run their layers in slices of about their step time
-    (`PREFILL_SLICE`; 0 here: one layer a slice), a step of theirs between two slices, so a long
-    prompt holds no stream for a whole chunk past its first. Both decode what they decode alone.
-    The prefill's steps pause between chunks (None) and may pause between a chunk's layers ("layer")."""
+@pytest.mark.parametrize("knows_the_chunk", [True, False])
+def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(tiny_engine, monkeypatch, method, knows_the_chunk):
+    """While requests decode, a prompt longer than the scheduler's `chunk_size` runs its exact or
+    SPEED chunks' layers in slices of about their step time (`PREFILL_SLICE`; 0 here: one layer a
+    slice), a step of theirs between two slices, so a long prompt holds no stream for a whole chunk.
+    A scheduler not told the chunk (`chunk_size` None) runs a prompt's first chunk whole and slices
+    the later ones. Both decode what they decode alone. The prefill's steps pause between chunks
+    (None) and may pause between a chunk's layers ("layer")."""
     from dataclasses import replace
 
     from kvforge.fill.speed import SpeedConfig, speed_plan
@@ -982,7 +984,7 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
     monkeypatch.setattr(engine, "run_layer_steps", spy(run_layer_steps))
     monkeypatch.setattr(engine, "_plan_layer", spy(plan_layer))
     prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), method: planned_prefiller(engine, make_plan, chunk_size=8)}
-    scheduler = scheduling.Scheduler(engine, prefillers, max_batch=4)
+    scheduler = scheduling.Scheduler(engine, prefillers, max_batch=4, chunk_size=8 if knows_the_chunk else None)
     before = _arrival_beside_a_stream(scheduler, running, arriving, events)
     monkeypatch.setattr(engine, "forward", forward)
     monkeypatch.setattr(engine, "run_layer_steps", run_layer_steps)
@@ -990,7 +992,10 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
     layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
     assert [events[i][1:] for i in layers] == [(start, layer) for start in (0, 8, 16) for layer in range(engine.num_layers)]
     first, later = layers[: engine.num_layers], layers[engine.num_layers :]
-    assert first == list(range(first[0], first[0] + engine.num_layers))  # the first chunk: its layers with no step between
+    if knows_the_chunk:
+        later = layers
+    else:
+        assert first == list(range(first[0], first[0] + engine.num_layers))  # the first chunk: its layers with no step between
     assert all("step" in events[a:b] for a, b in zip(later, later[1:])), events[before:]
     expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
     assert arriving.seq.token_ids == expected
@@ -1000,6 +1005,43 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
         while True:
             points.append(next(steps))
     assert points.count(None) == 2 and points.count("layer") == 3 * (engine.num_layers - 1)
+
+
+def test_a_prompt_of_one_chunk_runs_whole_while_requests_decode(tiny_engine, monkeypatch):
+    """A prompt no longer than the scheduler's `chunk_size` runs its layers with no step between
+    (slicing every admission would run the decode steps more often, with fewer rows each), and
+    decodes what `generate` gives."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve import scheduler as scheduling
+    from kvforge.serve.app import planned_prefiller
+
+    engine = tiny_engine
+    monkeypatch.setattr(scheduling, "PREFILL_SLICE", 0.0)
+    running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    prompt = [3 + (i * 7) % 90 for i in range(8)]
+    arriving = scheduling.ServeRequest(prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    events, forward, run_layer_steps = [], engine.forward, engine.run_layer_steps
+
+    def forward_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    def layer_spy(layer, h, *rest, **kw):
+        if h.shape[0] == 1 and h.shape[1] == len(prompt):
+            events.append(("layer", layer))
+        return run_layer_steps(layer, h, *rest, **kw)
+
+    monkeypatch.setattr(engine, "forward", forward_spy)
+    monkeypatch.setattr(engine, "run_layer_steps", layer_spy)
+    scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4, chunk_size=8)
+    before = _arrival_beside_a_stream(scheduler, running, arriving, events)
+    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "run_layer_steps", run_layer_steps)
+    layers = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
+    assert [events[i][1] for i in layers] == list(range(engine.num_layers))
+    assert layers == list(range(layers[0], layers[0] + engine.num_layers))  # no step between its layers
+    assert arriving.seq.token_ids == engine.generate(prompt, arriving.config)[0].token_ids
 
 
 def test_a_long_chunks_attention_runs_in_slices_of_query_rows_between_the_running_requests_steps(monkeypatch):

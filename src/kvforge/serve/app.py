@@ -119,17 +119,18 @@ class Served:
     """One served model: its engine, the prefill methods it has artifacts for, and a scheduler
     per weight set (`groups`: (engine, prefillers) pairs; the first is the base model's).
     `fitted`: per method, the engines whose weights its artifacts were fitted for (the method's
-    scheduler keeps what it refuses since an update: `Scheduler.refused`)."""
+    scheduler keeps what it refuses since an update: `Scheduler.refused`). `chunk_size`: the
+    prefillers' chunk, so a longer prompt is sliced from its first chunk (`Scheduler`)."""
 
     def __init__(self, name: str, groups: list[tuple[object, dict]], max_batch: int, queue_size: int, history_entries: int = DEFAULT_MAX_ENTRIES,
-                 fitted: dict[str, list] | None = None, kv_cache_bytes: int | None = None):
+                 fitted: dict[str, list] | None = None, kv_cache_bytes: int | None = None, chunk_size: int | None = None):
         self.name, self.engine = name, groups[0][0]
         self.fitted = fitted or {}
         draft = DraftConfig()
         history = lambda: RolloutHistory(draft.n_min, draft.n_max, history_entries) if history_entries > 0 else None  # noqa: E731
         # one history per scheduler: read and written under its scheduler's step lock only
-        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history(), kv_cache_bytes=kv_cache_bytes)
-                           for engine, prefillers in groups]
+        self.schedulers = [Scheduler(engine, prefillers, max_batch, queue_size, draft, history=history(), kv_cache_bytes=kv_cache_bytes,
+                                     chunk_size=chunk_size) for engine, prefillers in groups]
         self.routes = {method: s for s in self.schedulers for method in s.prefillers}
         every = self.schedulers
         self.metrics = ServerMetrics(
@@ -165,7 +166,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         rf, maps = ridgefill.resolve(engine, config.maps, config.preset, config.split, config.tail, config.attended_rows)
         base["ridgefill"] = planned_prefiller(engine, lambda ids: ridgefill.ridgefill_plan(engine, ids, rf, maps), chunk)
         fitted["ridgefill"] = [engine]
-    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted, config.kv_cache_memory)}
+    served = {config.model: Served(config.model, groups, config.max_batch, config.queue_size, config.history_entries, fitted, config.kv_cache_memory, chunk)}
     if config.translator is not None:
         from kvforge.translate.translator import ModelSide, Translator
 
@@ -174,7 +175,7 @@ def build_served(config: ServeConfig) -> dict[str, Served]:
         translator.check_pair(ModelSide.of(engine), ModelSide.of(target))
         target_prefillers = {"exact": planned_prefiller(target, lambda ids: None, chunk), "handoff": handoff_prefiller(translator, engine, target, config.handoff_native_tail, chunk)}
         served[config.target] = Served(config.target, [(target, target_prefillers)], config.max_batch, config.queue_size, config.history_entries,
-                                       {"handoff": [engine, target]}, config.kv_cache_memory)
+                                       {"handoff": [engine, target]}, config.kv_cache_memory, chunk)
     for each in served.values():  # every engine and adapted weight set is built: the weights are kept packed only
         for scheduler in each.schedulers:
             scheduler.engine.release_unpacked_weights()

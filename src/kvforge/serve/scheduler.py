@@ -17,10 +17,10 @@ mechanism. Finished or cancelled requests (a client that disconnected) leave the
 Chunked prefill: a prefiller may prefill in chunks (the app's exact, SPEED and RidgeFill prefills do, in
 chunks of `--max-num-batched-tokens`). While requests run, each loop iteration runs one chunk of prefill (a
 short prompt is one chunk) and then one step of the running batch, so streams keep flowing while a
-long prompt arrives. From a prompt's second chunk on, an exact, SPEED or RidgeFill chunk's layers (a long
-chunk's attention by blocks of its query rows) run in slices of
+long prompt arrives. A prompt longer than one chunk runs its exact, SPEED or RidgeFill chunks' layers (a long
+chunk's attention by blocks of its query rows) in slices of
 about one step's time (`PREFILL_SLICE`), a step between two slices, so however long the prompt,
-a stream waits about two steps for a token past its first chunk. The chunk runs in its own forward: a decode row's bits do not depend on a
+a stream waits about two steps for a token. The chunk runs in its own forward: a decode row's bits do not depend on a
 prompt prefilled beside it. One prompt is prefilled at a time. RidgeFill prompts chunk in two
 phases (`Engine.prefill_steps`), a hybrid's too. A hand-off prompt chunks its source prefill and its
 native tail and translates a target layer at a time (`hand_off_steps`).
@@ -132,16 +132,16 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
     return prefilled
 
 
-# While requests decode, a prompt longer than one chunk runs its second and later exact, SPEED or RidgeFill
+# While requests decode, a prompt longer than one chunk runs its exact, SPEED or RidgeFill
 # chunks in slices of their layers (`Engine.prefill_steps` pauses between two layers, and between two
 # blocks of a long chunk's attention query rows: `engine.PAUSE_POINTS`) of at most PREFILL_SLICE
 # times the requests' recent step time (a slice ends before a piece that would cost past it, judged
 # by the piece before; at least one piece a slice), with a step of theirs between two slices: a
 # stream then waits about two steps for a token however long the prompt and its context (a 64-token
 # chunk of smollm2-135m at 4K of context costs five 15-row steps in bf16 on AVX512-BF16, one
-# thread), and the prompt takes about half the time while they run. A prompt's first chunk runs
-# whole, as a prompt of one chunk does: slicing every admission would run the decode steps more
-# often, with fewer rows each, and lower the throughput of many short prompts.
+# thread), and the prompt takes about half the time while they run. A prompt of one chunk runs
+# whole: slicing every admission would run the decode steps more often, with fewer rows each, and
+# lower the throughput of many short prompts.
 PREFILL_SLICE = 1.0
 STEP_AVERAGE = 0.2  # the weight of the latest step in the average step time
 
@@ -152,14 +152,17 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine, prefillers: dict[str, Prefiller], max_batch: int = 16, queue_size: int = 64,
-                 draft: DraftConfig | None = None, metrics=None, history: RolloutHistory | None = None, kv_cache_bytes: int | None = None):
+                 draft: DraftConfig | None = None, metrics=None, history: RolloutHistory | None = None, kv_cache_bytes: int | None = None,
+                 chunk_size: int | None = None):
         """`prefillers`: prefill method name -> how a request's cache is made. `draft`: k, the
         prefetch budget, the n-gram sizes and the gate for every request; each request picks
         its drafter and whether it is prefetched. `history`: the per-prompt n-gram store that
         n-gram requests draft from (its n-gram sizes are `draft`'s); None: each request's own.
         `kv_cache_bytes`: the batch cache's memory, allocated at the first admission and split
-        evenly across `max_batch` slots (`rows_per_sequence` rows each); None: buffers that grow."""
-        self.engine, self.prefillers, self.max_batch = engine, prefillers, max_batch
+        evenly across `max_batch` slots (`rows_per_sequence` rows each); None: buffers that grow.
+        `chunk_size`: the prefillers' chunk (`--max-num-batched-tokens`): a prompt longer than it is
+        sliced from its first chunk on (`PREFILL_SLICE`); None: a prompt's first chunk runs whole."""
+        self.engine, self.prefillers, self.max_batch, self.chunk_size = engine, prefillers, max_batch, chunk_size
         self.draft = draft or DraftConfig()
         self.history = history
         self.queue: queue.Queue[list[ServeRequest]] = queue.Queue(maxsize=queue_size)
@@ -194,7 +197,7 @@ class Scheduler:
         # since the start: seconds in decode steps and in prefills, and the tokens the steps committed
         self.decode_s, self.prefill_s, self.decoded_tokens = 0.0, 0.0, 0
         self._step_seconds: float | None = None  # the running batch's recent decode step time (an exponential average)
-        self._chunks_passed = 0  # the chunks of the prompt being prefilled that have run to their end
+        self._sliced = False  # whether the prompt being prefilled runs its chunks in slices while requests decode
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def _budget_cache(self) -> KVCache:
@@ -328,18 +331,18 @@ class Scheduler:
                     self._finish(r, error="cancelled")
                 continue
             self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
-            self._chunks_passed = 0
+            self._sliced = self.chunk_size is not None and len(group[0].prompt_ids) > self.chunk_size
             self._prefill_chunk()
 
     def _slice_seconds(self) -> float:
-        """How long a slice of a prefill chunk (a long prompt's second chunk or later) may run while
+        """How long a slice of a prefill chunk (a prompt longer than one chunk) may run while
         requests decode: `PREFILL_SLICE` of their recent step time."""
         return PREFILL_SLICE * (self._step_seconds or 0.0)
 
     def _prefill_chunk(self) -> None:
         """The next chunk of the prompt being prefilled (a prefiller that is a generator yields
-        between chunks: `Engine.prefill_steps`), or, from its second chunk on while requests run,
-        the next slice of its pieces (layers, blocks of a layer's attention query rows:
+        between chunks: `Engine.prefill_steps`), or, for a prompt longer than one chunk while
+        requests run, the next slice of its pieces (layers, blocks of a layer's attention query rows:
         `PREFILL_SLICE`); when its prefill is done, its group joins."""
         if self._prefilling is None:
             return
@@ -355,17 +358,17 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 try:
-                    # the chunk's layers to its end; from a prompt's second chunk on, while requests
+                    # the chunk's layers to its end; for a prompt longer than one chunk, while requests
                     # run, as long as the next piece (a layer, or a block of its attention's query
                     # rows), costing what the last one did, fits the slice's time
                     budget, last = self._slice_seconds(), start
-                    sliced = bool(self.active) and self._chunks_passed > 0
+                    sliced = bool(self.active) and self._sliced
                     while (point := next(steps)) in PAUSE_POINTS:
                         now = time.perf_counter()
                         if sliced and 2 * now - last - start > budget:
                             break
                         last = now
-                    self._chunks_passed += point is None
+                    self._sliced |= point is None  # a prompt the prefillers chunk though it is not longer than `chunk_size`
                     return  # more of the prompt: the running requests' step goes first
                 except StopIteration as done:
                     self._prefilling = None
