@@ -280,6 +280,20 @@ def test_an_update_of_the_source_marks_a_hand_off_mid_prefill_crossed(dirs, arti
     assert results[0]["kvforge"]["weights_crossed"] is True
 
 
+def _record_steps(monkeypatch, engine, events: list):
+    """Record "step" in `events` at each decode step of the running batch (a forward that returns
+    every row's logits); returns the engine's own forward."""
+    forward = engine.forward
+
+    def forward_spy(ids, positions, cache, logits="last"):
+        if logits == "all":
+            events.append("step")
+        return forward(ids, positions, cache, logits)
+
+    monkeypatch.setattr(engine, "forward", forward_spy)
+    return forward
+
+
 def _arrival_beside_a_stream(scheduler, running, arriving, events: list) -> int:
     """Start `scheduler` with `running` decoding, submit `arriving` once `running` has made three
     steps, wait until `arriving` is done, then cancel `running`. Returns len(events) at the
@@ -966,12 +980,8 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
     running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(20)]
     arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
-    events, forward, run_layer_steps, plan_layer = [], engine.forward, engine.run_layer_steps, engine._plan_layer
-
-    def forward_spy(ids, positions, cache, logits="last"):
-        if logits == "all":
-            events.append("step")
-        return forward(ids, positions, cache, logits)
+    events, run_layer_steps, plan_layer = [], engine.run_layer_steps, engine._plan_layer
+    forward = _record_steps(monkeypatch, engine, events)
 
     def spy(run):  # a layer of a chunk of the arriving prompt: exact (`run_layer_steps`), or SPEED's past its cut (`_plan_layer`)
         def layer_spy(layer, h, positions, *rest, **kw):
@@ -980,7 +990,6 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
             return run(layer, h, positions, *rest, **kw)
         return layer_spy
 
-    monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "run_layer_steps", spy(run_layer_steps))
     monkeypatch.setattr(engine, "_plan_layer", spy(plan_layer))
     prefillers = {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8), method: planned_prefiller(engine, make_plan, chunk_size=8)}
@@ -1020,19 +1029,14 @@ def test_a_prompt_of_one_chunk_runs_whole_while_requests_decode(tiny_engine, mon
     running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     prompt = [3 + (i * 7) % 90 for i in range(8)]
     arriving = scheduling.ServeRequest(prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    events, forward, run_layer_steps = [], engine.forward, engine.run_layer_steps
-
-    def forward_spy(ids, positions, cache, logits="last"):
-        if logits == "all":
-            events.append("step")
-        return forward(ids, positions, cache, logits)
+    events, run_layer_steps = [], engine.run_layer_steps
+    forward = _record_steps(monkeypatch, engine, events)
 
     def layer_spy(layer, h, *rest, **kw):
         if h.shape[0] == 1 and h.shape[1] == len(prompt):
             events.append(("layer", layer))
         return run_layer_steps(layer, h, *rest, **kw)
 
-    monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "run_layer_steps", layer_spy)
     scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=8)}, max_batch=4, chunk_size=8)
     before = _arrival_beside_a_stream(scheduler, running, arriving, events)
@@ -1066,19 +1070,14 @@ def test_a_long_chunks_attention_runs_in_slices_of_query_rows_between_the_runnin
     running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(2 * chunk)]
     arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    events, forward, fused = [], engine.forward, kernels.few_query_attention
-
-    def forward_spy(ids, positions, cache, logits="last"):
-        if logits == "all":
-            events.append("step")
-        return forward(ids, positions, cache, logits)
+    events, fused = [], kernels.few_query_attention
+    forward = _record_steps(monkeypatch, engine, events)
 
     def fused_spy(rows, k, v, length, scaling, tokens=1, **kw):
         if tokens > 1 and rows.shape[0] == 1:  # a block of the arriving prompt's query rows
             events.append(("block", length))
         return fused(rows, k, v, length, scaling, tokens, **kw)
 
-    monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(kernels, "few_query_attention", fused_spy)
     scheduler = scheduling.Scheduler(engine, {"exact": planned_prefiller(engine, lambda ids: None, chunk_size=chunk)}, max_batch=4)
     before = _arrival_beside_a_stream(scheduler, running, arriving, events)
@@ -1116,12 +1115,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     running = ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
     long_prompt = [3 + (i * 7) % 90 for i in range(100)]
     arriving = ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
-    events, forward, forward_steps, run_plan_steps = [], engine.forward, engine.forward_steps, engine.run_plan_steps
-
-    def forward_spy(ids, positions, cache, logits="last"):
-        if logits == "all":
-            events.append("step")
-        return forward(ids, positions, cache, logits)
+    events, forward_steps, run_plan_steps = [], engine.forward_steps, engine.run_plan_steps
+    forward = _record_steps(monkeypatch, engine, events)
 
     def steps_spy(ids, positions, cache, logits="last"):
         events.append("chunk")  # an exact chunk
@@ -1143,7 +1138,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
             events.append("chunk")
         return plan_layer(layer, h, *rest, **kw)
 
-    monkeypatch.setattr(engine, "forward", forward_spy)
     monkeypatch.setattr(engine, "forward_steps", steps_spy)
     monkeypatch.setattr(engine, "run_plan_steps", plan_spy)
     if method == "ridgefill":
