@@ -139,7 +139,7 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
 # by the piece before; at least one piece a slice), with a step of theirs between two slices: a
 # stream then waits about two steps for a token however long the prompt and its context (a 64-token
 # chunk of smollm2-135m at 4K of context costs five 15-row steps in bf16 on AVX512-BF16, one
-# thread), and the prompt takes about half the time while they run. A prompt of one chunk runs
+# thread), and the prompt gets a third to two fifths of the time while they run. A prompt of one chunk runs
 # whole: slicing every admission would run the decode steps more often, with fewer rows each, and
 # lower the throughput of many short prompts.
 PREFILL_SLICE = 1.0
