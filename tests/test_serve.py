@@ -1049,9 +1049,10 @@ def test_a_prompt_of_one_chunk_runs_whole_while_requests_decode(tiny_engine, mon
 
 
 def test_a_long_chunks_attention_runs_in_slices_of_query_rows_between_the_running_requests_steps(monkeypatch):
-    """In bf16 the kernel runs a long chunk's attention in blocks of query rows; past a prompt's
-    first chunk, a step of the running requests may run between two blocks (`PREFILL_SLICE` 0
-    here: one piece a slice), and the prompt decodes what `generate` with the same chunk size gives."""
+    """In bf16 the kernel runs a long chunk's attention in blocks of query rows; in a sliced chunk
+    (past a prompt's first here: the scheduler is not told the chunk size), a step of the running
+    requests may run between two blocks (`PREFILL_SLICE` 0 here: one piece a slice), and the prompt
+    decodes what `generate` with the same chunk size gives."""
     from dataclasses import replace
 
     from conftest import tiny_loaded

@@ -331,7 +331,7 @@ class Scheduler:
                     self._finish(r, error="cancelled")
                 continue
             self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
-            self._sliced = self.chunk_size is not None and len(group[0].prompt_ids) > self.chunk_size
+            self._sliced = bool(self.chunk_size) and len(group[0].prompt_ids) > self.chunk_size  # 0: whole prompts
             self._prefill_chunk()
 
     def _slice_seconds(self) -> float:
