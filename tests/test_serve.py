@@ -294,6 +294,22 @@ def _record_steps(monkeypatch, engine, events: list):
     return forward
 
 
+def _recorded(prefiller, record):
+    """`prefiller` with `record(point)` called at each point where its prefill pauses."""
+
+    def prefill(r):
+        steps = prefiller(r)
+        while True:
+            try:
+                point = next(steps)
+            except StopIteration as done:
+                return done.value
+            record(point)
+            yield point
+
+    return prefill
+
+
 def _arrival_beside_a_stream(scheduler, running, arriving, events: list) -> int:
     """Start `scheduler` with `running` decoding, submit `arriving` once `running` has made three
     steps, wait until `arriving` is done, then cancel `running`. Returns len(events) at the
@@ -346,16 +362,7 @@ def test_a_hand_off_is_prefilled_in_pieces_between_the_running_requests_steps(di
 
     inner = handoff_prefiller(translator, source, target, native_tail=12, chunk_size=8)
 
-    def prefill(r):
-        steps = inner(r)
-        while True:
-            try:
-                point = next(steps)
-            except StopIteration as done:
-                return done.value
-            if point is None:  # not a point between two layers of a chunk
-                events.append("piece")
-            yield point
+    prefill = _recorded(inner, lambda point: events.append("piece") if point is None else None)  # None: not a point within a chunk
 
     target.forward = forward_spy
     try:
@@ -1014,6 +1021,47 @@ def test_a_chunk_runs_its_layers_in_slices_between_the_running_requests_steps(ti
         while True:
             points.append(next(steps))
     assert points.count(None) == 2 and points.count("layer") == 3 * (engine.num_layers - 1)
+
+
+@pytest.mark.parametrize("method", ["exact", "speed", "ridgefill"])
+def test_every_pause_of_a_long_prompts_prefill_has_a_step_of_the_running_requests(tiny_engine, monkeypatch, method):
+    """A prompt longer than the scheduler's `chunk_size`, with `PREFILL_SLICE` 0 (one piece a
+    slice): between any two points where its prefill pauses, from its first chunk's first layer
+    on (between chunks, between layers, in RidgeFill's two phases), a step of the running requests
+    runs, and the prompt decodes what `generate` with the same chunk size and plan gives."""
+    from dataclasses import replace
+
+    from kvforge.fill.ridgefill import RidgeFillConfig, ridgefill_plan
+    from kvforge.fill.speed import SpeedConfig, speed_plan
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve import scheduler as scheduling
+    from kvforge.serve.app import planned_prefiller
+
+    engine = tiny_engine
+    ridgefill = RidgeFillConfig(split=2, tail=4, sinks=2, attended_rows=2, attended_span=1, fill="identity")
+    make_plan = {"exact": lambda ids: None, "speed": lambda ids: speed_plan(len(ids), SpeedConfig(cut=2, first=1, tail=4), engine.num_layers),
+                 "ridgefill": lambda ids: ridgefill_plan(engine, ids, ridgefill)}[method]
+    monkeypatch.setattr(scheduling, "PREFILL_SLICE", 0.0)
+    running = scheduling.ServeRequest([5, 6, 7, 5, 6, 7], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    long_prompt = [3 + (i * 7) % 90 for i in range(24)]
+    arriving = scheduling.ServeRequest(long_prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True), prefill=method)
+    events = []
+    forward = _record_steps(monkeypatch, engine, events)
+    inner = planned_prefiller(engine, make_plan, chunk_size=8)
+
+    prefill = _recorded(inner, lambda point: events.append(("pause", point)))
+    scheduler = scheduling.Scheduler(engine, {"exact": inner, method: prefill}, max_batch=4, chunk_size=8)
+    before = _arrival_beside_a_stream(scheduler, running, arriving, events)
+    monkeypatch.setattr(engine, "forward", forward)
+    pauses = [i for i, e in enumerate(events) if isinstance(e, tuple) and i >= before]
+    alone, points = engine.prefill_steps([long_prompt], chunk_size=8, plan=make_plan(long_prompt)), []
+    with pytest.raises(StopIteration):
+        while True:
+            points.append(next(alone))
+    assert [events[i][1] for i in pauses] == points and points.count(None) >= 2  # every pause of three chunks or more
+    assert all("step" in events[a:b] for a, b in zip(pauses, pauses[1:])), events[before:]
+    expected = engine.generate(long_prompt, replace(arriving.config, chunk_size=8), plan=make_plan(long_prompt))[0].token_ids
+    assert arriving.seq.token_ids == expected
 
 
 def test_a_prompt_of_one_chunk_runs_whole_while_requests_decode(tiny_engine, monkeypatch):
