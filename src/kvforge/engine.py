@@ -40,7 +40,7 @@ class RewrittenRows:
 
 
 # What a prefill's steps yield between two layers of an exact, SPEED or RidgeFill chunk
-# (`Engine.forward_steps`, `Engine._fill_in_chunks`, `Engine.run_plan_steps`), and within a long
+# (`Engine.run_layers_steps`, `Engine._fill_in_chunks`, `Engine.run_plan_steps`), and within a long
 # chunk's attention (`QUERY_BLOCK`): points where the caller may pause; between two chunks they
 # yield None, where it pauses.
 LAYER_BOUNDARY = "layer"
@@ -180,24 +180,30 @@ class Engine:
         """Run layers [start, end) on rows h; returns the residual stream entering layer `end`.
         `rewritten`: held rows that join from their layer on and are rewritten in place
         (`RewrittenRows`); the returned stream holds h's rows only."""
+        return run_to_end(self.run_layers_steps(h, positions, cache, start, end, rope, rewritten))
+
+    def run_layers_steps(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int = 0, end: int | None = None,
+                         rope: dict | None = None, rewritten: RewrittenRows | None = None):
+        """`run_layers` as a generator that yields `LAYER_BOUNDARY` between two layers (and
+        `QUERY_BLOCK` within a long step's attention) and returns its result."""
         end = self.num_layers if end is None else end
         rope = rope if rope is not None else self.adapter.rope(h, positions)
         kind = _row_kinds(positions)
         index = None
         for layer in range(start, end):
+            if layer > start:
+                yield LAYER_BOUNDARY
             if rewritten is not None and layer == rewritten.layer:
                 h = torch.cat([rewritten.h.to(h.dtype), h], dim=1)
                 positions = torch.cat([rewritten.positions, positions], dim=1)
                 rope, index = self.adapter.rope(h, positions), rewritten.index
-            h = self.run_layer(layer, h, positions, cache, rope, kind, index)
+            h = yield from self.run_layer_steps(layer, h, positions, cache, rope, kind, index)
         return h if index is None else h[:, index.shape[1] :]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last") -> torch.Tensor | None:
         """ids, positions (B, T) through every layer. logits: 'last' (B, V), 'all' (B, T, V) or 'none'."""
-        h = self.adapter.embed(ids)
-        h = self.run_layers(h, positions, cache)
-        return self._logits(h, logits)
+        return run_to_end(self._forward_steps(ids, positions, cache, logits))
 
     def forward_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str = "last"):
         """`forward` as a generator that yields `LAYER_BOUNDARY` between two layers (and
@@ -208,13 +214,7 @@ class Engine:
         return (yield from in_inference_mode(self._forward_steps(ids, positions, cache, logits)))
 
     def _forward_steps(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits: str):
-        h = self.adapter.embed(ids)
-        rope = self.adapter.rope(h, positions)
-        kind = _row_kinds(positions)
-        for layer in range(self.num_layers):
-            if layer:
-                yield LAYER_BOUNDARY
-            h = yield from self.run_layer_steps(layer, h, positions, cache, rope, kind)
+        h = yield from self.run_layers_steps(self.adapter.embed(ids), positions, cache)
         return self._logits(h, logits)
 
     def _logits(self, h: torch.Tensor, logits: str) -> torch.Tensor | None:
@@ -283,9 +283,9 @@ class Engine:
                 raise ValueError("a non-exact prefill plan runs one prompt and returns last-token logits")
             plan.validate(ids.shape[1], self.num_layers)
             if chunk_size and ids.shape[1] > chunk_size and plan.fill is None and plan.choose is None:
-                return (yield from self._plan_in_chunks(ids, positions, cache, plan, chunk_size))
+                return (yield from in_inference_mode(self._plan_in_chunks(ids, positions, cache, plan, chunk_size)))
             if chunk_size and ids.shape[1] > chunk_size and self._leaves_at_one_split(plan):
-                return (yield from self._fill_in_chunks(ids, positions, cache, plan, chunk_size))
+                return (yield from in_inference_mode(self._fill_in_chunks(ids, positions, cache, plan, chunk_size)))
             with torch.inference_mode():
                 h, states = self.run_plan(ids, positions, cache, plan)
                 return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, states
@@ -306,15 +306,15 @@ class Engine:
         length, no fill, no choice) run `chunk` rows at a time, yielding None between chunks and
         the `PAUSE_POINTS` of a chunk's layers (`run_plan_steps`): each chunk's rows attend
         over the rows earlier chunks left in the cache at each layer, as they would in one pass.
-        The rows' bits are `generate`'s with the same chunk size."""
+        The rows' bits are `generate`'s with the same chunk size. Run under `in_inference_mode`
+        (`prefill_steps`)."""
         for start in range(0, ids.shape[1], chunk):
             if start:
                 yield
             end = min(start + chunk, ids.shape[1])
             rows = PrefillPlan(plan.depth[start:end], method=plan.method)
-            h, _ = yield from in_inference_mode(self.run_plan_steps(ids[:, start:end], positions[:, start:end], cache, rows))
-        with torch.inference_mode():
-            return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, None
+            h, _ = yield from self.run_plan_steps(ids[:, start:end], positions[:, start:end], cache, rows)
+        return self.adapter.head(h[:, -1:]).squeeze(1).float(), cache, None
 
     def _leaves_at_one_split(self, plan: PrefillPlan) -> bool:
         """Whether `plan` fills every row it does not keep exact from one split on (RidgeFill), its
@@ -334,7 +334,7 @@ class Engine:
         chunks of about `chunk` rows' worth of work each (`_late_chunks`: exact rows, and the
         filled rows between them, written from their h_split in position order among them). Each
         exact row attends over the rows earlier chunks left, as in one pass; the rows' bits are
-        `generate`'s with the same chunk size."""
+        `generate`'s with the same chunk size. Run under `in_inference_mode` (`prefill_steps`)."""
         a, tokens = self.adapter, ids.shape[1]
         depth = plan.depth.to(self.device)
         split = int(depth.min())
@@ -344,37 +344,32 @@ class Engine:
             if start:
                 yield
             rows = slice(start, min(start + chunk, tokens))
-            with torch.inference_mode():
-                h = a.embed(ids[:, rows])
-                rope = a.rope(h, positions[:, rows])
+            h = a.embed(ids[:, rows])
+            rope = a.rope(h, positions[:, rows])
             for layer in range(split):
                 if layer:
                     yield LAYER_BOUNDARY
                 if layer == read:
                     read_streams.append(h)
-                h = yield from in_inference_mode(self.run_layer_steps(layer, h, positions[:, rows], cache, rope))
+                h = yield from self.run_layer_steps(layer, h, positions[:, rows], cache, rope)
             streams.append(h)
-        with torch.inference_mode():
-            at_depth = torch.cat(streams, dim=1)  # every row's h_split
-            if plan.choose is not None:
-                depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
-                if not bool(((depth == split) | (depth == self.num_layers)).all()):
-                    raise ValueError("a plan's choice that runs in chunks keeps rows exact or leaves them at the split")
+        at_depth = torch.cat(streams, dim=1)  # every row's h_split
+        if plan.choose is not None:
+            depth = plan.choose(read + 1, torch.cat(read_streams, dim=1), positions, cache, depth).to(self.device)
+            if not bool(((depth == split) | (depth == self.num_layers)).all()):
+                raise ValueError("a plan's choice that runs in chunks keeps rows exact or leaves them at the split")
         starts = _late_chunks((depth == self.num_layers).tolist(), chunk, 1.0 if plan.fill_cost is None else plan.fill_cost)
         for start, end in zip(starts, starts[1:] + [tokens]):
             yield
             rows = slice(start, end)
-            with torch.inference_mode():
-                h = at_depth[:, rows]
-                rope = a.rope(h, positions[:, rows])
+            h = at_depth[:, rows]
+            rope = a.rope(h, positions[:, rows])
             for layer in range(split, self.num_layers):
                 if layer > split:
                     yield LAYER_BOUNDARY
-                with torch.inference_mode():
-                    h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth, rows=rows)
+                h = self._plan_layer(layer, h, positions, cache, rope, depth, plan, at_depth, rows=rows)
         states = at_depth if bool((depth < self.num_layers).any()) else None  # as one pass: None when no row left
-        with torch.inference_mode():
-            return a.head(h[:, -1:]).squeeze(1).float(), cache, states
+        return a.head(h[:, -1:]).squeeze(1).float(), cache, states
 
     def run_plan(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`run_plan_steps` run to its end."""
