@@ -115,6 +115,13 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def held(layer) -> tuple[torch.Tensor, ...]:
+    """What a cached layer keeps of its rows: keys and values, or a recurrent layer's conv and state."""
+    from kvforge.cache import RecurrentLayerCache
+
+    return (layer.conv, layer.state) if isinstance(layer, RecurrentLayerCache) else (layer.keys(), layer.values())
+
+
 def tiny_loaded(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LoadedModel:
     """A tiny model ready for the engine; in a lower `dtype` it is the fp32 weights cast (as
     `load_model` casts them), before the adapter fuses its projections, with the fp32 fingerprint.

@@ -164,7 +164,8 @@ def test_bf16_prefill_and_decode_logits_match_transformers_bf16(family):
         ref = model.hf(ids).logits.float()
         ref32 = tiny_loaded(family).hf(ids).logits
     logits, cache = engine.prefill(ids, logits="all")
-    assert cache[0].keys().dtype == cache[0].values().dtype == torch.bfloat16
+    attention = next(layer for layer in cache.layers if not isinstance(layer, RecurrentLayerCache))
+    assert attention.keys().dtype == attention.values().dtype == torch.bfloat16
     assert (logits.float() - ref).abs().max() < BF16_TOL
     assert (logits.float() - ref32).abs().max() < BF16_TOL
     logits, cache = engine.prefill(ids[:, :20])

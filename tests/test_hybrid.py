@@ -100,6 +100,33 @@ def test_a_hybrid_cache_saves_loads_and_decodes_on(tmp_path):
     assert torch.equal(engine.decode_step(nxt, loaded), engine.decode_step(nxt, cache))
 
 
+def test_a_recurrent_layer_is_a_row_log_and_a_state_with_no_keys_or_values(tmp_path):
+    """A recurrent layer logs its rows' positions and kinds like an attention layer and keeps a
+    state in place of K/V; its file holds no keys or values, and a file that does (zero-head K/V
+    beside the state) still loads as the same layer."""
+    from safetensors.torch import load_file, save_file
+
+    engine = Engine(tiny_loaded("qwen3_5"))
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    logits, cache = engine.prefill(ids)
+    layer = cache[0]
+    assert isinstance(layer, RecurrentLayerCache) and not hasattr(layer, "k")
+    assert layer.row_positions().tolist() == [list(range(12))] * 2 and cache[3].row_positions().tolist() == [list(range(12))] * 2
+    cache.save(tmp_path / "c.safetensors")
+    tensors = load_file(tmp_path / "c.safetensors")
+    assert "layers.0.state" in tensors and "layers.0.k" not in tensors and "layers.3.k" in tensors
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    tensors["layers.0.k"] = tensors["layers.0.v"] = torch.zeros(2, 0, 12, 0)
+    save_file(tensors, tmp_path / "zero-head.safetensors", metadata=meta)
+    loaded, _ = KVCache.load(tmp_path / "zero-head.safetensors")
+    assert isinstance(loaded[0], RecurrentLayerCache) and loaded[0].length == 12
+    nxt = logits.argmax(-1)
+    assert torch.equal(engine.decode_step(nxt, loaded), engine.decode_step(nxt, cache))
+
+
 def test_a_recurrent_layer_costs_the_same_bytes_at_any_length():
     engine = Engine(tiny_loaded("qwen3_next"))
     short = engine.prefill(torch.randint(3, 97, (1, 10)))[1]

@@ -1281,7 +1281,7 @@ def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engin
                           kv_cache_bytes=2 * (40 + spare) * row + row // 2)
     assert scheduler.rows_per_sequence == 40
     budget = scheduler.cache
-    assert budget.batch_size == 0 and all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 + spare for layer in budget.layers)
+    assert budget.batch_size == 0 and all(layer.sequence_slots == 2 and layer.capacity == 40 + spare for layer in budget.layers)
     with pytest.raises(ValueError, match="rows per sequence"):
         Scheduler(engine, {}, max_batch=2, kv_cache_bytes=row)
     long = GenerationConfig(max_new_tokens=100, ignore_eos=True)
@@ -1302,4 +1302,4 @@ def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engin
         assert r.seq.token_ids == engine.generate(r.prompt_ids, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))[0].token_ids
     assert "do not fit" in requests[2].error
     assert held is budget and held.batch_size == 0
-    assert all(layer.slots[0].shape[0] == 2 and layer.capacity == 40 + spare for layer in held.layers)
+    assert all(layer.sequence_slots == 2 and layer.capacity == 40 + spare for layer in held.layers)

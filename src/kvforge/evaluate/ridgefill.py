@@ -200,7 +200,7 @@ def _with_states_of(exact: KVCache, filled: KVCache) -> KVCache:
 
 def _copy(layer: LayerCache) -> LayerCache:
     """A copy that scoring may append to and trim without touching the original."""
-    return layer.select_batch(torch.arange(layer.k.shape[0]))
+    return layer.select_batch(torch.arange(layer.batch))
 
 
 def _needles(engine: Engine, maps: RidgeMaps, arms: dict, settings: EvalSettings, progress, memo: dict, model: tuple) -> dict:
