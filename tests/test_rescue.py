@@ -181,15 +181,12 @@ def test_drafted_ridgefill_commits_plain_ridgefills_tokens_and_rescues_the_same_
 
 
 def test_a_draft_ends_before_the_token_that_would_trigger_a_rescue(fitted):
-    from kvforge.speculative.step import SpecRequest, _before_rescue
-    from kvforge.generation import SequenceState
-
     prompt = [1, 5, 6, 7, 8, 9, 10]
     filled = torch.ones(len(prompt), dtype=torch.bool)
     rescue = DecodeRescue(prompt, torch.zeros(1, len(prompt), 4), filled, 2, RescueConfig(ngram=1, window=2, recent=1))
-    request = SpecRequest(0, SequenceState(0, len(prompt)), prompt + [3], GREEDY, None, rescue=rescue)
-    assert _before_rescue(request, [4, 2, 6, 11]) == [4, 2]  # 6 occurs in the prompt, rows 3 and 4 after it are pending
-    assert rescue.due(request.context + [4, 2, 6]) == [3, 4] and _before_rescue(request, [4, 2, 6, 11]) == [4, 2, 6, 11]
+    context = prompt + [3]
+    assert rescue.draft_before(context, [4, 2, 6, 11]) == [4, 2]  # 6 occurs in the prompt, rows 3 and 4 after it are pending
+    assert rescue.due(context + [4, 2, 6]) == [3, 4] and rescue.draft_before(context, [4, 2, 6, 11]) == [4, 2, 6, 11]
 
 
 @pytest.mark.parametrize("generation", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

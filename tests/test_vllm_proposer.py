@@ -141,3 +141,28 @@ def test_the_gate_returns_no_draft_while_it_does_not_pay_and_keeps_learning():
         if drafts[0]:
             break
     assert state_of().acceptance.rate > 0.5 and drafts[0]  # it drafts again
+
+
+def test_a_ridgefill_prompts_drafts_end_before_a_token_that_would_trigger_a_rescue():
+    """For a prompt the RidgeFill class published, the proposer follows the rescue schedule over
+    every committed token and ends a draft before a token that would trigger a rescue; once the
+    rows are rescued, the same token is drafted again. Another prompt's drafts are not cut."""
+    import torch
+
+    from kvforge.fill.rescue import RescueConfig
+    from kvforge.vllm.rescue import publish
+
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    filled = torch.zeros(len(prompt), dtype=torch.bool)
+    filled[6] = True  # the row after the last 5: a 5 decoded calls for it
+    publish(prompt, filled, 2, RescueConfig(ngram=1, window=1, recent=1))
+    runs = {}
+    for first in (5, 4):  # the published prompt, and one that was not filled
+        proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
+        batch = Batch()
+        batch.rows = [[first] + prompt[1:]]
+        runs[first] = [batch.call(proposer, [[8]]), batch.call(proposer, [[9, 5]])]
+        if first == 5:
+            assert proposer.stats.rescue_cuts == 1
+    assert runs[4][0] == [[9, 5, 6, 7]] and runs[5][0] == [[9]]  # 5 would trigger the rescue: it comes as the pending token
+    assert runs[5][1] == runs[4][1] and runs[5][1][0][:1] == [6]  # 9 then the pending 5 committed, row 6 rescued: no cut

@@ -11,6 +11,7 @@ logprobs) and `drafting` (RidgeFill and kvforge's proposer).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,16 +24,21 @@ from vllm import SamplingParams  # noqa: E402
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.errors import KvforgeError  # noqa: E402
 from kvforge.fill.calibrate import CalibrationConfig, fit_ridgefill  # noqa: E402
+from kvforge.fill.rescue import RescueConfig  # noqa: E402
 from kvforge.fill.ridgefill import resolve, ridgefill_plan  # noqa: E402
 from kvforge.models import load_model  # noqa: E402
 from kvforge.plan import final_depth  # noqa: E402
 from kvforge.vllm import speculative_config  # noqa: E402
 from kvforge.vllm.engine import close_llm, generate, spec_counters, start_llm  # noqa: E402
+from kvforge.vllm.proposer import LIVE  # noqa: E402
 from kvforge.vllm.ridgefill import ARCHITECTURE, SETTINGS, engine_args, ridgefill_stats, set_ridgefill  # noqa: E402
 
 from test_vllm import MAX_LEN, save_tiny_llama  # noqa: E402
 
 SETTING = {"split": 2, "tail": 32, "attended_rows": 4}
+# a rescue on every prompt token a decoded token repeats (kvforge's default asks for two in a row),
+# so the tiny model's decoding rescues often and the tokens depend on it
+RESCUE = {"ngram": 1, "window": 8, "recent": 2}
 
 
 def fit_maps(model_dir, path):
@@ -50,13 +56,13 @@ def setup(tmp_path_factory):
     model_dir = save_tiny_llama(root / "model")
     engine = fit_maps(model_dir, root / "maps.safetensors")
     config, maps = resolve(engine, root / "maps.safetensors", **SETTING)
-    return model_dir, root / "maps.safetensors", engine, config, maps
+    return model_dir, root / "maps.safetensors", engine, replace(config, rescue=RescueConfig(**RESCUE)), maps
 
 
 @pytest.fixture(scope="module")
 def served(setup):
     model_dir, maps_path = setup[:2]
-    llm = start_llm(model_dir, torch.float32, **engine_args(maps_path, max_model_len=MAX_LEN, **SETTING), max_num_seqs=4,
+    llm = start_llm(model_dir, torch.float32, **engine_args(maps_path, max_model_len=MAX_LEN, rescue=RESCUE, **SETTING), max_num_seqs=4,
                     logprobs_mode="raw_logits")
     yield llm
     close_llm(llm)
@@ -65,7 +71,7 @@ def served(setup):
 @pytest.fixture(scope="module")
 def drafting(setup, served):
     model_dir, maps_path = setup[:2]
-    llm = start_llm(model_dir, torch.float32, **engine_args(maps_path, max_model_len=MAX_LEN, **SETTING), max_num_seqs=4,
+    llm = start_llm(model_dir, torch.float32, **engine_args(maps_path, max_model_len=MAX_LEN, rescue=RESCUE, **SETTING), max_num_seqs=4,
                     speculative_config=speculative_config(k=4, gate=False), disable_log_stats=False)
     yield llm
     close_llm(llm)
@@ -116,6 +122,23 @@ def _greedy_config(n: int):
     return GenerationConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def test_decoding_rescues_filled_rows_as_kvforge_does_alone_and_batched(setup, served):
+    """The class's decode-time rescue is kvforge's: the tokens `generate --method ridgefill`
+    decodes with its rescue (which differ from those without it), for a request alone and for two
+    decoding in one batch."""
+    _, _, engine, config, maps = setup
+    batch = [long_prompt(250, 6), long_prompt(240, 7)]  # 490 tokens: prefilled in one step, then decoded together
+    rescued = [engine.generate([p], _greedy_config(24), plan=ridgefill_plan(engine, p, config, maps))[0] for p in batch]
+    plain = [engine.generate([p], _greedy_config(24), plan=ridgefill_plan(engine, p, replace(config, rescue=None), maps))[0] for p in batch]
+    assert all(r.rescued_rows > 0 and r.token_ids != p.token_ids for r, p in zip(rescued, plain))  # the rescue changes the tokens
+    before = ridgefill_stats(served)[0].rescued_rows
+    alone = [list(generate(served, [p], params())[0].outputs[0].token_ids) for p in batch]
+    together = [list(o.outputs[0].token_ids) for o in generate(served, batch, params())]
+    assert [r.tokens for r in ridgefill_stats(served)[0].last] == [250, 240]
+    assert alone == together == [list(r.token_ids) for r in rescued]
+    assert ridgefill_stats(served)[0].rescued_rows - before == 2 * sum(r.rescued_rows for r in rescued)
+
+
 def test_switched_off_and_short_prompts_run_vllms_exact_prefill(setup, served):
     _, _, engine, _, _ = setup
     prompt, short = long_prompt(300, 1), long_prompt(60, 2)[-30:]  # 30 tokens: no longer than sinks + tail
@@ -151,6 +174,20 @@ def test_ngram_drafting_is_lossless_over_the_forged_cache(setup, served, draftin
     assert ridgefill_stats(drafting)[0].filled_prefills >= 1
     assert after["accepted_tokens"] > before["accepted_tokens"]  # drafts were accepted, so verification ran
     assert drafted == forged
+
+
+def test_drafts_end_before_a_token_that_would_trigger_a_rescue(served, drafting):
+    """A second request with a prompt drafts the first one's tokens, among them those that
+    triggered rescues; its drafts end before such tokens, so it commits plain RidgeFill's tokens."""
+    prompt = long_prompt(250, 6)
+    plain = list(generate(served, [prompt], params())[0].outputs[0].token_ids)
+    rescues = ridgefill_stats(drafting)[0].rescue_events
+    before = spec_counters(drafting)
+    first, second = (list(generate(drafting, [prompt], params())[0].outputs[0].token_ids) for _ in range(2))
+    assert sum(p.stats.rescue_cuts for p in LIVE if p.config.k == 4) > 0  # a draft did reach such a token
+    assert spec_counters(drafting)["accepted_tokens"] > before["accepted_tokens"]
+    assert ridgefill_stats(drafting)[0].rescue_events > rescues
+    assert first == second == plain
 
 
 def test_maps_for_another_model_or_chunked_prefill_are_refused(setup, tmp_path):

@@ -53,7 +53,9 @@ class DecodeRescue:
     split-layer states. `due` names the rows a step's pending token calls for; `late_layers`
     recomputes them."""
 
-    def __init__(self, prompt: list[int], states: torch.Tensor, filled: torch.Tensor, split: int, config: RescueConfig):
+    def __init__(self, prompt: list[int], states: torch.Tensor | None, filled: torch.Tensor, split: int, config: RescueConfig):
+        """`states` (1, P, E): the prompt rows' split-layer states; None for a schedule that only
+        says which tokens trigger (vLLM's proposer follows one)."""
         self.tokens, self.states, self.split, self.config = list(prompt), states, split, config
         self.pending = filled.clone().cpu()  # (P,) filled rows not rescued yet
         self.occurrences: dict[tuple[int, ...], list[int]] = {}
@@ -131,6 +133,14 @@ class DecodeRescue:
     def would_rescue(self, context: list[int]) -> bool:
         """Whether feeding `context`'s last token would trigger a rescue (nothing is marked)."""
         return bool(self._rows_after(context))
+
+    def draft_before(self, context: list[int], draft: list[int]) -> list[int]:
+        """`draft` (to follow `context`) up to, not including, its first token that would trigger a
+        rescue: that token comes as a later step's pending token instead."""
+        for i in range(len(draft)):
+            if self.would_rescue(context + draft[: i + 1]):
+                return draft[:i]
+        return draft
 
     def due(self, context: list[int]) -> list[int]:
         """`context`'s last token (the step's pending token) is about to be fed: the filled rows

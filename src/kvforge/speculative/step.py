@@ -362,7 +362,7 @@ def speculative_step(
     # RidgeFill's rescue: the pending token triggers what its n-gram calls for; a draft ends before
     # a token that would trigger one, which triggers it as a later step's pending token (`fill.rescue`)
     rescued = [r.rescue.due(r.context) if r.rescue is not None else [] for r in requests]
-    proposals = [_before_rescue(r, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
+    proposals = [r.rescue.draft_before(r.context, p) if r.rescue is not None else p for r, p in zip(requests, proposals)]
     step_k = gate.choose(proposals, [r.acceptance for r in requests], context, remaining, together) if gating else k
     drafts = [p[:step_k] for p in proposals]
     prefetched = [flag if d else 0 for flag, d in zip(prefetched, drafts)]
@@ -472,10 +472,3 @@ def _fail(request: SpecRequest, exc: Exception, isolate: bool) -> None:
     request.error = f"{type(exc).__name__}: {exc}"
     request.seq.finish_reason = "error"
 
-
-def _before_rescue(request: SpecRequest, draft: list[int]) -> list[int]:
-    """`draft` up to (not including) its first token that would trigger a rescue."""
-    for i in range(len(draft)):
-        if request.rescue.would_rescue(request.context + draft[: i + 1]):
-            return draft[:i]
-    return draft

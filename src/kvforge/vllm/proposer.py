@@ -46,12 +46,14 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from kvforge.fill.rescue import DecodeRescue
 from kvforge.speculative.history import DEFAULT_MAX_ENTRIES, RolloutHistory
 from kvforge.speculative.ngram import NgramCache, NgramDrafter
 from kvforge.speculative.prefetch import PREFETCHED_SOURCES, Branch, Prefetcher
 from kvforge.speculative.gate import Acceptance, DraftGate, StepCost
 from kvforge.speculative.step import DraftConfig
 from kvforge.vllm import DRAFT_ENV
+from kvforge.vllm.rescue import tracker
 
 LIVE: "weakref.WeakSet[NgramRLProposer]" = weakref.WeakSet()  # proposers in this process, for in-process benches
 
@@ -108,6 +110,9 @@ class RowState:
     proposal: list[int] | None = None  # the draft looked up at the last step, returned or not
     source: str | None = None  # where `draft` came from (`NgramDrafter.SOURCES`, or "prefetch")
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # a RidgeFill prompt's rescue schedule (`vllm.rescue`), fed every committed token: drafts end
+    # before a token that would trigger a rescue
+    rescue: DecodeRescue | None = None
 
 
 @dataclass
@@ -119,6 +124,7 @@ class ProposerStats:
     accepted: int = 0
     new_rows: int = 0
     prefetch_hits: int = 0
+    rescue_cuts: int = 0  # drafts ended before a token that would trigger a RidgeFill rescue
     lookup_s: float = 0.0  # drafting on vLLM's critical path: lookups and prefetch misses
     propose_s: float = 0.0  # the whole propose call
     # per draft source: [drafts verified, tokens drafted, tokens accepted]
@@ -200,6 +206,10 @@ class NgramRLProposer:
         prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
         for i, state, proposal, n in rows:
             draft = proposal[:k]
+            if state.rescue is not None:
+                cut = state.rescue.draft_before(state.rescue.tokens, draft)
+                self.stats.rescue_cuts += len(cut) < len(draft)
+                draft = cut
             state.draft = draft or None
             drafts[i] = draft
             if self.prefetcher is not None and draft and state.source in PREFETCHED_SOURCES:
@@ -221,7 +231,7 @@ class NgramRLProposer:
             prompt = tokens[:-committed].tolist()
             cache = self.history.get(prompt)
             previous = self.history.previous(prompt)
-            state = RowState(self._next_key, NgramDrafter(cache, prompt, [previous[i] for i in sorted(previous)]))
+            state = RowState(self._next_key, NgramDrafter(cache, prompt, [previous[i] for i in sorted(previous)]), rescue=tracker(prompt))
             self.history.record(prompt, state.key, state.output)  # this row's output, as it grows
             self.history.settle(prompt)  # evict other prompts' caches beyond the bound
             if self.gate is not None:
@@ -237,6 +247,9 @@ class NgramRLProposer:
                 total = self.stats.matched.setdefault(source, [0, 0])
                 total[0], total[1] = total[0] + compared - was[0], total[1] + landed - was[1]
         state.output.extend(new)
+        if state.rescue is not None:  # as the model class will: the last (the next pending token) included
+            for token in new:
+                state.rescue.observe(token)
         after = hash(tokens.tobytes())
         self.rows.setdefault(after, []).append(state)
         self.rows.move_to_end(after)

@@ -23,7 +23,11 @@ step, whole. The class is vLLM's `LlamaForCausalLM` with one forward added:
   projection and MLP. Filled rows leave the final hidden states as zeros: only the last row (exact)
   is sampled, so prompt logprobs of filled rows are not meaningful.
 - Any other step (decode, speculative verification, a continuation over loaded or cached rows, a
-  step mixing a prefill with decodes) runs the stock model: decoding over a forged cache is vLLM's.
+  step mixing a prefill with decodes) runs the stock model: decoding over a forged cache is vLLM's,
+  after RidgeFill's decode-time rescue has recomputed the filled rows the step's pending token
+  calls for (`vllm.rescue`: kvforge's schedule, so the tokens are `generate --method ridgefill`'s;
+  the setting `rescue: False` turns it off, as `--no-rescue` does). Drafts of kvforge's n-gram
+  proposer end before a token that would trigger a rescue, as in kvforge's engine.
 
 Prefix caching must be off (a filled block must never be reused as exact); `engine_args` does it.
 `enforce_eager=True`: vLLM's torch.compile traces `LlamaModel.forward`, which this class leaves to
@@ -34,7 +38,7 @@ would need a fixed-shape formulation (masks instead of gathers) or a compiled re
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,8 +47,10 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps, fold_kv
+from kvforge.fill.rescue import DecodeRescue, RescueConfig
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
 from kvforge.vllm.paged import attend, visible_mask, window, write_rows
+from kvforge.vllm.rescue import RescueBook, late_layers, publish
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 logger = logging.getLogger("kvforge.vllm")
@@ -55,7 +61,8 @@ SETTINGS = "kvforge_ridgefill"  # the hf_config attribute the settings travel in
 def engine_args(maps: str | Path, preset_name: str = "fast", max_model_len: int = 4096, **overrides) -> dict:
     """Arguments for `vllm.LLM(...)` (or `vllm serve` flags) that serve a Llama checkpoint with
     RidgeFill prefill: the model class, the settings (`overrides`: split, tail, attended_rows,
-    sinks), whole-prompt prefill steps, no prefix caching, eager."""
+    sinks; rescue False for none, or a dict of `RescueConfig` fields), whole-prompt prefill steps,
+    no prefix caching, eager."""
     maps = Path(maps).expanduser().resolve()
     if not maps.is_file():
         raise KvforgeError(f"maps file {str(maps)!r} does not exist: fit them with `kvforge fit ridgefill`")
@@ -82,6 +89,8 @@ class Stats:
     filled_prefills: int = 0
     exact_prefills: int = 0  # whole-prompt prefills that filled nothing (too short)
     stock_steps: int = 0  # steps that ran the stock model (decode, mixed, continuation)
+    rescue_events: int = 0  # decode steps whose pending token recomputed filled rows first
+    rescued_rows: int = 0
     last: list[PrefillRecord] = field(default_factory=list)  # the last RidgeFill step's requests
 
 
@@ -98,6 +107,9 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         layers = vllm_config.model_config.hf_config.num_hidden_layers
         choice = {k: settings[k] for k in ("split", "tail", "attended_rows", "sinks") if k in settings}
         self.config_ridgefill: RidgeFillConfig = preset(settings.get("preset", "fast"), layers, **choice)
+        rescue = settings.get("rescue", True)  # True: kvforge's default schedule; False: off; or RescueConfig's fields
+        if not rescue or isinstance(rescue, dict):
+            self.config_ridgefill = replace(self.config_ridgefill, rescue=RescueConfig(**rescue) if rescue else None)
         self.config_ridgefill.check(layers)
         if self.config_ridgefill.split >= layers:
             raise KvforgeError(f"RidgeFill split {self.config_ridgefill.split} fills no layer of this {layers}-layer model")
@@ -113,6 +125,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         # computes with a RidgeFill cache of the context and the continuation run over it.
         self.score_tokens = int(settings.get("score_tokens", 0))
         self.stats = Stats()
+        self.rescues = RescueBook(limit=2 * vllm_config.scheduler_config.max_num_seqs + 8)
         self.special_ids: set[int] = set()
         self.fill_maps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # maps of the input, by late layer
         self.fill_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # maps of the normed input, folded
@@ -178,6 +191,9 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             self.stats.exact_prefills += len(plans)
             if plans:  # whole prompts too short to fill: what ran is still this step's record
                 self.stats.last = plans
+            if inputs_embeds is None and intermediate_tensors is None:
+                with torch.inference_mode():
+                    self._rescue_due(input_ids)
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
         with torch.inference_mode():
             return self._ridgefill(input_ids, positions, spans, plans)
@@ -195,6 +211,41 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         if lengths != m.seq_lens.tolist() or min(lengths, default=0) < 2:
             return None
         return list(zip(starts, starts[1:]))
+
+    def _rescue_due(self, input_ids: torch.Tensor) -> None:
+        """Before a stock step: the filled rows each request's pending token calls for, recomputed
+        (`vllm.rescue`); a whole prompt from position 0 starts a request with no rescue."""
+        m = step_metadata()
+        if m is None or not self.rescues.by_block:
+            return
+        starts, seq_lens = m.query_start_loc.tolist(), m.seq_lens.tolist()
+        for i, s in enumerate(seq_lens):
+            a, b = starts[i], starts[i + 1]
+            if b == a:  # a padding entry: no rows
+                continue
+            first = int(m.block_table[i, 0])
+            if s == b - a:  # a prompt prefilled exactly on a block a finished request may have held
+                self.rescues.start(first, None)
+                continue
+            found = self.rescues.due(first, s - (b - a), input_ids[a:b].tolist())
+            if found is not None:
+                rescue, rows = found
+                late_layers(self, rescue, rows, m.block_table[i])
+                self.stats.rescue_events += 1
+                self.stats.rescued_rows += len(rows)
+
+    def _start_rescues(self, input_ids: torch.Tensor, stream: torch.Tensor, spans, plans: list[PrefillRecord]) -> None:
+        """After a RidgeFill prefill: each filled request's rescue (its prompt, filled rows and
+        split-layer states), under its first block, and its schedule for the proposer."""
+        config = self.config_ridgefill
+        table = step_metadata().block_table
+        for i, (record, (a, b)) in enumerate(zip(plans, spans)):
+            rescue = None
+            if record.reason is None and config.rescue is not None and not self.score_tokens:
+                prompt, filled = input_ids[a:b].tolist(), ~record.exact.cpu()
+                rescue = DecodeRescue(prompt, stream[a:b].unsqueeze(0).clone(), filled, config.split, config.rescue)
+                publish(prompt, filled, config.split, config.rescue)
+            self.rescues.start(int(table[i, 0]), rescue)
 
     def _plan(self, ids: torch.Tensor) -> PrefillRecord:
         context = ids.numel() - self.score_tokens
@@ -219,6 +270,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
             exact = self._keep_attended(before, positions, spans, plans, exact)
         for record, (a, b) in zip(plans, spans):
             record.exact = exact[a:b].clone()
+        self._start_rescues(input_ids, stream, spans, plans)
         filled = ~exact
         # exact rows keep vLLM's (hidden, residual) pair, so each norm adds and normalises them as the
         # stock layers do (in fp32 inside the fused add-norm); filled rows need only the summed stream
