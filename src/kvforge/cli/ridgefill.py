@@ -164,8 +164,7 @@ def eval_ridgefill_cmd(
     if serving not in ("kvforge", "vllm"):
         raise KvforgeError(f"unknown --engine {serving!r}: use kvforge or vllm")
     engine = load_engine(model, device, dtype)
-    # in vLLM decoding never rescues filled rows: kvforge's figures beside it are scored without the rescue too
-    config, resident = ridgefill.resolve(engine, maps, preset, split, tail, rescue=rescue and serving == "kvforge")
+    config, resident = ridgefill.resolve(engine, maps, preset, split, tail, rescue=rescue)
     settings = EvalSettings(samples=samples, needles=needles, prompt_tokens=prompt_tokens)
     if serving == "vllm":
         return _eval_in_vllm(model, engine, maps, config, resident, settings, json_out)
@@ -205,7 +204,8 @@ def _eval_in_vllm(model: str, engine, maps: Optional[Path], config, resident, se
                                  progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     vllm, ours = report["gaps"]["vllm"], report["gaps"]["kvforge"]
     out = {"command": "eval ridgefill", "engine": "vllm", "model": model, "method": "ridgefill", "tokens": settings.prompt_tokens,
-           "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "dtype": dtype_of(engine),
+           "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "rescue": config.rescue is not None,
+           "dtype": dtype_of(engine),
            **vllm, "kvforge": ours, **{k: v for k, v in report.items() if k != "gaps"}}
     if json_out:
         emit_json(out)

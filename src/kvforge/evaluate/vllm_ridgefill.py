@@ -10,11 +10,17 @@ same sequences both ways (`scoring.continuation_nll` over its exact and RidgeFil
 report holds both gaps with their paired-bootstrap intervals, and the largest per-token NLL
 difference between vLLM's and kvforge's RidgeFill.
 
+Both engines score a continuation without the decode-time rescue: vLLM scores it as prompt rows,
+where no decode step runs.
+
 Needles: RULER niah_single haystacks, greedy answers, vLLM with RidgeFill on and off and kvforge's
-RidgeFill; per arm the needles whose rows were all filled and how many of those were answered.
+RidgeFill, both decoding with the rescue unless `config.rescue` is None; per arm the needles whose
+rows were all filled and how many of those were answered.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 import torch
 
@@ -34,7 +40,8 @@ def eval_vllm_ridgefill(engine, model_dir, maps_path, maps, config, settings: Ev
     from kvforge.vllm.ridgefill import engine_args, set_ridgefill
 
     longest = max(settings.prompt_tokens + settings.continuation, settings.needle_tokens + NEEDLE_CONFIG.max_new_tokens) + 16
-    choice = {"split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "sinks": config.sinks}
+    choice = {"split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "sinks": config.sinks,
+              "rescue": asdict(config.rescue) if config.rescue is not None else False}
     llm = start_llm(model_dir, dtype, **engine_args(maps_path, max_model_len=longest, **choice), max_num_seqs=1)
     nll = {name: [] for name in ("vllm_exact", "vllm_ridgefill", "kvforge_exact", "kvforge_ridgefill")}
     novel, key, filled_agree = [], [], True
