@@ -102,7 +102,7 @@ def test_a_hybrid_cache_saves_loads_and_decodes_on(tmp_path):
 
 def test_a_recurrent_layer_is_a_row_log_and_a_state_with_no_keys_or_values(tmp_path):
     """A recurrent layer logs its rows' positions and kinds like an attention layer and keeps a
-    state in place of K/V; its file holds no keys or values, and a file that does (zero-head K/V
+    state in place of K/V; its file holds no keys or values, and a file of format 1 (zero-head K/V
     beside the state) still loads as the same layer."""
     from safetensors.torch import load_file, save_file
 
@@ -120,7 +120,7 @@ def test_a_recurrent_layer_is_a_row_log_and_a_state_with_no_keys_or_values(tmp_p
     with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
         meta = f.metadata()
     tensors["layers.0.k"] = tensors["layers.0.v"] = torch.zeros(2, 0, 12, 0)
-    save_file(tensors, tmp_path / "zero-head.safetensors", metadata=meta)
+    save_file(tensors, tmp_path / "zero-head.safetensors", metadata={**meta, "format_version": "1"})
     loaded, _ = KVCache.load(tmp_path / "zero-head.safetensors")
     assert isinstance(loaded[0], RecurrentLayerCache) and loaded[0].length == 12
     nxt = logits.argmax(-1)

@@ -214,3 +214,23 @@ def test_served_ridgefill_decodes_what_generate_does_plain_and_drafted_alone_and
         for name, r in batch.items():
             assert r.seq.token_ids == expected[name].token_ids, (draft, name)
         assert batch[("ridgefill", 1)].state.rescue.rescued_rows == expected[("ridgefill", 1)].rescued_rows
+
+
+def test_vllms_rescue_book_follows_a_request_by_its_steps_and_drops_another_requests():
+    """The vLLM class's book of rescues by first block: a request's steps continue where its last
+    left off (a verification's rejected drafts overwritten); a step that does not (another request
+    loaded onto the block) drops the entry instead of rescuing from a stranger's history."""
+    from kvforge.vllm.rescue import RescueBook
+
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    config = RescueConfig(ngram=1, window=1, recent=1)
+    book = RescueBook(limit=4)
+    book.start(3, DecodeRescue(prompt, None, torch.ones(len(prompt), dtype=torch.bool), 2, config))
+    assert book.due(3, 7, [11]) is None  # the first decode step: 11 is not in the prompt
+    _, rows = book.due(3, 8, [6, 7, 2])  # pending 6 (row 3 follows it), drafts 7 and 2
+    assert rows == [3]
+    rescue, rows = book.due(3, 9, [8])  # the drafts rejected: the bonus 8 takes position 9
+    assert rows == [5] and rescue.tokens == prompt + [11, 6, 8]
+    assert book.due(3, 40, [6]) is None and 3 not in book.by_block  # not this request's next step
+    book.start(3, None)  # a prompt prefilled exactly on the block
+    assert book.due(3, 8, [6]) is None

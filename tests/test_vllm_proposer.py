@@ -150,19 +150,22 @@ def test_a_ridgefill_prompts_drafts_end_before_a_token_that_would_trigger_a_resc
     import torch
 
     from kvforge.fill.rescue import RescueConfig
-    from kvforge.vllm.rescue import publish
+    from kvforge.vllm import rescue
 
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     filled = torch.zeros(len(prompt), dtype=torch.bool)
     filled[6] = True  # the row after the last 5: a 5 decoded calls for it
-    publish(prompt, filled, 2, RescueConfig(ngram=1, window=1, recent=1))
+    rescue.publish(prompt, filled, 2, RescueConfig(ngram=1, window=1, recent=1))
     runs = {}
-    for first in (5, 4):  # the published prompt, and one that was not filled
-        proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
-        batch = Batch()
-        batch.rows = [[first] + prompt[1:]]
-        runs[first] = [batch.call(proposer, [[8]]), batch.call(proposer, [[9, 5]])]
-        if first == 5:
-            assert proposer.stats.rescue_cuts == 1
+    try:
+        for first in (5, 4):  # the published prompt, and one that was not filled
+            proposer = NgramRLProposer(fake_vllm_config(), ProposerConfig(k=4, gate=False))
+            batch = Batch()
+            batch.rows = [[first] + prompt[1:]]
+            runs[first] = [batch.call(proposer, [[8]]), batch.call(proposer, [[9, 5]])]
+            if first == 5:
+                assert proposer.stats.rescue_cuts == 1
+    finally:
+        rescue._SCHEDULES.clear()
     assert runs[4][0] == [[9, 5, 6, 7]] and runs[5][0] == [[9]]  # 5 would trigger the rescue: it comes as the pending token
     assert runs[5][1] == runs[4][1] and runs[5][1][0][:1] == [6]  # 9 then the pending 5 committed, row 6 rescued: no cut

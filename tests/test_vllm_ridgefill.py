@@ -1,11 +1,13 @@
 """RidgeFill inside a real vLLM engine (tiny random llama): vLLM's RidgeFill prefill is kvforge's
-(same rows kept exact, first-token logits within 1e-3, same greedy continuation), the switch and
-short prompts give vLLM's exact path, a batch of prompts in one step is planned per prompt, and
-kvforge's n-gram proposer decodes losslessly over the forged cache, and a scored continuation
-(`score_tokens`) gets kvforge's teacher-forced logits over its RidgeFill cache.
+(same rows kept exact, first-token logits within 1e-3, same greedy continuation), decoding runs
+kvforge's decode-time rescue (the tokens of `generate --method ridgefill` with it, alone and
+batched), the switch and short prompts give vLLM's exact path, a batch of prompts in one step is
+planned per prompt, kvforge's n-gram proposer decodes losslessly over the forged cache and ends
+its drafts before a token that would trigger a rescue, and a scored continuation (`score_tokens`)
+gets kvforge's teacher-forced logits over its RidgeFill cache.
 
-Two engines for the module (each start ~15 s here): `served` (RidgeFill, raw logits as
-logprobs) and `drafting` (RidgeFill and kvforge's proposer).
+Two engines for the module: `served` (RidgeFill, raw logits as logprobs) and `drafting`
+(RidgeFill and kvforge's proposer).
 """
 
 from __future__ import annotations

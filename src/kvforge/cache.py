@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from kvforge.errors import ArtifactError
 from kvforge.rows import RowKind, RowLog, SlotBuffers, trailing_ends
 
-CACHE_FORMAT_VERSION = "1"
+CACHE_FORMAT_VERSION = "2"  # 2: a recurrent layer is saved without K/V; `load` reads 1 and 2
 
 
 class _LoggedLayer:
@@ -110,9 +110,10 @@ class LayerCache(_LoggedLayer):
     rows are in use."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kinds: torch.Tensor,
-                 length: int = 0, log: RowLog | None = None):
-        """k, v (B, H, C, D), C = capacity; positions (B, C) int64; kinds (B, C) uint8; or `log`."""
-        self.log = log if log is not None else RowLog(positions, kinds, length)
+                 length: int = 0, log: RowLog | None = None, contiguous: bool | None = None):
+        """k, v (B, H, C, D), C = capacity; positions (B, C) int64; kinds (B, C) uint8; or `log`.
+        `contiguous`: known of the positions (else read off them)."""
+        self.log = log if log is not None else RowLog(positions, kinds, length, contiguous)
         self.rows = SlotBuffers([k, v], row_dim=2, fills=[0, 0])
 
     @classmethod
@@ -187,7 +188,7 @@ class LayerCache(_LoggedLayer):
     def select_batch(self, index: torch.Tensor) -> "LayerCache":
         """A new layer holding the chosen sequences (1-D index into the batch)."""
         index = index.to(self.k.device)
-        # the buffers keep this layer's capacity, the log's and the rows' alike
+        # the log's and the rows' buffers alike hold this layer's `length` rows
         return LayerCache(*self.rows.select(0, index, self.length), None, None, log=self.log.select_batch(index))
 
     def sequence(self, b: int) -> "LayerCache":
@@ -343,10 +344,14 @@ class RecurrentLayerCache(_LoggedLayer):
         return {f"{prefix}.conv": self.conv.contiguous().cpu(), f"{prefix}.state": self.state.contiguous().cpu()}
 
 
-class KVCache:
-    """The whole model's cache: one `LayerCache` per layer."""
+CachedLayer = LayerCache | RecurrentLayerCache
 
-    def __init__(self, layers: list[LayerCache]):
+
+class KVCache:
+    """The whole model's cache: per layer, its row log and K/V rows (`LayerCache`) or recurrent
+    state (`RecurrentLayerCache`)."""
+
+    def __init__(self, layers: list[CachedLayer]):
         self.layers = layers
 
     @classmethod
@@ -368,7 +373,7 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, layer: int) -> LayerCache:
+    def __getitem__(self, layer: int) -> CachedLayer:
         return self.layers[layer]
 
     @property
@@ -456,7 +461,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V rows in use across all layers."""
+        """Bytes of K and V rows in use, and of recurrent states, across all layers."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -479,6 +484,8 @@ class KVCache:
                 meta = f.metadata() or {}
                 if meta.get("format") != "kvforge.kvcache":
                     raise ArtifactError(f"{path} is not a kvforge KV cache (format={meta.get('format')!r})")
+                if meta.get("format_version") not in ("1", CACHE_FORMAT_VERSION):
+                    raise ArtifactError(f"{path} has KV cache format {meta.get('format_version')}, this kvforge reads 1 or {CACHE_FORMAT_VERSION}")
                 layers = []
                 for i in range(int(meta["num_layers"])):
                     get = lambda name: f.get_tensor(f"layers.{i}.{name}").to(device)  # noqa: B023, E731
@@ -486,7 +493,7 @@ class KVCache:
                     log = RowLog(positions, get("kinds"), length=positions.shape[1])
                     log.ends = trailing_ends(positions)
                     log._recheck()
-                    if f"layers.{i}.state" in f.keys():  # a recurrent layer (files may hold it zero-head K/V too)
+                    if f"layers.{i}.state" in f.keys():  # a recurrent layer (a format 1 file also holds zero-head K/V for it)
                         layers.append(RecurrentLayerCache(log, conv=get("conv"), state=get("state")))
                     else:
                         layers.append(LayerCache(get("k"), get("v"), None, None, log=log))

@@ -108,12 +108,12 @@ class RowLog:
     sequence's rows end. Attention masks and provenance reports read it; the layer keeps what the
     rows hold beside it (`LayerCache`'s keys and values, `RecurrentLayerCache`'s state)."""
 
-    def __init__(self, positions: torch.Tensor, kinds: torch.Tensor, length: int = 0):
+    def __init__(self, positions: torch.Tensor, kinds: torch.Tensor, length: int = 0, contiguous: bool | None = None):
         self.buffers = SlotBuffers([positions, kinds], row_dim=1, fills=[-1, int(RowKind.PADDING)])
         self.length = length
         # True while row i holds position i for every sequence: attention then needs no mask
         # for a query that continues the sequence, which keeps decode on the fast path.
-        self.contiguous = _is_contiguous(self.positions[:, :length])
+        self.contiguous = _is_contiguous(self.positions[:, :length]) if contiguous is None else contiguous
         # Rows [0, shared) are the same in every sequence of the batch (one prompt's rows copied to
         # each of its samples by `select_batch`): attention may read them once for the whole batch.
         self.shared = 0

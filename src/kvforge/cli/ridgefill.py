@@ -204,7 +204,8 @@ def _eval_in_vllm(model: str, engine, maps: Optional[Path], config, resident, se
                                  progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     vllm, ours = report["gaps"]["vllm"], report["gaps"]["kvforge"]
     out = {"command": "eval ridgefill", "engine": "vllm", "model": model, "method": "ridgefill", "tokens": settings.prompt_tokens,
-           "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows, "rescue": config.rescue is not None,
+           "split": config.split, "tail": config.tail, "attended_rows": config.attended_rows,
+           "needles_with_rescue": config.rescue is not None,
            "dtype": dtype_of(engine),
            **vllm, "kvforge": ours, **{k: v for k, v in report.items() if k != "gaps"}}
     if json_out:

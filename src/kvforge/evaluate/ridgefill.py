@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from kvforge.cache import KVCache, LayerCache, RecurrentLayerCache
+from kvforge.cache import CachedLayer, KVCache, LayerCache, RecurrentLayerCache
 from kvforge.data.prompts import token_sequences
 from kvforge.data.tasks import answered, needle_sample
 from kvforge.engine import Engine
@@ -198,7 +198,7 @@ def _with_states_of(exact: KVCache, filled: KVCache) -> KVCache:
     return KVCache([_copy(e if isinstance(e, RecurrentLayerCache) else f) for e, f in zip(exact.layers, filled.layers)])
 
 
-def _copy(layer: LayerCache) -> LayerCache:
+def _copy(layer: CachedLayer) -> CachedLayer:
     """A copy that scoring may append to and trim without touching the original."""
     return layer.select_batch(torch.arange(layer.batch))
 

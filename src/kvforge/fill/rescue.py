@@ -137,8 +137,9 @@ class DecodeRescue:
     def draft_before(self, context: list[int], draft: list[int]) -> list[int]:
         """`draft` (to follow `context`) up to, not including, its first token that would trigger a
         rescue: that token comes as a later step's pending token instead."""
+        tail = list(context[-self.config.ngram :])  # all an n-gram reads of the context
         for i in range(len(draft)):
-            if self.would_rescue(context + draft[: i + 1]):
+            if self.would_rescue(tail + draft[: i + 1]):
                 return draft[:i]
         return draft
 

@@ -94,9 +94,7 @@ class DeepseekV3Adapter(LlamaAdapter):
         kv = linear(latent.squeeze(1), attn.kv_b_proj.weight).view(b, t, self.num_heads, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, rope_key.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        view = LayerCache(k, v.contiguous(), cached.row_positions(), cached.row_kinds(), length=t)
-        view.contiguous = cached.contiguous
-        return view
+        return LayerCache(k, v.contiguous(), cached.row_positions(), cached.row_kinds(), length=t, contiguous=cached.contiguous)
 
     # --- key stages: the rope key has no k-norm -----------------------------------------------
     def key_norm_scale(self, layer):

@@ -56,22 +56,29 @@ def layout_of(layer) -> str:
     return getattr(layer, "isa", None) or type(layer.impl).__name__
 
 
+def unreadable(kv_cache: torch.Tensor, layout: str) -> str | None:
+    """Why rows cannot be read out of a cache of this layout and dtype, or None."""
+    if layout not in READABLE:
+        return f"vLLM's {layout!r} cache layout is not readable by kvforge (it reads the CPU backend's {', '.join(READABLE)} layouts)"
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (layout == "amx" and kv_cache.element_size() != 2):
+        return f"vLLM's {layout!r} cache in {kv_cache.dtype} is not readable by kvforge (a quantized cache keeps other groups and scales)"
+    bs, d = kv_cache.shape[2], kv_cache.shape[3] // 2
+    if layout == "amx" and (bs % AMX_ROWS or d % AMX_ROWS):
+        return (f"vLLM's amx cache layout with block size {bs} and head size {d} is not readable by kvforge "
+                f"(it reads blocks and heads of multiples of {AMX_ROWS})")
+    return None
+
+
 def read_rows(kv_cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V rows (N, H, D) held in `slots` (block · bs + offset) of one layer's cache
     (blocks, H, bs, 2·D)."""
-    if layout not in READABLE:
-        raise UnreadableLayout(f"vLLM's {layout!r} cache layout is not readable by kvforge (it reads the CPU backend's "
-                               f"{', '.join(READABLE)} layouts)")
-    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (layout == "amx" and kv_cache.element_size() != 2):
-        raise UnreadableLayout(f"vLLM's {layout!r} cache in {kv_cache.dtype} is not readable by kvforge (a quantized cache keeps "
-                               "other groups and scales)")
+    reason = unreadable(kv_cache, layout)
+    if reason is not None:
+        raise UnreadableLayout(reason)
     blocks, heads, bs, width = kv_cache.shape
     block, offset = slots // bs, slots % bs
     d = width // 2
     if layout == "amx":
-        if bs % AMX_ROWS or d % AMX_ROWS:
-            raise UnreadableLayout(f"vLLM's amx cache layout with block size {bs} and head size {d} is not readable by kvforge "
-                                   f"(it reads blocks and heads of multiples of {AMX_ROWS})")
         region = kv_cache.view(blocks, heads, 2 * bs * d)  # one block's and head's keys, then its values
         dims, o = torch.arange(d, device=slots.device), offset.view(-1, 1)
         key_at = (o // AMX_ROWS) * AMX_ROWS * d + (dims // PAIR) * AMX_ROWS * PAIR + (o % AMX_ROWS) * PAIR + dims % PAIR

@@ -206,10 +206,6 @@ class NgramRLProposer:
         prefetch: dict[int, tuple[NgramCache, list[int], list[int]]] = {}
         for i, state, proposal, n in rows:
             draft = proposal[:k]
-            if state.rescue is not None:
-                cut = state.rescue.draft_before(state.rescue.tokens, draft)
-                self.stats.rescue_cuts += len(cut) < len(draft)
-                draft = cut
             state.draft = draft or None
             drafts[i] = draft
             if self.prefetcher is not None and draft and state.source in PREFETCHED_SOURCES:
@@ -286,6 +282,10 @@ class NgramRLProposer:
             proposal = state.drafter.propose(tokens, room)
             state.source = state.drafter.source
             stats.lookup_s += time.perf_counter() - lookup
+        if state.rescue is not None and proposal:  # cut before the gate weighs it, as kvforge's step does
+            cut = state.rescue.draft_before(state.rescue.tokens, proposal)
+            stats.rescue_cuts += len(cut) < len(proposal)
+            proposal = cut
         state.proposal = proposal or None
         return proposal
 

@@ -68,37 +68,40 @@ def _key(prompt: list[int]) -> bytes:
 
 class RescueBook:
     """The running requests' rescues, by their first block, bounded (least recently used first out:
-    vLLM does not say when a request ends)."""
+    vLLM does not say when a request ends). Each entry also holds where its request's last step
+    started and how many tokens it ran: the request's next step starts past the first of them and
+    at most one past the last, so a step outside that window is another request's (one whose rows
+    were loaded onto a block a finished request held), and the entry is dropped."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.by_block: OrderedDict[int, DecodeRescue] = OrderedDict()
-        self.events = 0
-        self.rescued_rows = 0
+        self.by_block: OrderedDict[int, tuple[DecodeRescue, int, int]] = OrderedDict()
 
     def start(self, first_block: int, rescue: DecodeRescue | None) -> None:
         """A request prefilled on `first_block`: its rescue, or None (a prompt that filled nothing)."""
         self.by_block.pop(first_block, None)
         if rescue is None:
             return
-        self.by_block[first_block] = rescue
+        self.by_block[first_block] = (rescue, 0, len(rescue.tokens))
         while len(self.by_block) > self.limit:
             self.by_block.popitem(last=False)
 
     def due(self, first_block: int, start: int, tokens: list[int]) -> tuple[DecodeRescue, list[int]] | None:
         """A step of `tokens` from position `start` for the request on `first_block`: its rescue and
         the rows its pending token (the first) calls for, or None (no rescue, or none due)."""
-        rescue = self.by_block.get(first_block)
-        if rescue is None:
+        entry = self.by_block.get(first_block)
+        if entry is None:
             return None
+        rescue, last_start, last_tokens = entry
+        if not last_start < start <= last_start + last_tokens:
+            del self.by_block[first_block]
+            return None
+        self.by_block[first_block] = (rescue, start, len(tokens))
         self.by_block.move_to_end(first_block)
-        rescue.tokens = rescue.tokens[:start] + tokens
-        rows = rescue.due(rescue.tokens[: start + 1])
-        if not rows:
-            return None
-        self.events += 1
-        self.rescued_rows += len(rows)
-        return rescue, rows
+        del rescue.tokens[start:]  # a verification's rejected drafts
+        rescue.tokens.extend(tokens)
+        rows = rescue.due(rescue.tokens[max(0, start + 1 - rescue.config.ngram) : start + 1])
+        return (rescue, rows) if rows else None
 
 
 def late_layers(model, rescue: DecodeRescue, rows: list[int], block_row: torch.Tensor) -> None:

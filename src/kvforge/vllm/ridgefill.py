@@ -49,7 +49,7 @@ from kvforge.errors import KvforgeError
 from kvforge.fill.maps import RidgeMaps, fold_kv
 from kvforge.fill.rescue import DecodeRescue, RescueConfig
 from kvforge.fill.ridgefill import RidgeFillConfig, map_previous_rows, most_attended, peak_attention, planned_exact_rows, preset
-from kvforge.vllm.paged import attend, visible_mask, window, write_rows
+from kvforge.vllm.paged import attend, attention_context, layout_of, unreadable, visible_mask, window, write_rows
 from kvforge.vllm.rescue import RescueBook, late_layers, publish
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
@@ -89,7 +89,7 @@ class Stats:
     filled_prefills: int = 0
     exact_prefills: int = 0  # whole-prompt prefills that filled nothing (too short)
     stock_steps: int = 0  # steps that ran the stock model (decode, mixed, continuation)
-    rescue_events: int = 0  # decode steps whose pending token recomputed filled rows first
+    rescue_events: int = 0  # (request, step) pairs whose pending token recomputed filled rows first
     rescued_rows: int = 0
     last: list[PrefillRecord] = field(default_factory=list)  # the last RidgeFill step's requests
 
@@ -108,8 +108,10 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         choice = {k: settings[k] for k in ("split", "tail", "attended_rows", "sinks") if k in settings}
         self.config_ridgefill: RidgeFillConfig = preset(settings.get("preset", "fast"), layers, **choice)
         rescue = settings.get("rescue", True)  # True: kvforge's default schedule; False: off; or RescueConfig's fields
-        if not rescue or isinstance(rescue, dict):
-            self.config_ridgefill = replace(self.config_ridgefill, rescue=RescueConfig(**rescue) if rescue else None)
+        if rescue is False or rescue is None:
+            self.config_ridgefill = replace(self.config_ridgefill, rescue=None)
+        elif isinstance(rescue, dict):
+            self.config_ridgefill = replace(self.config_ridgefill, rescue=RescueConfig(**rescue))
         self.config_ridgefill.check(layers)
         if self.config_ridgefill.split >= layers:
             raise KvforgeError(f"RidgeFill split {self.config_ridgefill.split} fills no layer of this {layers}-layer model")
@@ -237,6 +239,8 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
     def _start_rescues(self, input_ids: torch.Tensor, stream: torch.Tensor, spans, plans: list[PrefillRecord]) -> None:
         """After a RidgeFill prefill: each filled request's rescue (its prompt, filled rows and
         split-layer states), under its first block, and its schedule for the proposer."""
+        if self.config_ridgefill.rescue is not None and not self._rescue_readable():
+            self.config_ridgefill = replace(self.config_ridgefill, rescue=None)
         config = self.config_ridgefill
         table = step_metadata().block_table
         for i, (record, (a, b)) in enumerate(zip(plans, spans)):
@@ -246,6 +250,15 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
                 rescue = DecodeRescue(prompt, stream[a:b].unsqueeze(0).clone(), filled, config.split, config.rescue)
                 publish(prompt, filled, config.split, config.rescue)
             self.rescues.start(int(table[i, 0]), rescue)
+
+    def _rescue_readable(self) -> bool:
+        """Whether the rescue can read rows back from this engine's cache (`paged.unreadable`);
+        if not, it is turned off with a warning before any request relies on it."""
+        _, vllm_attention, kv_cache, _ = attention_context(self.model.layers[-1].self_attn.attn.layer_name)
+        reason = unreadable(kv_cache, layout_of(vllm_attention))
+        if reason is not None:
+            logger.warning("RidgeFill's decode-time rescue off: %s", reason)
+        return reason is None
 
     def _plan(self, ids: torch.Tensor) -> PrefillRecord:
         context = ids.numel() - self.score_tokens
