@@ -139,6 +139,12 @@ def test_decoding_rescues_filled_rows_as_kvforge_does_alone_and_batched(setup, s
     assert [r.tokens for r in ridgefill_stats(served)[0].last] == [250, 240]
     assert alone == together == [list(r.token_ids) for r in rescued]
     assert ridgefill_stats(served)[0].rescued_rows - before == 2 * sum(r.rescued_rows for r in rescued)
+    try:  # switched off for the prompts filled from then on: kvforge's --no-rescue
+        set_ridgefill(served, True, rescue=False)
+        unrescued = [list(o.outputs[0].token_ids) for o in generate(served, batch, params())]
+    finally:
+        set_ridgefill(served, True, rescue=True)
+    assert unrescued == [list(p.token_ids) for p in plain]
 
 
 def test_switched_off_and_short_prompts_run_vllms_exact_prefill(setup, served):
@@ -186,7 +192,7 @@ def test_drafts_end_before_a_token_that_would_trigger_a_rescue(served, drafting)
     rescues = ridgefill_stats(drafting)[0].rescue_events
     before = spec_counters(drafting)
     first, second = (list(generate(drafting, [prompt], params())[0].outputs[0].token_ids) for _ in range(2))
-    assert sum(p.stats.rescue_cuts for p in LIVE if p.config.k == 4) > 0  # a draft did reach such a token
+    assert sum(p.stats.rescue_cuts for p in LIVE if p.config.k == 4) > 0  # a proposal did reach such a token
     assert spec_counters(drafting)["accepted_tokens"] > before["accepted_tokens"]
     assert ridgefill_stats(drafting)[0].rescue_events > rescues
     assert first == second == plain

@@ -218,8 +218,10 @@ def _eval_in_vllm(model: str, engine, maps: Optional[Path], config, resident, se
     Console().print(table)
     n = report["needle"]
     if n["samples"]:
-        Console().print(f"needles ({n['samples']}): vLLM exact {n['vllm_exact']:.0f} %, vLLM RidgeFill {n['vllm_ridgefill']:.0f} %, "
+        without = f", without its rescue {n['vllm_ridgefill_no_rescue']:.0f} %" if "vllm_ridgefill_no_rescue" in n else ""
+        Console().print(f"needles ({n['samples']}): vLLM exact {n['vllm_exact']:.0f} %, vLLM RidgeFill {n['vllm_ridgefill']:.0f} %{without}, "
                         f"kvforge RidgeFill {n['kvforge_ridgefill']:.0f} % (wholly filled answered: "
-                        + ", ".join(f"{a} {n['answered_in_filled'][a]}/{n['filled'][a]}" for a in n["filled"]) + ")")
+                        + ", ".join(f"{a} {n['answered_in_filled'][a]}/{n['filled'][a]}" for a in n["filled"])
+                        + "; rows rescued: " + ", ".join(f"{a} {r}" for a, r in n["rescued_rows"].items()) + ")")
     err.print(f"[dim]largest per-token NLL difference vLLM vs kvforge: RidgeFill {report['max_token_nll_diff_ridgefill']:.2e}, "
               f"exact {report['max_token_nll_diff_exact']:.2e}; same filled rows: {report['same_filled_rows']}[/dim]")

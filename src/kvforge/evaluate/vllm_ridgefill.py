@@ -14,8 +14,9 @@ Both engines score a continuation without the decode-time rescue: vLLM scores it
 where no decode step runs.
 
 Needles: RULER niah_single haystacks, greedy answers, vLLM with RidgeFill on and off and kvforge's
-RidgeFill, both decoding with the rescue unless `config.rescue` is None; per arm the needles whose
-rows were all filled and how many of those were answered.
+RidgeFill, both decoding with the rescue unless `config.rescue` is None (then vLLM's RidgeFill also
+answers without it); per arm the needles whose rows were all filled, how many of those were
+answered, and the rows the rescue recomputed.
 """
 
 from __future__ import annotations
@@ -100,14 +101,19 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
     from vllm import SamplingParams
 
     from kvforge.vllm.engine import generate
-    from kvforge.vllm.ridgefill import set_ridgefill
+    from kvforge.vllm.ridgefill import ridgefill_stats, set_ridgefill
 
     params = SamplingParams(temperature=0.0, max_tokens=NEEDLE_CONFIG.max_new_tokens)
-    arms = ("vllm_exact", "vllm_ridgefill", "kvforge_ridgefill")
+    rescuing = config.rescue is not None
+    # (RidgeFill on, its rescue on) per vLLM arm; without the rescue as an arm of its own when it runs
+    vllm_arms = {"vllm_exact": (False, False), "vllm_ridgefill": (True, rescuing)}
+    if rescuing:
+        vllm_arms["vllm_ridgefill_no_rescue"] = (True, False)
+    arms = (*vllm_arms, "kvforge_ridgefill")
     correct = {name: 0 for name in arms}
     filled = {name: 0 for name in arms[1:]}
     filled_correct = {name: 0 for name in arms[1:]}
-    set_ridgefill(llm, True, score_tokens=0)
+    rescued_rows = {name: 0 for name in arms[1:]}
     for i in range(settings.needles):
         depth = settings.needle_depths[i % len(settings.needle_depths)]
         reach = depth * max(0.0, 1.0 - config.tail / settings.needle_tokens)  # before the tail, as `eval ridgefill`
@@ -116,15 +122,20 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
             progress(f"needle {i + 1}/{settings.needles} at depth {depth:.2f} of the rows before the tail")
         start, end = sample.needle_rows
         texts, wholly = {}, {}
-        for name, on in (("vllm_exact", False), ("vllm_ridgefill", True)):
-            set_ridgefill(llm, on, score_tokens=0)
+        for name, (on, rescue) in vllm_arms.items():
+            set_ridgefill(llm, on, score_tokens=0, rescue=rescue)
+            before = ridgefill_stats(llm)[0].rescued_rows
             texts[name] = generate(llm, [sample.prompt], params)[0].outputs[0].text
             if on:
                 record = _record(llm, len(sample.prompt))
                 wholly[name] = bool((~record.exact.cpu()[start:end]).all())
+                rescued_rows[name] += ridgefill_stats(llm)[0].rescued_rows - before
+        set_ridgefill(llm, True, score_tokens=0, rescue=True)
         cache = engine.new_cache(1, capacity=len(sample.prompt) + NEEDLE_CONFIG.max_new_tokens)
         plan = ridgefill_plan(engine, sample.prompt, config, maps)
-        texts["kvforge_ridgefill"] = engine.generate(sample.prompt, NEEDLE_CONFIG, plan=plan, cache=cache)[0].text
+        ours = engine.generate(sample.prompt, NEEDLE_CONFIG, plan=plan, cache=cache)[0]
+        texts["kvforge_ridgefill"] = ours.text
+        rescued_rows["kvforge_ridgefill"] += ours.rescued_rows or 0
         wholly["kvforge_ridgefill"] = bool((final_depth(cache, len(sample.prompt)) < engine.num_layers)[start:end].all())
         for name in arms:
             ok = answered(texts[name], sample.value)
@@ -140,6 +151,7 @@ def _needles(engine, llm, maps, config, settings: EvalSettings, progress) -> dic
         "filled": filled,
         "answered_in_filled": filled_correct,
         "in_filled_pct": {name: pct(filled_correct[name], filled[name]) for name in filled},
+        "rescued_rows": rescued_rows,  # filled rows the decode-time rescue recomputed, over every needle
     }
 
 

@@ -124,7 +124,7 @@ class ProposerStats:
     accepted: int = 0
     new_rows: int = 0
     prefetch_hits: int = 0
-    rescue_cuts: int = 0  # drafts ended before a token that would trigger a RidgeFill rescue
+    rescue_cuts: int = 0  # proposals ended before a token that would trigger a RidgeFill rescue
     lookup_s: float = 0.0  # drafting on vLLM's critical path: lookups and prefetch misses
     propose_s: float = 0.0  # the whole propose call
     # per draft source: [drafts verified, tokens drafted, tokens accepted]

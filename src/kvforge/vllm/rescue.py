@@ -71,7 +71,8 @@ class RescueBook:
     vLLM does not say when a request ends). Each entry also holds where its request's last step
     started and how many tokens it ran: the request's next step starts past the first of them and
     at most one past the last, so a step outside that window is another request's (one whose rows
-    were loaded onto a block a finished request held), and the entry is dropped."""
+    a connector loaded onto a block a finished request held), and the entry is dropped. Another
+    request whose first step happens to fall inside the window is not told apart (docs/vllm.md)."""
 
     def __init__(self, limit: int):
         self.limit = limit

@@ -108,10 +108,12 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         choice = {k: settings[k] for k in ("split", "tail", "attended_rows", "sinks") if k in settings}
         self.config_ridgefill: RidgeFillConfig = preset(settings.get("preset", "fast"), layers, **choice)
         rescue = settings.get("rescue", True)  # True: kvforge's default schedule; False: off; or RescueConfig's fields
-        if rescue is False or rescue is None:
+        if rescue is False:
             self.config_ridgefill = replace(self.config_ridgefill, rescue=None)
         elif isinstance(rescue, dict):
             self.config_ridgefill = replace(self.config_ridgefill, rescue=RescueConfig(**rescue))
+        elif rescue is not True:
+            raise KvforgeError(f"RidgeFill's rescue setting takes True, False or a dict of RescueConfig fields, not {rescue!r}")
         self.config_ridgefill.check(layers)
         if self.config_ridgefill.split >= layers:
             raise KvforgeError(f"RidgeFill split {self.config_ridgefill.split} fills no layer of this {layers}-layer model")
@@ -119,6 +121,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         self.model_dir = vllm_config.model_config.model
         self.dtype = vllm_config.model_config.dtype
         self.ridgefill_enabled = True  # in-process switch: the benches time exact and RidgeFill on one engine
+        self.rescue_enabled = True  # in-process switch for the prompts filled from then on (the evaluation's arms)
         self.maps_stale = False  # the served weights were updated (`kvforge.vllm.weights`): the maps fit others
         self.prepared = False  # the first load_weights ran `_prepare`
         # Scoring: the last `score_tokens` rows of every prompt are a continuation scored with
@@ -245,7 +248,7 @@ class RidgeFillForCausalLM(LlamaForCausalLM):
         table = step_metadata().block_table
         for i, (record, (a, b)) in enumerate(zip(plans, spans)):
             rescue = None
-            if record.reason is None and config.rescue is not None and not self.score_tokens:
+            if record.reason is None and config.rescue is not None and self.rescue_enabled and not self.score_tokens:
                 prompt, filled = input_ids[a:b].tolist(), ~record.exact.cpu()
                 rescue = DecodeRescue(prompt, stream[a:b].unsqueeze(0).clone(), filled, config.split, config.rescue)
                 publish(prompt, filled, config.split, config.rescue)
@@ -375,13 +378,16 @@ def ridgefill_stats(llm) -> list[Stats]:
     return llm.apply_model(lambda model: model.stats if isinstance(model, RidgeFillForCausalLM) else None)
 
 
-def set_ridgefill(llm, enabled: bool, score_tokens: int | None = None) -> None:
-    """Switch RidgeFill on or off on an in-process engine (off: the stock model, every step), and
-    set how many rows at each prompt's end are a scored continuation."""
+def set_ridgefill(llm, enabled: bool, score_tokens: int | None = None, rescue: bool | None = None) -> None:
+    """Switch RidgeFill on or off on an in-process engine (off: the stock model, every step), set
+    how many rows at each prompt's end are a scored continuation, and switch the decode-time rescue
+    of the prompts filled from then on (a running request keeps what it was prefilled with)."""
 
     def apply(model):
         model.ridgefill_enabled = enabled
         if score_tokens is not None:
             model.score_tokens = score_tokens
+        if rescue is not None:
+            model.rescue_enabled = rescue
 
     llm.apply_model(apply)
