@@ -82,6 +82,12 @@ class _LoggedLayer:
             for buffers in self._buffers():
                 buffers.grow(capacity)
 
+    def _log(self, positions: torch.Tensor, kind) -> int | tuple[int, ...]:
+        """Log rows at `positions` (B, T) at each sequence's end, the buffers grown for them first;
+        returns where they went (`RowLog.append`)."""
+        self._reserve(max(self.log.sequence_ends()) + positions.shape[1] - self.length)
+        return self.log.append(positions, kind)
+
     def _reserve_for(self, other: "_LoggedLayer", slots: int) -> None:
         """Room for `other`'s rows and sequences after this layer's (at least `slots` sequences,
         or twice the batch, when the slots grow)."""
@@ -147,15 +153,14 @@ class LayerCache(_LoggedLayer):
         t = k.shape[2]
         if t == 0:
             return
-        self._reserve(max(self.log.sequence_ends()) + t - self.length)
-        self.rows.write(self.log.append(positions, kind), [k, v])
+        self.rows.write(self._log(positions, kind), [k, v])
 
     def join(self, other: "LayerCache", slots: int = 0) -> None:
         """Add `other`'s sequences after this layer's, in place: their rows are written into free
         slots (grown to at least `slots` sequences, or twice the batch, when there are too few),
         and no other sequence's rows move. Rows past a sequence's end are padding slots."""
         self._reserve_for(other, slots)
-        self.rows.write_sequences(self.batch, [other.keys(), other.values()], other.length, clear=False)
+        self.rows.write_sequences(self.batch, [other.keys(), other.values()], other.length)
         self.rows.use(self.batch + other.batch)
         self.log.join(other.log)
 
@@ -164,7 +169,7 @@ class LayerCache(_LoggedLayer):
         alone are copied), so sequence order changes the same way (`KVCache.leave`)."""
         last = self.batch - 1
         if b != last:
-            self.rows.move(last, b, self.log.sequence_ends()[last], clear=False)
+            self.rows.move(last, b, self.log.sequence_ends()[last])
         self.rows.use(last)
         self.log.leave(b)
 
@@ -265,8 +270,7 @@ class RecurrentLayerCache(_LoggedLayer):
         self.conv = window[..., t:].clone()  # not a view: it would keep the whole window alive
         self.state = states[-1]
         if t:
-            self._reserve(max(self.log.sequence_ends()) + t - self.length)
-            self.log.append(positions, kind)
+            self._log(positions, kind)
 
     def rollback(self, drop: list[int]) -> None:
         if max(drop) == 0:

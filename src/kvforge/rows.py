@@ -26,10 +26,12 @@ class SlotBuffers:
     """Tensors laid out (sequence, ..., row, ...), the row at `row_dim`, that share a capacity of
     rows and a number of sequence slots. `views` are their first `batch` sequences, the ones in
     use; the slots past them are room for sequences that join later, so joining writes only the
-    joining rows. `fills`: the value a row holds before it is written."""
+    joining rows. `fills`: the value a row holds before it is written. `clears`: a slot a
+    sequence is written or moved into takes the fills first, as it may hold a sequence that left
+    (the log's positions, which masks read; K/V rows past a sequence's end are never read)."""
 
-    def __init__(self, tensors: list[torch.Tensor], row_dim: int, fills: list[int]):
-        self.held, self.row_dim, self.fills = list(tensors), row_dim, fills
+    def __init__(self, tensors: list[torch.Tensor], row_dim: int, fills: list[int], clears: bool = False):
+        self.held, self.row_dim, self.fills, self.clears = list(tensors), row_dim, fills, clears
         self.use(self.held[0].shape[0])
 
     @property
@@ -61,20 +63,19 @@ class SlotBuffers:
         self.held = grown
         self.use(self.batch)
 
-    def write_sequences(self, start: int, parts: list[torch.Tensor], rows: int, clear: bool) -> None:
-        """Slots start, start+1, ... take the first `rows` rows of `parts`' sequences (`clear`:
-        their other rows take the fill, as the slot may hold a sequence that left)."""
+    def write_sequences(self, start: int, parts: list[torch.Tensor], rows: int) -> None:
+        """Slots start, start+1, ... take the first `rows` rows of `parts`' sequences."""
         n = parts[0].shape[0]
         for t, part, fill in zip(self.held, parts, self.fills):
             slots = t[start : start + n]
-            if clear:
+            if self.clears:
                 slots.fill_(fill)
             slots.narrow(self.row_dim, 0, rows).copy_(part.narrow(self.row_dim, 0, rows))
 
-    def move(self, source: int, target: int, rows: int, clear: bool) -> None:
+    def move(self, source: int, target: int, rows: int) -> None:
         """Slot `target` takes the first `rows` rows of slot `source`."""
         for t, fill in zip(self.held, self.fills):
-            if clear:
+            if self.clears:
                 t[target].fill_(fill)
             t[target].narrow(self.row_dim - 1, 0, rows).copy_(t[source].narrow(self.row_dim - 1, 0, rows))
 
@@ -109,7 +110,7 @@ class RowLog:
     rows hold beside it (`LayerCache`'s keys and values, `RecurrentLayerCache`'s state)."""
 
     def __init__(self, positions: torch.Tensor, kinds: torch.Tensor, length: int = 0, contiguous: bool | None = None):
-        self.buffers = SlotBuffers([positions, kinds], row_dim=1, fills=[-1, int(RowKind.PADDING)])
+        self.buffers = SlotBuffers([positions, kinds], row_dim=1, fills=[-1, int(RowKind.PADDING)], clears=True)
         self.length = length
         # True while row i holds position i for every sequence: attention then needs no mask
         # for a query that continues the sequence, which keeps decode on the fast path.
@@ -183,7 +184,7 @@ class RowLog:
         """Log `other`'s sequences after this one's, in the next slots (the buffers have room)."""
         b, n = self.buffers.batch, other.buffers.batch
         ends = self.sequence_ends() + other.sequence_ends()
-        self.buffers.write_sequences(b, [other.row_positions(), other.row_kinds()], other.length, clear=True)
+        self.buffers.write_sequences(b, [other.row_positions(), other.row_kinds()], other.length)
         self.buffers.use(b + n)
         self.length = max(ends)
         self.ends = None if min(ends) == max(ends) else ends
@@ -195,7 +196,7 @@ class RowLog:
         last = self.buffers.batch - 1
         ends = self.sequence_ends()
         if b != last:
-            self.buffers.move(last, b, ends[last], clear=True)
+            self.buffers.move(last, b, ends[last])
             ends[b] = ends[last]
         ends.pop()
         self.buffers.use(last)

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvforge.cache import KVCache, RowKind
 from kvforge.errors import KvforgeError
-from kvforge.vllm.paged import READABLE, layout_of, read_rows, write_into
+from kvforge.vllm.paged import READABLE, layout_of, read_rows, slots_of, write_into
 from kvforge.vllm.store import CacheStore, Entry, config_id
 
 logger = logging.getLogger("kvforge.vllm")
@@ -192,7 +192,7 @@ class KvforgeConnector(KVConnectorBase_V1):
                 raise KvforgeError(f"cache {load.key} lacks rows in {name}: {int(keep.sum())} of {load.rows}")
             positions = positions[keep]
             table = torch.tensor(load.block_ids, dtype=torch.int64)
-            slots = table[positions // bs] * bs + positions % bs
+            slots = slots_of(table, positions, bs)
             dtype = attention.kv_cache.dtype
             write_into(attention, attention.kv_cache, k[:, keep].transpose(0, 1).to(dtype), v[:, keep].transpose(0, 1).to(dtype), slots)
 

@@ -50,6 +50,18 @@ def write_into(layer, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     layer.impl.do_kv_cache_update(layer, k.reshape(n, heads, d).contiguous(), v.reshape(n, heads, d).contiguous(), kv_cache, slots)
 
 
+def block_size(layer_name: str) -> int:
+    """Rows per block as attention layer `layer_name`'s cache is laid out (the block table's unit)."""
+    _, _, kv_cache, _ = attention_context(layer_name)
+    return kv_cache.shape[2]
+
+
+def slots_of(block_row: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.Tensor:
+    """The cache slots (block · bs + offset) of a request's rows at `positions`, from its row of
+    the block table."""
+    return block_row[positions // bs].long() * bs + positions % bs
+
+
 def layout_of(layer) -> str:
     """The CPU kernel layout an attention layer's cache is kept in ("vec", "amx", ...), or the
     backend's name where it is not vLLM's CPU backend."""

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvforge.fill.rescue import DecodeRescue, RescueConfig
-from kvforge.vllm.paged import attend, attention_context, layout_of, read_rows, visible_mask, write_into
+from kvforge.vllm.paged import attend, attention_context, block_size, layout_of, read_rows, slots_of, visible_mask, write_into
 
 # the filled prompts' schedules, by prompt, for the proposer (least recently published first out;
 # a few bytes per prompt token each)
@@ -113,8 +113,7 @@ def late_layers(model, rescue: DecodeRescue, rows: list[int], block_row: torch.T
     layers = model.model.layers
     positions = torch.tensor(rows, dtype=torch.long, device=block_row.device)
     seen = torch.arange(rows[-1] + 1, device=block_row.device)  # rows are sorted
-    block_size = _block_size(layers[-1])
-    slots = block_row[seen // block_size].long() * block_size + seen % block_size
+    slots = slots_of(block_row, seen, block_size(layers[-1].self_attn.attn.layer_name))
     x = rescue.states[0, rows].to(block_row.device)  # the stream entering layer `split`
     residual = None
     for layer in layers[rescue.split :]:
@@ -134,9 +133,3 @@ def late_layers(model, rescue: DecodeRescue, rows: list[int], block_row: torch.T
         o, _ = attn.o_proj(attend(attn, q, keys, values, visible_mask(attn, positions, seen)))
         hidden, residual = layer.post_attention_layernorm(o, residual)
         x = layer.mlp(hidden)
-
-
-def _block_size(layer) -> int:
-    """Rows per block of the paged cache (the block table's unit)."""
-    _, _, kv_cache, _ = attention_context(layer.self_attn.attn.layer_name)
-    return kv_cache.shape[2]

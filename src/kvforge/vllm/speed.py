@@ -58,7 +58,7 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from kvforge.errors import KvforgeError
 from kvforge.fill.lora import LoraAdapter, merged
 from kvforge.fill.speed import SpeedConfig, resolve_config, speed_plan
-from kvforge.vllm.paged import attend, attention_context, layout_of, read_rows, visible_mask, window, write_into
+from kvforge.vllm.paged import attend, attention_context, block_size, layout_of, read_rows, slots_of, visible_mask, window, write_into
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
 
 ARCHITECTURE = "KvforgeSpeedForCausalLM"
@@ -235,7 +235,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
         if all(p is None for p in plans):
             return None
         self.stats.mixed_steps += 0 < len(records) < len(seq_lens)
-        bs = self._cache_block_size()
+        bs = block_size(self.model.layers[-1].self_attn.attn.layer_name)
         live = torch.zeros(total, dtype=torch.bool)
         live_spans, seen_positions, seen_slots, done = [], [], [], 0
         for i, (s, full) in enumerate(zip(seq_lens, plans)):
@@ -249,13 +249,8 @@ class SpeedForCausalLM(LlamaForCausalLM):
             done += n
             seen = visible.nonzero().flatten()
             seen_positions.append(seen)
-            seen_slots.append(table[i, seen // bs].long() * bs + seen % bs)
+            seen_slots.append(slots_of(table[i], seen, bs))
         return _StepRows(live, live_spans, seen_positions, seen_slots)
-
-    def _cache_block_size(self) -> int:
-        """Rows per block as the cache is laid out (the block table's unit)."""
-        _, _, kv_cache, _ = attention_context(self.model.layers[-1].self_attn.attn.layer_name)
-        return kv_cache.shape[2]
 
     def _plan(self, tokens: int) -> SpeedRecord:
         """kvforge's SPEED plan of a whole-prompt step's rows less the scored ones."""
