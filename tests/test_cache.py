@@ -1,5 +1,7 @@
 """KVCache: append, trim, row and batch selection, memory accounting, save and load."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -223,6 +225,52 @@ class _CopiedBytes:
         self.mode.__exit__(*exc)
 
 
+def _resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """The memory the OS backs of the mappings that hold `tensors` (their `Rss` in
+    /proc/self/smaps; the kernel merges neighbouring mappings of one kind, so all of a cache's
+    buffers are counted together)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = any(start < stop and first < end for first, stop in spans)
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' memory from Linux's /proc")
+def test_an_allocated_batch_takes_memory_for_its_rows_and_gives_a_leaving_sequences_back():
+    """A batch allocated once for 4 sequences of 8192 rows takes no memory for its keys and values
+    until rows are written, then about their pages; a leaving sequence's pages go back (they read
+    zeros again), the sequence moved into its slot keeps its rows and nothing past them, and an
+    empty batch holds nothing."""
+    page = 4096
+    buffers = 4  # keys and values of 2 layers, alike
+    pages = lambda rows: buffers * H * -(-rows * D * 4 // page) * page  # noqa: E731 (one sequence's pages of float32 rows)
+    batch = KVCache.empty(2, 1, H, D, capacity=1)
+    batch.leave(0)
+    batch.allocate(4, 8192)
+    held = [t for layer in batch.layers for t in layer.rows.held]
+    assert len(held) == buffers and held[0].shape == (4, H, 8192, D) and _resident_bytes(held) == 0
+    short, long = _sequence(1000, 0, layers=2), _sequence(3000, 1, layers=2)
+    batch.join(long)
+    batch.join(short)
+    slack = buffers * 2 * page  # a page a slot shares with its neighbour, per buffer
+    assert pages(1000) + pages(3000) <= _resident_bytes(held) <= pages(1000) + pages(3000) + slack
+    batch.leave(0)  # the short sequence moves into slot 0: slot 1's pages go back, and slot 0's past its rows
+    assert pages(1000) <= _resident_bytes(held) <= pages(1000) + slack
+    keys = held[0]
+    assert torch.equal(keys[0, :, :1000], short[0].keys()[0]) and not keys[0, :, 1000:].any() and not keys[1:].any()
+    batch.leave(0)
+    assert _resident_bytes(held) <= slack and not any(t.any() for t in held)
+    with pytest.raises(ValueError, match="allocated anew"):
+        long.allocate(2, 10)
+
+
 def _sequence(length, seed, layers=3, capacity=None):
     torch.manual_seed(seed)
     cache = KVCache.empty(layers, 1, H, D, capacity=capacity or length)
@@ -238,15 +286,22 @@ def _row_bytes(cache):
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(1, 60), min_size=2, max_size=7), leaving=st.data())
-def test_joining_and_leaving_a_batch_copies_only_that_sequences_rows(lengths, leaving):
+@given(lengths=st.lists(st.integers(1, 60), min_size=2, max_size=7), leaving=st.data(), allocated=st.booleans())
+def test_joining_and_leaving_a_batch_copies_only_that_sequences_rows(lengths, leaving, allocated):
     """`join` writes the joining sequence's rows into a free slot and `leave` moves the last
     sequence into the leaving one's slot: each copies one sequence's rows, never the batch's
-    (in buffers with room for its rows: they grow geometrically, as a decode step's rows do), and
-    every sequence keeps exactly its rows (as `concat_batch` and `select_batch` give them)."""
+    (in buffers with room for its rows: they grow geometrically, as a decode step's rows do, or
+    were allocated once for the batch, as a server's are), and every sequence keeps exactly its
+    rows (as `concat_batch` and `select_batch` give them)."""
     sequences = [_sequence(n, seed) for seed, n in enumerate(lengths)]
-    batch = _sequence(lengths[0], 0, capacity=max(lengths))
-    batch.reserve_slots(len(lengths))
+    if allocated:
+        batch = KVCache.empty(3, 1, H, D, capacity=1)
+        batch.leave(0)
+        batch.allocate(len(lengths), max(lengths))
+        batch.join(sequences[0])
+    else:
+        batch = _sequence(lengths[0], 0, capacity=max(lengths))
+        batch.reserve_slots(len(lengths))
     for seq in sequences[1:]:
         with _CopiedBytes() as copied:
             batch.join(seq)

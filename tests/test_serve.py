@@ -396,6 +396,21 @@ def test_bench_serve_records_what_the_prefills_ran(dirs, artifacts):
     assert "no longer than RidgeFill's exact rows" in row["ran_exact_reasons"][0]
 
 
+def test_bench_serve_under_a_kv_cache_budget_reports_what_ran_at_once(dirs):
+    """`kv_cache_memory`: three clients share a pool that holds two of their requests (a 40-token
+    prompt, 32 tokens and a draft's spare rows each): two run at once, the third waits, none fails."""
+    from kvforge.bench.serve import bench_serve
+    from kvforge.serve.app import ServeConfig, build_served
+
+    model = str(dirs[0])
+    row = build_served(ServeConfig(model, max_batch=1, queue_size=1))[model].engine.new_cache(1, capacity=1).row_bytes()
+    report = bench_serve(model, None, ["exact"], [1, 3], 1, 32, 40, kv_cache_memory=200 * row)
+    assert report["pool_rows"] == 200 and report["kv_cache_memory"] == 200 * row
+    alone, shared = report["results"]
+    assert alone["peak_running"] == 1 and shared["peak_running"] == 2 and shared["failed"] == 0 and shared["requests"] == 3
+    assert 150 < shared["peak_reserved_rows"] <= 200
+
+
 def test_a_bf16_server_runs_every_method_from_fp32_artifacts(dirs, artifacts):
     """`--dtype bf16`: the maps and adapter fitted on the fp32 model load (same fingerprint) and
     each prefill method answers; /health reports the dtype."""
@@ -1266,10 +1281,12 @@ def test_the_arrival_bench_hands_a_prompt_off_from_a_source_model(dirs, tmp_path
         bench_serve(llama, None, ["exact"], [1], 1, 4, 16, arrival_tokens=150, arrival_method="handoff")
 
 
-def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engine):
-    """`kv_cache_bytes`: the buffers take the budget at the start, split evenly across `max_batch`
-    slots (with a draft's spare rows), and never grow; a sequence stops at its share ("length"), a
-    prompt that does not fit its share fails, and the buffers stay allocated when the batch is idle."""
+def test_a_kv_cache_budget_is_a_pool_the_requests_reserve_from(tiny_engine):
+    """`kv_cache_bytes`: a pool of rows the running requests reserve from (prompt, max tokens and a
+    draft's spare rows each). A request longer than an even share of it runs (on rows others
+    leave); one that does not fit beside those running waits until they finish, so the rows
+    reserved never pass the pool; one larger than the pool fails. The batch's buffers are
+    allocated once, with or without a budget, and never replaced."""
     from kvforge.generation import GenerationConfig
     from kvforge.serve.scheduler import Scheduler, ServeRequest
     from kvforge.speculative.step import DraftConfig
@@ -1277,29 +1294,46 @@ def test_a_kv_cache_budget_is_allocated_once_and_bounds_each_sequence(tiny_engin
     engine = tiny_engine
     row = engine.new_cache(1, capacity=1).row_bytes()
     spare = DraftConfig().k + 1  # a verification step's rows past a sequence's own
-    scheduler = Scheduler(engine, {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}, max_batch=2,
-                          kv_cache_bytes=2 * (40 + spare) * row + row // 2)
-    assert scheduler.rows_per_sequence == 40
-    budget = scheduler.cache
-    assert budget.batch_size == 0 and all(layer.sequence_slots == 2 and layer.capacity == 40 + spare for layer in budget.layers)
-    with pytest.raises(ValueError, match="rows per sequence"):
+    prefill = {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}
+    unbounded = Scheduler(engine, prefill, max_batch=2)
+    assert unbounded.pool_rows is None and all(layer.sequence_slots == 2 and layer.capacity == engine.model.context_length + spare
+                                               for layer in unbounded.cache.layers)
+    pool = 60 + spare
+    scheduler = Scheduler(engine, prefill, max_batch=2, kv_cache_bytes=pool * row + row // 2)
+    assert scheduler.pool_rows == pool
+    batch = scheduler.cache
+    buffers = [t.data_ptr() for layer in batch.layers for t in layer.rows.held]
+    assert batch.batch_size == 0 and all(layer.sequence_slots == 2 and layer.capacity == pool for layer in batch.layers)
+    with pytest.raises(ValueError, match="give more memory"):
         Scheduler(engine, {}, max_batch=2, kv_cache_bytes=row)
-    long = GenerationConfig(max_new_tokens=100, ignore_eos=True)
-    requests = [ServeRequest([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], long), ServeRequest([20, 21, 22], long), ServeRequest(list(range(3, 43)), long)]
+    config = lambda tokens: GenerationConfig(max_new_tokens=tokens, ignore_eos=True)  # noqa: E731
+    long = ServeRequest(list(range(5, 15)), config(40))  # 50 + spare rows: more than half the pool
+    short = ServeRequest([20, 21, 22], config(20))  # 23 + spare: does not fit beside the long one
+    over = ServeRequest(list(range(3, 43)), config(30))  # 70 + spare: more than the pool
+    seen = []  # the requests running and the rows reserved, at every step
+    step = scheduler._step
+
+    def recording_step():
+        seen.append(({r.id for r in scheduler.active}, scheduler.reserved_rows))
+        step()
+
+    scheduler._step = recording_step
     done = threading.Semaphore(0)
-    for r in requests:
+    for r in (long, short, over):
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
         scheduler.submit(r)
     scheduler.start()
     try:
-        for _ in requests:
+        for _ in range(3):
             assert done.acquire(timeout=120)
-        held = scheduler.cache
     finally:
         scheduler.stop()
-    for r, tokens in zip(requests[:2], (30, 37)):
-        assert r.error is None and r.seq.finish_reason == "length" and len(r.seq.token_ids) == tokens
-        assert r.seq.token_ids == engine.generate(r.prompt_ids, GenerationConfig(max_new_tokens=tokens, ignore_eos=True))[0].token_ids
-    assert "do not fit" in requests[2].error
-    assert held is budget and held.batch_size == 0
-    assert all(layer.sequence_slots == 2 and layer.capacity == 40 + spare for layer in held.layers)
+    for r in (long, short):
+        assert r.error is None and r.seq.finish_reason == "length"
+        assert r.seq.token_ids == engine.generate(r.prompt_ids, r.config)[0].token_ids
+    assert "do not fit" in over.error and "--kv-cache-memory" in over.error and over.state is None
+    assert seen and all(reserved <= pool for _, reserved in seen)
+    assert ({long.id}, 50 + spare) in seen and ({short.id}, 23 + spare) in seen
+    assert not any({long.id, short.id} <= running for running, _ in seen)  # the short one waited for the long one
+    assert scheduler.cache is batch and batch.batch_size == 0 and scheduler.reserved_rows == 0
+    assert [t.data_ptr() for layer in batch.layers for t in layer.rows.held] == buffers

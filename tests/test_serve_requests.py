@@ -297,7 +297,7 @@ def test_requests_past_the_limits_are_refused_with_what_fits(http, model_dir, se
     _next_request_is_served(http, model_dir)
 
 
-def test_a_kv_cache_budget_is_the_context_a_request_gets(model_dir):
+def test_a_kv_cache_budget_bounds_what_a_request_may_reserve(model_dir):
     from kvforge.cli.serve import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 2**29 and parse_bytes("1000") == 1000
@@ -306,10 +306,14 @@ def test_a_kv_cache_budget_is_the_context_a_request_gets(model_dir):
             parse_bytes(bad)
     probe = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4))[model_dir].engine
     row = probe.new_cache(1, capacity=1).row_bytes()
-    served = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4, kv_cache_memory=2 * (32 + 9) * row))  # 9: a draft's spare rows
+    # a pool of 82 rows: a request holds at most 82 - 9 (a draft's spare rows) of prompt and tokens, more than half of it
+    served = build_served(ServeConfig(model_dir, max_batch=2, queue_size=4, kv_cache_memory=2 * (32 + 9) * row))
     with TestClient(create_app(served)) as http:
         body = {"model": model_dir, "prompt": [5, 6, 7, 8], "temperature": 0}
-        over = http.post("/v1/completions", json={**body, "max_tokens": 29}).json()["error"]
-        assert over["code"] == "context_length_exceeded" and "at most 28" in over["message"] and "--kv-cache-memory" in over["message"]
-        assert http.post("/v1/completions", json={**body, "prompt": list(range(3, 40)), "max_tokens": 1}).status_code == 400
-        assert http.post("/v1/completions", json={**body, "max_tokens": 28}).json()["usage"]["completion_tokens"] == 28
+        over = http.post("/v1/completions", json={**body, "max_tokens": 70}).json()["error"]
+        assert over["code"] == "context_length_exceeded" and "at most 69" in over["message"] and "--kv-cache-memory" in over["message"]
+        assert http.post("/v1/completions", json={**body, "prompt": list(range(3, 76)), "max_tokens": 1}).status_code == 400
+        assert http.post("/v1/completions", json={**body, "max_tokens": 69}).json()["usage"]["completion_tokens"] == 69
+        both = http.post("/v1/completions", json={**body, "max_tokens": 29, "n": 2}).json()["error"]  # two choices: 41 rows each
+        assert "at most 28" in both["message"] and "for each of 2 choices" in both["message"]
+        assert http.post("/v1/completions", json={**body, "max_tokens": 28, "n": 2}).json()["usage"]["completion_tokens"] == 56

@@ -76,8 +76,8 @@ class _LoggedLayer:
         """The log's buffers and those of what the layer keeps per row."""
         return [self.log.buffers]
 
-    def _reserve(self, rows: int, exact: bool = False) -> None:
-        capacity = self.log.capacity_for(rows, exact)
+    def _reserve(self, rows: int) -> None:
+        capacity = self.log.capacity_for(rows)
         if capacity is not None:
             for buffers in self._buffers():
                 buffers.grow(capacity)
@@ -102,6 +102,12 @@ class _LoggedLayer:
         they grow); later joins write only the joining sequences' rows."""
         for buffers in self._buffers():
             buffers.reserve_slots(sequences)
+
+    def allocate(self, slots: int, rows: int) -> None:
+        """Empty buffers for `slots` sequences of `rows` rows, allocated once (`SlotBuffers.allocate`:
+        keys and values backed on demand)."""
+        for buffers in self._buffers():
+            buffers.allocate(slots, rows)
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (speculative rollback)."""
@@ -169,7 +175,9 @@ class LayerCache(_LoggedLayer):
         alone are copied), so sequence order changes the same way (`KVCache.leave`)."""
         last = self.batch - 1
         if b != last:
+            self.rows.release(b)  # none of the leaving rows stays backed past the moved ones
             self.rows.move(last, b, self.log.sequence_ends()[last])
+        self.rows.release(last)
         self.rows.use(last)
         self.log.leave(b)
 
@@ -437,11 +445,15 @@ class KVCache:
         return sum(layer.k.shape[1] * (layer.k.shape[3] + layer.v.shape[3]) * layer.k.element_size()
                    for layer in self.layers if isinstance(layer, LayerCache))
 
-    def reserve_rows(self, rows: int) -> None:
-        """Room for `rows` rows per sequence in every layer's buffers, allocated at once."""
+    def allocate(self, slots: int, rows: int) -> None:
+        """Buffers for `slots` sequences of `rows` rows in every layer, allocated once for an empty
+        batch that sequences join and leave (`KVCache.join`, `leave`) without a buffer growing:
+        keys and values take memory as rows are written, and a leaving sequence's pages go back
+        (`SlotBuffers.allocate`)."""
+        if self.batch_size:
+            raise ValueError(f"a cache holding {self.batch_size} sequences cannot be allocated anew")
         for layer in self.layers:
-            if rows > layer.capacity:
-                layer._reserve(rows - layer.length, exact=True)
+            layer.allocate(slots, rows)
 
     def sequence(self, b: int) -> "KVCache":
         """Sequence `b` as a cache of one sequence whose tensors are views into this one's: rows

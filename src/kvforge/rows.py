@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from enum import IntEnum
 
 import torch
@@ -32,7 +33,40 @@ class SlotBuffers:
 
     def __init__(self, tensors: list[torch.Tensor], row_dim: int, fills: list[int], clears: bool = False):
         self.held, self.row_dim, self.fills, self.clears = list(tensors), row_dim, fills, clears
+        self.maps: list[mmap.mmap | None] = [None] * len(self.held)  # the memory of buffers backed on demand
         self.use(self.held[0].shape[0])
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        """Empty buffers for `slots` sequences of `capacity` rows, allocated once, for a batch
+        that joins and leaves without growing them. A buffer whose rows start as zeros (keys and
+        values) is backed on demand (`backed_on_demand`): it takes memory for the rows written,
+        not for its capacity, and a slot's pages go back when its sequence leaves (`release`)."""
+        if self.batch:
+            raise ValueError(f"buffers holding {self.batch} sequences cannot be allocated anew")
+        held, maps = [], []
+        for t, fill in zip(self.held, self.fills):
+            shape = [slots, *t.shape[1:]]
+            shape[self.row_dim] = capacity
+            if fill == 0 and t.device.type == "cpu" and math.prod(shape) and _ON_DEMAND:
+                buffer, memory = backed_on_demand(shape, t.dtype)
+            else:
+                buffer, memory = torch.full(shape, fill, dtype=t.dtype, device=t.device), None
+            held.append(buffer)
+            maps.append(memory)
+        self.held, self.maps = held, maps
+        self.use(0)
+
+    def release(self, slot: int) -> None:
+        """Slot `slot` holds no sequence: its pages in buffers backed on demand go back to the OS
+        (they read as zeros again, as never-written rows do); other buffers keep their memory."""
+        for t, memory in zip(self.held, self.maps):
+            if memory is None:
+                continue
+            size = t[slot].numel() * t.element_size()
+            start = slot * size  # the buffer starts its mapping
+            first, end = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > first:  # the pages wholly inside the slot (a page it shares with a neighbour stays)
+                memory.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @property
     def capacity(self) -> int:
@@ -49,6 +83,7 @@ class SlotBuffers:
 
     def grow(self, capacity: int) -> None:
         self.held = [_grow(t, capacity, self.row_dim, fill) for t, fill in zip(self.held, self.fills)]
+        self.maps = [None] * len(self.held)
         self.use(self.batch)
 
     def reserve_slots(self, sequences: int) -> None:
@@ -61,6 +96,7 @@ class SlotBuffers:
             out[: self.batch] = view
             grown.append(out)
         self.held = grown
+        self.maps = [None] * len(self.held)
         self.use(self.batch)
 
     def write_sequences(self, start: int, parts: list[torch.Tensor], rows: int) -> None:
@@ -148,14 +184,14 @@ class RowLog:
     def sequence_ends(self) -> list[int]:
         return list(self.ends or [self.length] * self.buffers.batch)
 
-    def capacity_for(self, rows: int, exact: bool = False) -> int | None:
+    def capacity_for(self, rows: int) -> int | None:
         """The capacity to grow to for `rows` more rows past `length` (None: there is room).
         Grow by an eighth (at least 256 rows): amortised O(1) per appended row without doubling
-        a long prompt's cache on its first decode step. `exact`: to the rows needed."""
+        a long prompt's cache on its first decode step."""
         needed, capacity = self.length + rows, self.buffers.capacity
         if needed <= capacity:
             return None
-        return needed if exact else max(needed, capacity + max(256, capacity // 8))
+        return max(needed, capacity + max(256, capacity // 8))
 
     def append(self, positions: torch.Tensor, kind: RowKind | torch.Tensor) -> int | tuple[int, ...]:
         """Log rows at `positions` (B, T) of `kind` (one value or (B, T)) at each sequence's end;
@@ -261,6 +297,25 @@ def trailing_ends(positions: torch.Tensor) -> list[int] | None:
     real = (positions >= 0).int()
     ends = (positions.shape[1] - real.flip(1).argmax(1)).where(real.any(1), torch.zeros_like(real[:, 0])).tolist()
     return None if min(ends) == max(ends) else ends
+
+
+# anonymous private mappings and madvise: POSIX systems (elsewhere, buffers are allocated whole)
+_ON_DEMAND = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap.mmap, "madvise")
+
+
+def backed_on_demand(shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A zero CPU tensor in an anonymous private mapping: the OS backs it a page at a time as it
+    is first written, and reading a page never written maps the shared zero page, so a buffer
+    sized for every slot's whole context takes the memory of the rows written. The mapping is
+    returned for `SlotBuffers.release` (madvise): torch's allocators hand out whole blocks they
+    cannot give back a page at a time. Transparent huge pages are declined, which would back
+    2 MiB at a touch."""
+    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    memory = mmap.mmap(-1, max(-(-size // mmap.PAGESIZE), 1) * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    tensor = torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)  # keeps the mapping alive
+    return tensor, memory
 
 
 def _grow(t: torch.Tensor, capacity: int, dim: int, fill: int) -> torch.Tensor:

@@ -102,9 +102,12 @@ def stream_completion(client: httpx.Client, url: str, body: dict) -> dict:
 def run_level(url: str, model: str, prompts: list[str], clients: int, per_client: int, options: dict, max_tokens: int,
               schedulers: list | None = None) -> dict:
     """One concurrency level. `schedulers`: the server's, in this process: their decode steps'
-    time and tokens give the decode-only throughput (prefills excluded)."""
+    time and tokens give the decode-only throughput (prefills excluded), and their peaks the most
+    requests that ran at once and the KV-cache budget's rows they reserved."""
     results: list[dict] = []
     before = [(s.decode_s, s.prefill_s, s.decoded_tokens) for s in schedulers or []]
+    for s in schedulers or []:
+        s.peak_running, s.peak_reserved_rows = 0, 0
     lock = threading.Lock()
 
     def client(index: int) -> None:
@@ -147,6 +150,8 @@ def run_level(url: str, model: str, prompts: list[str], clients: int, per_client
         "shallow_share": share("shallow_rows"),
         "ran_exact": len(fell_back),
         "ran_exact_reasons": sorted({r["reason"] for r in fell_back if r.get("reason")}),
+        "peak_running": max((s.peak_running for s in schedulers or []), default=None),
+        "peak_reserved_rows": max((s.peak_reserved_rows for s in schedulers or []), default=None),
     }
 
 
@@ -223,14 +228,15 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
                 prompt_tokens: int, device: str = "cpu", progress=None, preset: str = "fast", tail: int | None = None,
                 attended_rows: int | None = None, dtype: str = "auto", speed_tail: int | None = None,
                 arrival_tokens: int = 0, streams: int = 15, chunks: list[int | None] | None = None, arrival_method: str = "exact",
-                source: str | None = None, translator: Path | None = None) -> dict:
+                source: str | None = None, translator: Path | None = None, kv_cache_memory: int | None = None) -> dict:
     """`preset`, `tail`, `attended_rows`: the server's RidgeFill setting (a tail as long as the
     prompt fills nothing; attended rows with their spans may cover a short prompt's other rows);
     `speed_tail`: SPEED's full-depth tail (default 64). `arrival_tokens` > 0: also a prompt of
     that many tokens arriving while `streams` streams decode (`run_arrival`), once per server
     chunk size in `chunks` (`--max-num-batched-tokens`; None: whole prompts), prefilled by
     `arrival_method`; "handoff": handed off from `source` through `translator` (default: the pair's
-    translator) by a server of both models, the streams on `model`."""
+    translator) by a server of both models, the streams on `model`. `kv_cache_memory`: the
+    servers' KV-cache budget (`--kv-cache-memory`)."""
     from kvforge.artifacts import find_artifact
     from kvforge.serve.app import ServeConfig, build_served, create_app
 
@@ -252,7 +258,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     config = lambda chunk: ServeConfig(  # noqa: E731
         model, maps=maps, max_batch=max(*levels, streams + 1 if arrival_tokens else 1), queue_size=max(levels) * per_client + streams + 4,
         device=device, dtype=dtype,
-        preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail, max_num_batched_tokens=chunk)
+        preset=preset, tail=tail, attended_rows=attended_rows, speed_tail=speed_tail, max_num_batched_tokens=chunk, kv_cache_memory=kv_cache_memory)
     served = build_served(config(chunks[0]))
     tokenizer = served[model].engine.model.tokenizer
     texts = plain_texts("held_out", max(*levels, streams) * per_client, min_chars=prompt_tokens * 6, max_chars=prompt_tokens * 12)
@@ -307,6 +313,7 @@ def bench_serve(model: str, maps: Path | None, methods: list[str], levels: list[
     return {
         "command": "bench serve", "model": model, "method": ",".join(methods), "tokens": prompt_tokens, "max_tokens": max_tokens,
         "requests_per_client": per_client, "ridgefill_preset": preset, "ridgefill_tail": tail,
-        "ridgefill_attended_rows": attended_rows, **environment(served[model].engine), "results": results, "arrival": arrivals,
+        "ridgefill_attended_rows": attended_rows, "kv_cache_memory": kv_cache_memory, "pool_rows": served[model].schedulers[0].pool_rows,
+        **environment(served[model].engine), "results": results, "arrival": arrivals,
         **({"arrival_source": source, "arrival_translator": str(translator)} if source is not None else {}),
     }

@@ -54,8 +54,8 @@ def serve(
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", min=1, help="Larger request bodies answer 413 (default 16 MiB)."),
     max_num_batched_tokens: int = BatchedTokensOpt,
     kv_cache_memory: Optional[str] = typer.Option(
-        None, "--kv-cache-memory", help="KV-cache memory per weight set (bytes, or with KiB/MiB/GiB), allocated at the first request and split "
-                                        "evenly across --max-batch sequences; a request gets at most its share of rows. Default: buffers that grow."),
+        None, "--kv-cache-memory", help="KV-cache memory per weight set (bytes, or with KiB/MiB/GiB): a pool of rows each request reserves its "
+                                        "prompt and max tokens from; a request that does not fit waits for running ones to finish. Default: no bound."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -123,6 +123,7 @@ def bench_serve_cmd(
     source: Optional[str] = typer.Option(None, "--source", help="With --arrival-method handoff: the model the arriving prompt is handed off from (a server of both models)."),
     translator: Optional[Path] = typer.Option(None, "--translator", help="With --source: the translator (default: the pair's stage-2 one if present, else its stage-1 one)."),
     batched_tokens: str = typer.Option("512", "--max-num-batched-tokens", help="The server's prefill chunk, comma-separated: one --arrival-tokens run each (0: whole prompts); the first serves the concurrency levels."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="The server's KV-cache budget (as `serve`'s); the levels report the most requests run at once and the rows reserved."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -142,18 +143,19 @@ def bench_serve_cmd(
     report = bench_serve(model, maps, [m.strip() for m in methods.split(",") if m.strip()], levels, requests, max_tokens, prompt_tokens,
                          device, progress=lambda m: err.print(f"[dim]{m}[/dim]"), preset=preset, tail=tail, attended_rows=attended_rows,
                          dtype=dtype, arrival_tokens=arrival_tokens, streams=streams, chunks=chunks,
-                         arrival_method=arrival_method, source=source, translator=translator)
+                         arrival_method=arrival_method, source=source, translator=translator,
+                         kv_cache_memory=parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None)
     if json_out:
         emit_json(report)
         return
     table = Table("method", "concurrency", "requests", "tokens/s", "× conc. 1", "decode tokens/s", "× conc. 1", "TTFT p50 s", "TTFT p95 s",
-                  "filled %", "shallow %", "ran exact", "failed")
+                  "filled %", "shallow %", "ran exact", "most running", "failed")
     for r in report["results"]:
         decode = "—" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
         table.add_row(r["method"], str(r["concurrency"]), str(r["requests"]), f"{r['tokens_per_s']:.1f}", f"{r['scaling']:.2f}", decode,
                       "—" if r["decode_scaling"] is None else f"{r['decode_scaling']:.2f}",
                       f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p95_s']:.2f}", f"{100 * r['filled_share']:.0f}", f"{100 * r['shallow_share']:.0f}",
-                      str(r["ran_exact"]), str(r["failed"]))
+                      str(r["ran_exact"]), str(r["peak_running"]), str(r["failed"]))
     Console().print(table)
     if report["arrival"]:
         arrival = Table("prefill chunk", "streams", "arrival tokens", "method", "its TTFT s", "median ITL ms", "p99 ITL during its prefill ms", "× median")

@@ -522,13 +522,15 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
     context = engine.model.context_length
     if len(ids) >= context:
         raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
-    rows, limit = s.routes[options.prefill].rows_per_sequence, f"this model's maximum context length is {context} tokens"
-    if rows is not None and rows < context:  # the KV-cache budget's room per sequence is the context a request gets
-        limit = f"this server's KV cache holds {rows} tokens per sequence (--kv-cache-memory)"
-        if len(ids) >= rows:
-            raise ApiError(400, f"prompt has {len(ids)} tokens but this server's KV cache holds {rows} per sequence (--kv-cache-memory)",
-                           "prompt", "context_length_exceeded")
-        context = rows
+    scheduler, limit = s.routes[options.prefill], f"this model's maximum context length is {context} tokens"
+    if scheduler.pool_rows is not None:  # the KV-cache budget bounds a request's tokens, each of its n choices reserving its own
+        held = scheduler.pool_rows // n - scheduler.spare_rows
+        if held < context:
+            each = f" for each of {n} choices" if n > 1 else ""
+            limit = f"this server's KV cache holds {held} tokens{each} (--kv-cache-memory)"
+            if len(ids) >= held:
+                raise ApiError(400, f"prompt has {len(ids)} tokens but {limit}", "prompt", "context_length_exceeded")
+            context = held
     asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     room = context - len(ids)
     max_tokens = asked or (room if chat else min(16, room))  # OpenAI's defaults: the context's rest (chat), 16 (completions)

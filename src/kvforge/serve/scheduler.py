@@ -5,8 +5,16 @@ running): a new request is prefilled alone, by its own method's plan (exact, Rid
 or a KV-Lingo hand-off that fills the cache from another model's), commits its first token and
 joins the batch cache: its rows are written into a free slot of the batch's buffers
 (`KVCache.join`), and a request that finishes leaves by the batch's last request moving into its
-slot (`KVCache.leave`), so no admission or finish copies the running requests' rows (the buffers
-themselves grow, and copy, only without a KV-cache budget: `kv_cache_bytes` allocates them once).
+slot (`KVCache.leave`), so no admission or finish copies the running requests' rows. The batch's
+buffers are allocated once, `max_batch` slots of a whole context each, and never grow: the OS backs
+their keys and values a page at a time as rows are written and takes a leaving request's pages
+back (`KVCache.allocate`), so they hold the memory of the rows in use, not of their capacity.
+
+With a KV-cache budget (`kv_cache_bytes`) the running requests share a pool of rows: a request
+reserves its prompt and `max_new_tokens` rows at admission (with a draft's spare rows) and gives
+them back when it finishes, and a request the pool cannot hold waits in the queue until running
+ones finish. A long request uses the rows short ones leave, and the rows written never pass the
+budget: no request is preempted, none runs out of memory.
 Then one `speculative_step` runs for the whole batch, the same step as offline decoding: each
 request's pending token plus its draft (empty without a drafter, or the prefetch hit of its last
 step) in one forward, verified with the request's own sampling settings and sample key, committed
@@ -105,6 +113,7 @@ class ServeRequest:
     # filled in by the scheduler
     id: int = 0
     state: SpecRequest | None = None  # the decoding state, from the first token on
+    reserved_rows: int = 0  # the rows of the KV-cache budget it holds from its admission on
     submitted_at: float = 0.0
     ttft_s: float = 0.0
     error: str | None = None
@@ -158,8 +167,9 @@ class Scheduler:
         prefetch budget, the n-gram sizes and the gate for every request; each request picks
         its drafter and whether it is prefetched. `history`: the per-prompt n-gram store that
         n-gram requests draft from (its n-gram sizes are `draft`'s); None: each request's own.
-        `kv_cache_bytes`: the batch cache's memory, allocated at the first admission and split
-        evenly across `max_batch` slots (`rows_per_sequence` rows each); None: buffers that grow.
+        `kv_cache_bytes`: the KV-cache budget, a pool of `pool_rows` rows the running requests
+        reserve from (each its prompt, `max_new_tokens` and a draft's spare rows); None: no bound
+        but `max_batch` and the context.
         `chunk_size`: the prefillers' chunk (`--max-num-batched-tokens`): a prompt longer than it is
         sliced from its first chunk on (`PREFILL_SLICE`); None: a prompt's first chunk runs whole."""
         self.engine, self.prefillers, self.max_batch, self.chunk_size = engine, prefillers, max_batch, chunk_size
@@ -171,18 +181,18 @@ class Scheduler:
         self.tokenizer = engine.model.tokenizer
         self.eos = eos_token_ids(engine.model)
         self.context = engine.model.context_length
-        self.rows_per_sequence = None
-        self.cache: KVCache | None = None
+        # a verification step writes every sequence's rows to the batch's widest draft: k + 1 spare rows each
+        self.spare_rows = self.draft.k + 1
+        self.pool_rows: int | None = None
         if kv_cache_bytes is not None:
-            # a verification step writes every sequence's rows to the batch's widest draft: k + 1 spare rows each
-            spare = self.draft.k + 1
             row = engine.new_cache(1, capacity=1).row_bytes()
-            held = kv_cache_bytes // (max_batch * row) if row else self.context + spare
-            self.rows_per_sequence = min(self.context, held - spare)
-            if self.rows_per_sequence < 16:
-                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {held} rows per sequence for {max_batch} sequences "
-                                 f"({row} bytes a row, {spare} of them spare for drafts): give more memory or a smaller --max-batch")
-            self.cache = self._budget_cache()
+            self.pool_rows = kv_cache_bytes // row if row else (self.context + self.spare_rows) * max_batch
+            if self.pool_rows < 16 + self.spare_rows:
+                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {self.pool_rows} rows ({row} bytes a row, "
+                                 f"{self.spare_rows} of a request's spare for drafts): give more memory")
+        # a slot holds a whole context, or the whole pool where that is less
+        self.slot_rows = min(self.context, self.pool_rows - self.spare_rows if self.pool_rows is not None else self.context) + self.spare_rows
+        self.cache = self._empty_batch()
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
         self.gate = self.draft.new_gate(engine)
         self.stats = SpecStats(self.draft.k, prefetcher=self.prefetcher)  # every step since the start
@@ -196,23 +206,32 @@ class Scheduler:
         self._chunk_ran = False  # a prefill chunk ran in this loop iteration
         # since the start: seconds in decode steps and in prefills, and the tokens the steps committed
         self.decode_s, self.prefill_s, self.decoded_tokens = 0.0, 0.0, 0
+        self.peak_running, self.peak_reserved_rows = 0, 0  # the most requests running and budget rows reserved at once
         self._step_seconds: float | None = None  # the running batch's recent decode step time (an exponential average)
         self._sliced = False  # whether the prompt being prefilled runs its chunks in slices while requests decode
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
-    def _budget_cache(self) -> KVCache:
-        """An empty batch whose buffers hold the KV-cache budget: `max_batch` slots of
-        `rows_per_sequence` rows and the spare rows of a draft."""
+    def _empty_batch(self) -> KVCache:
+        """An empty batch with `max_batch` slots of `slot_rows` rows, allocated once (`KVCache.allocate`:
+        keys and values take memory as rows are written)."""
         cache = self.engine.new_cache(1, capacity=1)
-        cache.reserve_slots(self.max_batch)
-        cache.reserve_rows(self.rows_per_sequence + self.draft.k + 1)
         cache.leave(0)
+        cache.allocate(self.max_batch, self.slot_rows)
         return cache
 
     def _drop_batch(self) -> None:
-        """No request runs any more (aborted or failed): a budget's buffers are kept, empty."""
+        """No request runs any more (aborted or failed): the batch starts anew."""
         self.active = []
-        self.cache = self._budget_cache() if self.rows_per_sequence is not None else None
+        self.cache = self._empty_batch()
+
+    def rows_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The rows of the KV-cache budget a request reserves: its prompt, its tokens, a draft's spare."""
+        return min(prompt_tokens + max_new_tokens, self.context) + self.spare_rows
+
+    @property
+    def reserved_rows(self) -> int:
+        """The budget's rows held by the requests running or being prefilled."""
+        return sum(r.reserved_rows for r in self.started)
 
     def start(self) -> "Scheduler":
         self.thread.start()
@@ -249,8 +268,7 @@ class Scheduler:
 
     @property
     def kv_bytes(self) -> int:
-        cache = self.cache
-        return cache.nbytes if cache is not None else 0
+        return self.cache.nbytes
 
     # --- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -316,12 +334,16 @@ class Scheduler:
             group = self._next
             if len(self.active) + len(group) > self.max_batch:
                 return  # the group joins when there is room for all of it
-            self._next = None
-            rows = self.rows_per_sequence
-            if rows is not None and len(group[0].prompt_ids) >= rows:
+            need = self.rows_needed(len(group[0].prompt_ids), group[0].config.max_new_tokens)
+            if self.pool_rows is not None and len(group) * need > self.pool_rows:
+                self._next = None
                 for r in group:
-                    self._finish(r, error=f"the prompt's {len(group[0].prompt_ids)} tokens do not fit the KV cache's {rows} rows per sequence")
+                    self._finish(r, error=f"{len(group)} × {need} rows (prompt, max tokens and a draft's spare rows) do not fit the "
+                                          f"KV cache's {self.pool_rows} rows (--kv-cache-memory)")
                 continue
+            if self.pool_rows is not None and self.reserved_rows + len(group) * need > self.pool_rows:
+                return  # the group waits until running requests give back enough rows
+            self._next = None
             if group[0].prefill in self.refused:  # queued before its method's artifacts went stale
                 for r in group:
                     self._finish(r, error=self.refused[group[0].prefill])
@@ -330,7 +352,10 @@ class Scheduler:
                 for r in group:
                     self._finish(r, error="cancelled")
                 continue
+            for r in group:
+                r.reserved_rows = need if self.pool_rows is not None else 0
             self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
+            self.peak_reserved_rows = max(self.peak_reserved_rows, self.reserved_rows)
             self._sliced = bool(self.chunk_size) and len(group[0].prompt_ids) > self.chunk_size  # 0: whole prompts
             self._prefill_chunk()
 
@@ -399,8 +424,10 @@ class Scheduler:
             r.state = SpecRequest(
                 r.id, SequenceState(0, len(prompt)), list(prompt), r.config, drafter, key,
                 set() if r.config.ignore_eos else self.eos, lambda _index, delta, r=r: r.emit("text", delta), ngram if r.prefetch else None,
-                k_for=drafting.k_for, rescue=rescue, rows=self.rows_per_sequence,
+                k_for=drafting.k_for, rescue=rescue,
             )
+            if self.pool_rows is not None:  # a hand-off's prompt, in the served model's tokens
+                r.reserved_rows = self.rows_needed(len(prompt), r.config.max_new_tokens)
             if self.gate is not None:
                 r.state.acceptance = self.gate.new_acceptance()
             commit(r.state, [int(sample(logits, r.config.sampling, [key], [len(prompt)])[0])], self.tokenizer, self.context, logits=logits)
@@ -412,23 +439,24 @@ class Scheduler:
         if running:
             self._join(cache, len(running))
             self.active.extend(running)
+            self.peak_running = max(self.peak_running, len(self.active))
+            self.peak_reserved_rows = max(self.peak_reserved_rows, self.reserved_rows)
         for r in group:
             if r.state.finished:
                 self._finish(r)
 
     def _join(self, cache: KVCache, copies: int) -> None:
-        """`copies` copies of the one sequence in `cache` join the batch cache, all or none."""
-        if self.cache is None:  # the first: one copy of the prompt's rows per choice (their shared rows read once)
-            self.cache = cache.select_batch(torch.zeros(copies, dtype=torch.long)) if copies > 1 else cache
-            return
-        joined = 0
+        """`copies` copies of the one sequence in `cache` join the batch cache, all or none, each
+        into a free slot: the running sequences' rows stay where they are."""
+        # copies of one prompt joined at once: into an empty batch, their shared rows are read once
+        joining = cache.select_batch(torch.zeros(copies, dtype=torch.long)) if copies > 1 else cache
+        before = self.cache.batch_size
         try:
-            for _ in range(copies):  # each into a free slot: the running sequences' rows stay where they are
-                self.cache.join(cache, self.max_batch)
-                joined += 1
+            self.cache.join(joining)
         except Exception:
-            for _ in range(joined):  # the batch as it was: the last sequences leave without a copy
-                self.cache.leave(self.cache.batch_size - 1)
+            for layer in self.cache.layers:  # the batch as it was: the joined sequences leave, the last first
+                while layer.batch > before:
+                    layer.leave(layer.batch - 1)
             raise
 
     def _keeps_history(self, r: ServeRequest) -> bool:
@@ -463,10 +491,7 @@ class Scheduler:
         last = self.active.pop()
         if row < len(self.active):
             self.active[row] = last
-        if self.active or self.rows_per_sequence is not None:  # a budgeted cache keeps its buffers when idle
-            self.cache.leave(row)
-        else:
-            self.cache = None
+        self.cache.leave(row)
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
         """Finish a request once (its "done" is emitted once); what goes wrong while finishing it is

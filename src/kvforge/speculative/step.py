@@ -234,7 +234,6 @@ class SpecRequest:
     ready: list[int] | None = None  # the prefetch hit for the next step's draft
     rescue: DecodeRescue | None = None  # RidgeFill's rescue of filled prompt rows (`fill.rescue`); None: none
     offset: int = 0  # cached positions before the prompt (a prompt that continues a cache)
-    rows: int | None = None  # the most cache rows it may hold (a KV-cache memory budget), below the model's context; None: the context
     acceptance: Acceptance = field(default_factory=Acceptance)  # what its proposals are worth, for the gate
     error: str | None = None  # why its share of a step failed (`speculative_step(isolate=True)`); it is finished
     steps: int = 0
@@ -280,7 +279,7 @@ def commit(
         committed.append(token)
         if request.finished:
             break
-    if not request.finished and request.offset + len(request.context) >= min(context_limit, request.rows or context_limit):
+    if not request.finished and request.offset + len(request.context) >= context_limit:
         request.seq.finish_reason = "length"
     request.drafter.observe(committed)
     return committed
@@ -435,11 +434,10 @@ def speculative_step(
 
 def _room(request: SpecRequest, k: int, context_limit: int) -> int:
     """The most draft tokens `request` may verify this step: its budget (`k_for`, at most `k`),
-    cut to leave its pending token's bonus inside its token and row limits."""
+    cut to leave its pending token's bonus inside its token limit and the context."""
     r = request
     budget = min(k, r.k_for(len(r.seq.token_ids))) if r.k_for is not None else k
-    limit = min(context_limit, r.rows or context_limit)
-    return min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, limit - r.offset - len(r.context) - 1)
+    return min(budget, r.config.max_new_tokens - len(r.seq.token_ids) - 1, context_limit - r.offset - len(r.context) - 1)
 
 
 def _verify_rows(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, requests: list[SpecRequest]) -> tuple[list[int], list[int]]:
