@@ -299,6 +299,8 @@ def test_requests_past_the_limits_are_refused_with_what_fits(http, model_dir, se
 
 def test_a_kv_cache_budget_bounds_what_a_request_may_reserve(model_dir):
     from kvforge.cli.serve import parse_bytes
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import ServeRequest
 
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 2**29 and parse_bytes("1000") == 1000
     for bad in ("lots", "-1MiB"):
@@ -317,3 +319,11 @@ def test_a_kv_cache_budget_bounds_what_a_request_may_reserve(model_dir):
         both = http.post("/v1/completions", json={**body, "max_tokens": 29, "n": 2}).json()["error"]  # two choices: 41 rows each
         assert "at most 28" in both["message"] and "for each of 2 choices" in both["message"]
         assert http.post("/v1/completions", json={**body, "max_tokens": 28, "n": 2}).json()["usage"]["completion_tokens"] == 56
+        scheduler = served[model_dir].schedulers[0]
+        assert "kvforge_kv_cache_usage 0.0" in http.get("/metrics").text  # nothing runs
+        with scheduler.paused():  # a request holding half the pool, as the scheduler's gauge reads it
+            scheduler.active.append(ServeRequest([5], GenerationConfig(), reserved_rows=41))
+            try:
+                assert "kvforge_kv_cache_usage 0.5" in http.get("/metrics").text
+            finally:
+                scheduler.active.pop()

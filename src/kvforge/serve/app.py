@@ -133,8 +133,10 @@ class Served:
                                      chunk_size=chunk_size) for engine, prefillers in groups]
         self.routes = {method: s for s in self.schedulers for method in s.prefillers}
         every = self.schedulers
+        budgeted = [s for s in every if s.pool_rows is not None]
         self.metrics = ServerMetrics(
-            lambda: sum(s.kv_bytes for s in every), lambda: sum(s.queue.qsize() for s in every), lambda: sum(len(s.active) for s in every)
+            lambda: sum(s.kv_bytes for s in every), lambda: sum(s.queue.qsize() for s in every), lambda: sum(len(s.active) for s in every),
+            lambda: sum(s.reserved_rows for s in budgeted) / sum(s.pool_rows for s in budgeted) if budgeted else 0.0,
         )
         for s in every:
             s.metrics = self.metrics

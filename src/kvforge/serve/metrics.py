@@ -11,7 +11,7 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 
 class ServerMetrics:
-    def __init__(self, kv_bytes=lambda: 0, queued=lambda: 0, running=lambda: 0):
+    def __init__(self, kv_bytes=lambda: 0, queued=lambda: 0, running=lambda: 0, kv_usage=lambda: 0.0):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvforge_requests", "Finished requests (each choice of an n > 1 request) by outcome.", ["prefill", "draft", "outcome"], registry=r)
         self.ttft = Histogram("kvforge_time_to_first_token_seconds", "Request arrival to first token.", ["prefill"], buckets=LATENCY_BUCKETS, registry=r)
@@ -24,6 +24,8 @@ class ServerMetrics:
         self.probes = Counter("kvforge_prefetch_probes", "Prefetch table probes.", registry=r)
         self.hits = Counter("kvforge_prefetch_hits", "Prefetch table hits.", registry=r)
         Gauge("kvforge_kv_cache_bytes", "KV bytes held by the running batch.", registry=r).set_function(kv_bytes)
+        Gauge("kvforge_kv_cache_usage", "Share of the KV-cache budget's rows reserved by the requests running or prefilling (0 without a budget).",
+              registry=r).set_function(kv_usage)
         Gauge("kvforge_queue_length", "Requests waiting.", registry=r).set_function(queued)
         Gauge("kvforge_running_requests", "Requests in the running batch.", registry=r).set_function(running)
         self._window: list[tuple[float, int]] = []
