@@ -257,3 +257,43 @@ def test_sequences_that_end_apart_read_their_shared_rows_once_with_the_bits_of_e
     with pytest.raises(ValueError, match="per-head lengths"):
         kernels.few_query_scores(q.reshape(batch, kv_heads, r, dim), k, length, 0.1, start=shared,
                                  lengths=[shared - 1] + ends[1:])  # one before `start`
+
+
+def test_which_attention_reads_only_the_rows_in_use():
+    """float32 attends over slices of a layer's buffers and bf16 on CPU through the compiled
+    kernel (keys and values as wide): buffers may hold a whole context. fp16 does not."""
+    from kvforge.attention import reads_rows_in_use
+    from kvforge.ops import kernels
+
+    assert reads_rows_in_use(torch.float32, "cpu", [(64, 64), (64, 512)])
+    assert not reads_rows_in_use(torch.float16, "cpu", [(64, 64)])
+    assert reads_rows_in_use(torch.bfloat16, "cpu", [(64, 64)]) == kernels.available(64)
+    assert not reads_rows_in_use(torch.bfloat16, "cpu", [(64, 64), (64, 128)])  # a latent wider than its key
+
+
+def test_a_masked_bf16_step_over_buffers_of_a_whole_context_equals_one_over_its_rows():
+    """bf16 with the compiled kernel: a layer whose rows are not contiguous (a gap of positions),
+    in buffers allocated for 4,096 rows, attends to the bit as the same rows in buffers of their
+    own length: the kernel reads only the mask's columns, the rows in use."""
+    from kvforge.attention import attend
+    from kvforge.cache import KVCache, LayerCache
+    from kvforge.ops import kernels
+
+    heads, dim = 2, 64
+    if not kernels.available(dim):
+        pytest.skip("no compiled bf16 kernel for this width")
+    torch.manual_seed(0)
+    k, v = torch.randn(1, heads, 6, dim, dtype=torch.bfloat16), torch.randn(1, heads, 6, dim, dtype=torch.bfloat16)
+    positions = torch.tensor([[0, 1, 2, 5, 6, 7]])  # rows 3 and 4 not held: the layer is not contiguous
+    whole = KVCache.empty(1, 1, heads, dim, torch.bfloat16, capacity=1)
+    whole.leave(0)
+    whole.allocate(2, 4096)
+    own = LayerCache.empty(1, heads, dim, torch.bfloat16, "cpu", 6)
+    big = whole[0]
+    big.join(own)
+    for layer in (own, big):
+        layer.append(k, v, positions)
+    assert big.capacity == 4096 and own.capacity == 6 and not big.contiguous
+    q = torch.randn(1, 2 * heads, 1, dim, dtype=torch.bfloat16)
+    out = [attend(q, layer, torch.tensor([[7]]), 0.125, new_rows=1) for layer in (own, big)]
+    assert torch.equal(out[0], out[1])

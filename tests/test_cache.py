@@ -255,18 +255,21 @@ def test_an_allocated_batch_takes_memory_for_its_rows_and_gives_a_leaving_sequen
     batch.leave(0)
     batch.allocate(4, 8192)
     held = [t for layer in batch.layers for t in layer.rows.held]
-    assert len(held) == buffers and held[0].shape == (4, H, 8192, D) and _resident_bytes(held) == 0
+    assert len(held) == buffers and held[0].shape == (4, H, 8192, D)
+    # what the mappings hold besides these rows: none of theirs yet (a neighbouring mapping of
+    # the same kind, which the kernel may have merged with them, may hold some)
+    before = _resident_bytes(held)
     short, long = _sequence(1000, 0, layers=2), _sequence(3000, 1, layers=2)
     batch.join(long)
     batch.join(short)
     slack = buffers * 2 * page  # a page a slot shares with its neighbour, per buffer
-    assert pages(1000) + pages(3000) <= _resident_bytes(held) <= pages(1000) + pages(3000) + slack
+    assert pages(1000) + pages(3000) <= _resident_bytes(held) - before <= pages(1000) + pages(3000) + slack
     batch.leave(0)  # the short sequence moves into slot 0: slot 1's pages go back, and slot 0's past its rows
-    assert pages(1000) <= _resident_bytes(held) <= pages(1000) + slack
+    assert pages(1000) <= _resident_bytes(held) - before <= pages(1000) + slack
     keys = held[0]
     assert torch.equal(keys[0, :, :1000], short[0].keys()[0]) and not keys[0, :, 1000:].any() and not keys[1:].any()
     batch.leave(0)
-    assert _resident_bytes(held) <= slack and not any(t.any() for t in held)
+    assert _resident_bytes(held) - before <= slack and not any(t.any() for t in held)
     with pytest.raises(ValueError, match="allocated anew"):
         long.allocate(2, 10)
 

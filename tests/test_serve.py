@@ -1337,3 +1337,38 @@ def test_a_kv_cache_budget_is_a_pool_the_requests_reserve_from(tiny_engine):
     assert not any({long.id, short.id} <= running for running, _ in seen)  # the short one waited for the long one
     assert scheduler.cache is batch and batch.batch_size == 0 and scheduler.reserved_rows == 0
     assert [t.data_ptr() for layer in batch.layers for t in layer.rows.held] == buffers
+
+
+def test_where_buffers_are_allocated_whole_a_budget_is_split_evenly(tiny_engine, monkeypatch):
+    """Where keys and values cannot be backed on demand (a GPU): without a budget the batch's
+    buffers start small and grow with the longest sequence; with one each slot holds an even
+    share, allocated whole, and a request that does not fit its share fails."""
+    from kvforge.generation import GenerationConfig
+    from kvforge.serve.scheduler import Scheduler, ServeRequest
+    from kvforge.speculative.step import DraftConfig
+
+    monkeypatch.setattr("kvforge.serve.scheduler.backs_on_demand", lambda device: False)
+    engine = tiny_engine
+    row = engine.new_cache(1, capacity=1).row_bytes()
+    spare = DraftConfig().k + 1
+    prefill = {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}
+    unbounded = Scheduler(engine, prefill, max_batch=2)
+    assert not unbounded.on_demand and all(layer.capacity == 256 and layer.rows.maps == [None, None] for layer in unbounded.cache.layers)
+    scheduler = Scheduler(engine, prefill, max_batch=2, kv_cache_bytes=2 * (40 + spare) * row + row // 2)
+    assert scheduler.slot_rows == 40 + spare and all(layer.capacity == 40 + spare for layer in scheduler.cache.layers)
+    with pytest.raises(ValueError, match="smaller --max-batch"):
+        Scheduler(engine, {}, max_batch=2, kv_cache_bytes=2 * 20 * row)
+    config = lambda tokens: GenerationConfig(max_new_tokens=tokens, ignore_eos=True)  # noqa: E731
+    fits, over = ServeRequest(list(range(5, 15)), config(30)), ServeRequest(list(range(5, 15)), config(31))
+    done = threading.Semaphore(0)
+    for r in (fits, over):
+        r.emit = lambda kind, payload: done.release() if kind == "done" else None
+        scheduler.submit(r)
+    scheduler.start()
+    try:
+        for _ in range(2):
+            assert done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    assert fits.error is None and fits.seq.token_ids == engine.generate(fits.prompt_ids, fits.config)[0].token_ids
+    assert "do not fit" in over.error and over.state is None

@@ -327,3 +327,7 @@ def test_a_kv_cache_budget_bounds_what_a_request_may_reserve(model_dir):
                 assert "kvforge_kv_cache_usage 0.5" in http.get("/metrics").text
             finally:
                 scheduler.active.pop()
+    small = build_served(ServeConfig(model_dir, max_batch=4, queue_size=4, kv_cache_memory=25 * row))  # 25 rows: 8 each for 3 choices, less than the spare
+    with TestClient(create_app(small)) as http:
+        few = http.post("/v1/completions", json={**body, "max_tokens": 2, "n": 3})
+        assert few.status_code == 400 and "n = 3 choices do not fit" in few.json()["error"]["message"]

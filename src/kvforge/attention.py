@@ -64,7 +64,7 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     continues = layer.contiguous and new_rows == tq
     few = tq <= FEW_QUERIES and q.dtype != torch.float32
-    unwindowed = window is None or layer.capacity <= window
+    unwindowed = window is None or layer.length <= window  # no query sees a key past the window
     # The whole buffer, its rows past `length` masked: the batched matmul reads a whole buffer in
     # place but copies a slice of one (K and V, every layer, every step). Every step of a width
     # sees the same number of columns, so decode and verification round alike. With the compiled
@@ -84,7 +84,10 @@ def attend(
         out = kernels.few_query_attention(rows, layer.k, layer.v, layer.length, scaling, tq, lengths=layer.ends)
         return out.to(layer.v.dtype).view(b, hq, tq, layer.v.shape[-1])
     if few and unwindowed:
-        return grouped_attention(q, layer.k, layer.v, scaling, visibility_mask(q_pos, layer.positions, window))
+        # the compiled kernel reads the mask's columns, the rows in use; torch's matmuls the whole
+        # buffers in place, so every step of a width rounds alike
+        positions = layer.row_positions() if _compiled(q, layer.k, layer.v) else layer.positions
+        return grouped_attention(q, layer.k, layer.v, scaling, visibility_mask(q_pos, positions, window))
     if continues and tq == 1:
         if window is not None and tk > window:  # a local layer's decode step sees its last `window` rows
             k, v = k[:, :, tk - window :], v[:, :, tk - window :]
@@ -128,7 +131,7 @@ def attend_steps(
 def _continues_over_buffer(q: torch.Tensor, layer: LayerCache, window: int | None, new_rows: int | None) -> bool:
     """Whether the queries continue a contiguous layer whose last rows are their own, unwindowed,
     its buffers whole and contiguous: the path that reads the whole buffer up to `length`, unmasked."""
-    return (layer.contiguous and new_rows == q.shape[2] and (window is None or layer.capacity <= window)
+    return (layer.contiguous and new_rows == q.shape[2] and (window is None or layer.length <= window)
             and layer.k.is_contiguous())
 
 
@@ -179,8 +182,8 @@ def grouped_attention(
         # -inf and its weight exactly 0.
         if mask is None and length is not None:  # the three passes in one call
             return kernels.few_query_attention(rows, k, v, length, scaling, tq).to(v.dtype).view(b, hq, tq, v.shape[-1])
-        read = k.shape[2] if length is None else length
-        scores = kernels.few_query_scores(rows, k, read, scaling)
+        read = length if length is not None else mask.shape[-1] if mask is not None else k.shape[2]  # a mask may cover the rows in use alone
+        scores = kernels.few_query_scores(rows, k, read, scaling, columns=read if mask is not None else None)
         if mask is not None:
             scores = scores.view(b, heads, group, tq, -1).masked_fill_(~mask.unsqueeze(2), float("-inf")).view(b, heads, group * tq, -1)
         weights, inverse = kernels.few_query_softmax(scores, read, tq if length is not None else 1)
@@ -285,6 +288,18 @@ def _shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     own_inverse = inverse.transpose(0, 1)
     out = kernels.few_query_values(own_weights, own_inverse, v, length, start=split, sums=sums, lengths=ends)
     return out.to(v.dtype).view(b, hq, tq, v.shape[-1])
+
+
+def reads_rows_in_use(dtype: torch.dtype, device: torch.device | str, widths: list[tuple[int, int]]) -> bool:
+    """Whether attention over layers of these (key, value) widths reads only the rows a layer
+    holds, whatever its buffers' capacity: in float32 it attends over slices of them, in bf16 on
+    CPU through the compiled kernel (keys and values as wide, a width it takes). Elsewhere a
+    low-precision step of a few rows reads whole buffers (`grouped_attention`), which is cheap only
+    while they grow with their rows."""
+    if dtype == torch.float32:
+        return True
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+            and all(key == value and kernels.available(key) for key, value in widths))
 
 
 def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

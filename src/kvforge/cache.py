@@ -103,11 +103,11 @@ class _LoggedLayer:
         for buffers in self._buffers():
             buffers.reserve_slots(sequences)
 
-    def allocate(self, slots: int, rows: int) -> None:
-        """Empty buffers for `slots` sequences of `rows` rows, allocated once (`SlotBuffers.allocate`:
-        keys and values backed on demand)."""
+    def allocate(self, slots: int, rows: int, on_demand: bool = True) -> None:
+        """Empty buffers for `slots` sequences of `rows` rows (`SlotBuffers.allocate`: keys and
+        values backed on demand)."""
         for buffers in self._buffers():
-            buffers.allocate(slots, rows)
+            buffers.allocate(slots, rows, on_demand)
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (speculative rollback)."""
@@ -445,15 +445,15 @@ class KVCache:
         return sum(layer.k.shape[1] * (layer.k.shape[3] + layer.v.shape[3]) * layer.k.element_size()
                    for layer in self.layers if isinstance(layer, LayerCache))
 
-    def allocate(self, slots: int, rows: int) -> None:
-        """Buffers for `slots` sequences of `rows` rows in every layer, allocated once for an empty
-        batch that sequences join and leave (`KVCache.join`, `leave`) without a buffer growing:
-        keys and values take memory as rows are written, and a leaving sequence's pages go back
-        (`SlotBuffers.allocate`)."""
+    def allocate(self, slots: int, rows: int, on_demand: bool = True) -> None:
+        """Buffers for `slots` sequences of `rows` rows in every layer, for an empty batch that
+        sequences join and leave (`KVCache.join`, `leave`) without a buffer growing while they
+        fit. `on_demand` (on CPU): keys and values take memory as rows are written, and a leaving
+        sequence's pages go back (`SlotBuffers.allocate`); otherwise they are allocated whole."""
         if self.batch_size:
             raise ValueError(f"a cache holding {self.batch_size} sequences cannot be allocated anew")
         for layer in self.layers:
-            layer.allocate(slots, rows)
+            layer.allocate(slots, rows, on_demand)
 
     def sequence(self, b: int) -> "KVCache":
         """Sequence `b` as a cache of one sequence whose tensors are views into this one's: rows

@@ -36,18 +36,19 @@ class SlotBuffers:
         self.maps: list[mmap.mmap | None] = [None] * len(self.held)  # the memory of buffers backed on demand
         self.use(self.held[0].shape[0])
 
-    def allocate(self, slots: int, capacity: int) -> None:
-        """Empty buffers for `slots` sequences of `capacity` rows, allocated once, for a batch
-        that joins and leaves without growing them. A buffer whose rows start as zeros (keys and
+    def allocate(self, slots: int, capacity: int, on_demand: bool = True) -> None:
+        """Empty buffers for `slots` sequences of `capacity` rows, for a batch that joins and
+        leaves without copying. `on_demand` (on CPU): a buffer whose rows start as zeros (keys and
         values) is backed on demand (`backed_on_demand`): it takes memory for the rows written,
-        not for its capacity, and a slot's pages go back when its sequence leaves (`release`)."""
+        not for its capacity, and a slot's pages go back when its sequence leaves (`release`);
+        otherwise buffers are allocated whole."""
         if self.batch:
             raise ValueError(f"buffers holding {self.batch} sequences cannot be allocated anew")
         held, maps = [], []
         for t, fill in zip(self.held, self.fills):
             shape = [slots, *t.shape[1:]]
             shape[self.row_dim] = capacity
-            if fill == 0 and t.device.type == "cpu" and math.prod(shape) and _ON_DEMAND:
+            if fill == 0 and on_demand and backs_on_demand(t.device) and math.prod(shape):
                 buffer, memory = backed_on_demand(shape, t.dtype)
             else:
                 buffer, memory = torch.full(shape, fill, dtype=t.dtype, device=t.device), None
@@ -251,8 +252,9 @@ class RowLog:
             raise ValueError(f"cannot trim {n} rows from a layer holding {self.length}")
         self.length -= n
         self.shared = min(self.shared, self.length)
-        self.positions[:, self.length :] = -1
-        self.kinds[:, self.length :] = int(RowKind.PADDING)
+        # the dropped rows become padding (rows past them already are: buffers may hold a whole context)
+        self.positions[:, self.length : self.length + n] = -1
+        self.kinds[:, self.length : self.length + n] = int(RowKind.PADDING)
 
     def rollback(self, drop: list[int]) -> None:
         """Drop the last drop[b] rows of sequence b (from its own end); the length becomes the
@@ -301,6 +303,11 @@ def trailing_ends(positions: torch.Tensor) -> list[int] | None:
 
 # anonymous private mappings and madvise: POSIX systems (elsewhere, buffers are allocated whole)
 _ON_DEMAND = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap.mmap, "madvise")
+
+
+def backs_on_demand(device: torch.device | str) -> bool:
+    """Whether buffers on `device` can be backed on demand (`backed_on_demand`)."""
+    return _ON_DEMAND and torch.device(device).type == "cpu"
 
 
 def backed_on_demand(shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:

@@ -101,8 +101,8 @@ class ServeConfig:
     # an exact, SPEED or RidgeFill prompt longer than this is prefilled in chunks of it, each
     # beside a step of the running requests (vLLM's name; None: whole prompts)
     max_num_batched_tokens: int | None = 512
-    # bytes of KV cache per weight set, allocated at the first request and split evenly across
-    # --max-batch sequences; None: buffers that grow with the sequences
+    # bytes of KV cache per weight set: a pool of rows each request reserves its prompt and max
+    # tokens from (`Scheduler`); None: no bound but --max-batch and the context
     kv_cache_memory: int | None = None
 
 
@@ -526,7 +526,9 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
         raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
     scheduler, limit = s.routes[options.prefill], f"this model's maximum context length is {context} tokens"
     if scheduler.pool_rows is not None:  # the KV-cache budget bounds a request's tokens, each of its n choices reserving its own
-        held = scheduler.pool_rows // n - scheduler.spare_rows
+        held = min(scheduler.pool_rows // n, scheduler.slot_rows) - scheduler.spare_rows
+        if held < 1:
+            raise ApiError(400, f"n = {n} choices do not fit this server's KV cache (--kv-cache-memory): ask for fewer", "n")
         if held < context:
             each = f" for each of {n} choices" if n > 1 else ""
             limit = f"this server's KV cache holds {held} tokens{each} (--kv-cache-memory)"

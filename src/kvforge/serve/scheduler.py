@@ -5,16 +5,19 @@ running): a new request is prefilled alone, by its own method's plan (exact, Rid
 or a KV-Lingo hand-off that fills the cache from another model's), commits its first token and
 joins the batch cache: its rows are written into a free slot of the batch's buffers
 (`KVCache.join`), and a request that finishes leaves by the batch's last request moving into its
-slot (`KVCache.leave`), so no admission or finish copies the running requests' rows. The batch's
-buffers are allocated once, `max_batch` slots of a whole context each, and never grow: the OS backs
-their keys and values a page at a time as rows are written and takes a leaving request's pages
-back (`KVCache.allocate`), so they hold the memory of the rows in use, not of their capacity.
+slot (`KVCache.leave`), so no admission or finish copies the running requests' rows. On CPU,
+where attention reads only the rows in use (`attention.reads_rows_in_use`), the batch's buffers
+are allocated once, `max_batch` slots of a whole context each, and never grow: the OS backs their
+keys and values a page at a time as rows are written and takes a leaving request's pages back
+(`KVCache.allocate`), so they hold the memory of the rows in use, not of their capacity.
+Elsewhere (a GPU) they grow with the longest sequence, copying the batch when they do.
 
 With a KV-cache budget (`kv_cache_bytes`) the running requests share a pool of rows: a request
 reserves its prompt and `max_new_tokens` rows at admission (with a draft's spare rows) and gives
 them back when it finishes, and a request the pool cannot hold waits in the queue until running
-ones finish. A long request uses the rows short ones leave, and the rows written never pass the
-budget: no request is preempted, none runs out of memory.
+ones finish. On CPU a long request uses the rows short ones leave; elsewhere each slot holds an
+even share of the pool, allocated whole. The rows written never pass the budget: no request is
+preempted, none runs out of memory.
 Then one `speculative_step` runs for the whole batch, the same step as offline decoding: each
 request's pending token plus its draft (empty without a drafter, or the prefetch hit of its last
 step) in one forward, verified with the request's own sampling settings and sample key, committed
@@ -74,13 +77,15 @@ from typing import Callable
 
 import torch
 
-from kvforge.cache import KVCache
+from kvforge.attention import reads_rows_in_use
+from kvforge.cache import KVCache, LayerCache
 from kvforge.engine import PAUSE_POINTS
 from kvforge.fill.rescue import DecodeRescue
 from kvforge.generation import GenerationConfig, SequenceState, eos_token_ids, flush_text
 from kvforge.sampling import SampleKey, fresh_seed, prompt_key, sample
 from kvforge.speculative.history import RolloutHistory
 from kvforge.speculative.prefetch import Prefetcher
+from kvforge.rows import backs_on_demand
 from kvforge.speculative.step import DraftConfig, SpecRequest, SpecStats, commit, new_drafters, speculative_step
 
 log = logging.getLogger("kvforge.serve")
@@ -183,15 +188,22 @@ class Scheduler:
         self.context = engine.model.context_length
         # a verification step writes every sequence's rows to the batch's widest draft: k + 1 spare rows each
         self.spare_rows = self.draft.k + 1
+        probe = engine.new_cache(1, capacity=1)
+        # buffers of every slot's whole context, backed as rows are written, where attention reads only the rows in use
+        self.on_demand = backs_on_demand(engine.device) and reads_rows_in_use(
+            engine.dtype, engine.device, [(layer.k.shape[-1], layer.v.shape[-1]) for layer in probe.layers if isinstance(layer, LayerCache)])
         self.pool_rows: int | None = None
+        self.slot_rows = self.context + self.spare_rows  # the most rows a request may hold
         if kv_cache_bytes is not None:
-            row = engine.new_cache(1, capacity=1).row_bytes()
-            self.pool_rows = kv_cache_bytes // row if row else (self.context + self.spare_rows) * max_batch
-            if self.pool_rows < 16 + self.spare_rows:
-                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {self.pool_rows} rows ({row} bytes a row, "
-                                 f"{self.spare_rows} of a request's spare for drafts): give more memory")
-        # a slot holds a whole context, or the whole pool where that is less
-        self.slot_rows = min(self.context, self.pool_rows - self.spare_rows if self.pool_rows is not None else self.context) + self.spare_rows
+            row = probe.row_bytes()
+            self.pool_rows = kv_cache_bytes // row if row else self.slot_rows * max_batch
+            # a slot holds up to the whole pool where its pages are backed on demand, else an even share allocated whole
+            self.slot_rows = min(self.slot_rows, self.pool_rows if self.on_demand else self.pool_rows // max_batch)
+            if self.slot_rows < 16 + self.spare_rows:
+                share = "" if self.on_demand else f" for each of {max_batch} sequences"
+                raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {self.slot_rows} rows{share} ({row} bytes a row, "
+                                 f"{self.spare_rows} of a request's spare for drafts): give more memory"
+                                 + ("" if self.on_demand else " or a smaller --max-batch"))
         self.cache = self._empty_batch()
         self.prefetcher = Prefetcher(self.draft.k, self.draft.budget)
         self.gate = self.draft.new_gate(engine)
@@ -212,17 +224,25 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
 
     def _empty_batch(self) -> KVCache:
-        """An empty batch with `max_batch` slots of `slot_rows` rows, allocated once (`KVCache.allocate`:
-        keys and values take memory as rows are written)."""
+        """An empty batch with `max_batch` slots of `slot_rows` rows (`KVCache.allocate`: keys and
+        values take memory as rows are written), or, where they are allocated whole with no budget
+        to hold, of a few rows that grow with the longest sequence."""
         cache = self.engine.new_cache(1, capacity=1)
         cache.leave(0)
-        cache.allocate(self.max_batch, self.slot_rows)
+        whole = self.on_demand or self.pool_rows is not None
+        cache.allocate(self.max_batch, self.slot_rows if whole else min(self.slot_rows, 256), self.on_demand)
         return cache
 
     def _drop_batch(self) -> None:
-        """No request runs any more (aborted or failed): the batch starts anew."""
+        """No request runs any more (aborted or failed): every sequence leaves the batch (its
+        buffers stay), or, should that fail, the batch starts anew."""
         self.active = []
-        self.cache = self._empty_batch()
+        try:
+            while self.cache.batch_size:
+                self.cache.leave(self.cache.batch_size - 1)
+        except Exception:
+            log.exception("emptying the batch failed: it is allocated anew")
+            self.cache = self._empty_batch()
 
     def rows_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The rows of the KV-cache budget a request reserves: its prompt, its tokens, a draft's spare."""
@@ -263,8 +283,9 @@ class Scheduler:
 
     @property
     def prefilling(self) -> list[ServeRequest]:
-        """The requests whose prompt is being prefilled."""
-        return self._prefilling[0] if self._prefilling is not None else []
+        """The requests whose prompt is being prefilled (read once: the metrics read it from another thread)."""
+        prefilling = self._prefilling
+        return prefilling[0] if prefilling is not None else []
 
     @property
     def kv_bytes(self) -> int:
@@ -332,26 +353,25 @@ class Scheduler:
                 except queue.Empty:
                     return
             group = self._next
-            if len(self.active) + len(group) > self.max_batch:
-                return  # the group joins when there is room for all of it
             need = self.rows_needed(len(group[0].prompt_ids), group[0].config.max_new_tokens)
-            if self.pool_rows is not None and len(group) * need > self.pool_rows:
+            refused = None
+            if group[0].prefill in self.refused:  # queued before its method's artifacts went stale
+                refused = self.refused[group[0].prefill]
+            elif any(r.cancelled.is_set() for r in group):
+                refused = "cancelled"
+            elif self.pool_rows is not None and min(self.slot_rows, self.pool_rows // len(group)) < need:  # without a pool a request fits its slot
+                refused = (f"{need} rows a request (prompt, max tokens and a draft's spare rows) do not fit the KV cache's "
+                           f"{min(self.slot_rows, self.pool_rows // len(group))} for each of {len(group)} (--kv-cache-memory)")
+            if refused is not None:
                 self._next = None
                 for r in group:
-                    self._finish(r, error=f"{len(group)} × {need} rows (prompt, max tokens and a draft's spare rows) do not fit the "
-                                          f"KV cache's {self.pool_rows} rows (--kv-cache-memory)")
+                    self._finish(r, error=refused)
                 continue
+            if len(self.active) + len(group) > self.max_batch:
+                return  # the group joins when there is room for all of it
             if self.pool_rows is not None and self.reserved_rows + len(group) * need > self.pool_rows:
                 return  # the group waits until running requests give back enough rows
             self._next = None
-            if group[0].prefill in self.refused:  # queued before its method's artifacts went stale
-                for r in group:
-                    self._finish(r, error=self.refused[group[0].prefill])
-                continue
-            if any(r.cancelled.is_set() for r in group):
-                for r in group:
-                    self._finish(r, error="cancelled")
-                continue
             for r in group:
                 r.reserved_rows = need if self.pool_rows is not None else 0
             self._prefilling = (group, _prefill_steps(self.prefillers[group[0].prefill], group[0]))  # a hand-off may re-tokenize the prompt
@@ -448,11 +468,12 @@ class Scheduler:
     def _join(self, cache: KVCache, copies: int) -> None:
         """`copies` copies of the one sequence in `cache` join the batch cache, all or none, each
         into a free slot: the running sequences' rows stay where they are."""
-        # copies of one prompt joined at once: into an empty batch, their shared rows are read once
-        joining = cache.select_batch(torch.zeros(copies, dtype=torch.long)) if copies > 1 else cache
         before = self.cache.batch_size
         try:
-            self.cache.join(joining)
+            if before == 0 and copies > 1:  # copies of one prompt joined at once into an empty batch: their shared rows are read once
+                self.cache.join(cache.select_batch(torch.zeros(copies, dtype=torch.long)), self.max_batch)
+            for _ in range(copies if before or copies == 1 else 0):
+                self.cache.join(cache, self.max_batch)
         except Exception:
             for layer in self.cache.layers:  # the batch as it was: the joined sequences leave, the last first
                 while layer.batch > before:
