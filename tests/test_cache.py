@@ -274,6 +274,28 @@ def test_an_allocated_batch_takes_memory_for_its_rows_and_gives_a_leaving_sequen
         long.allocate(2, 10)
 
 
+def test_a_layer_whose_keys_fail_to_grow_keeps_the_capacity_it_had(monkeypatch):
+    """Growing a layer's buffers grows the keys and values before the row log: should they fail
+    (out of memory), the layer's buffers still agree (`KVCache.intact`) and it holds what it held."""
+    import kvforge.rows as rows
+
+    cache = _sequence(8, 0, layers=1)
+    grow = rows._grow
+
+    def keys_fail(t, capacity, dim, fill):
+        if dim == 2:  # keys and values: (B, H, rows, D)
+            raise MemoryError("no room")
+        return grow(t, capacity, dim, fill)
+
+    monkeypatch.setattr(rows, "_grow", keys_fail)
+    with pytest.raises(MemoryError):
+        cache[0].append(*_rows(1, 8, 4))
+    assert cache.intact() and cache[0].capacity == 8 and cache[0].length == 8
+    monkeypatch.setattr(rows, "_grow", grow)
+    cache[0].append(*_rows(1, 8, 4))
+    assert cache.intact() and cache[0].length == 12
+
+
 def _sequence(length, seed, layers=3, capacity=None):
     torch.manual_seed(seed)
     cache = KVCache.empty(layers, 1, H, D, capacity=capacity or length)

@@ -1341,19 +1341,32 @@ def test_a_kv_cache_budget_is_a_pool_the_requests_reserve_from(tiny_engine):
 
 def test_where_buffers_are_allocated_whole_a_budget_is_split_evenly(tiny_engine, monkeypatch):
     """Where keys and values cannot be backed on demand (a GPU): without a budget the batch's
-    buffers start small and grow with the longest sequence; with one each slot holds an even
-    share, allocated whole, and a request that does not fit its share fails."""
+    buffers start small, grow with the longest sequence and start small again once the batch is
+    empty; with one each slot holds an even share, allocated whole, and a request that does not
+    fit its share fails."""
     from kvforge.generation import GenerationConfig
     from kvforge.serve.scheduler import Scheduler, ServeRequest
     from kvforge.speculative.step import DraftConfig
 
     monkeypatch.setattr("kvforge.serve.scheduler.backs_on_demand", lambda device: False)
+    monkeypatch.setattr("kvforge.serve.scheduler.GROWING_ROWS", 16)
     engine = tiny_engine
     row = engine.new_cache(1, capacity=1).row_bytes()
     spare = DraftConfig().k + 1
     prefill = {"exact": lambda r: (*engine.prefill([r.prompt_ids]), None)}
     unbounded = Scheduler(engine, prefill, max_batch=2)
-    assert not unbounded.on_demand and all(layer.capacity == 256 and layer.rows.maps == [None, None] for layer in unbounded.cache.layers)
+    assert not unbounded.on_demand and all(layer.capacity == 16 and layer.rows.maps == [None, None] for layer in unbounded.cache.layers)
+    grows = ServeRequest(list(range(5, 15)), GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    finished = threading.Event()
+    grows.emit = lambda kind, payload: finished.set() if kind == "done" else None
+    unbounded.submit(grows)
+    unbounded.start()
+    try:
+        assert finished.wait(timeout=120)
+    finally:
+        unbounded.stop()
+    assert grows.error is None and grows.seq.token_ids == engine.generate(grows.prompt_ids, grows.config)[0].token_ids
+    assert unbounded.cache.batch_size == 0 and all(layer.capacity == 16 for layer in unbounded.cache.layers)  # the grown buffers went back
     scheduler = Scheduler(engine, prefill, max_batch=2, kv_cache_bytes=2 * (40 + spare) * row + row // 2)
     assert scheduler.slot_rows == 40 + spare and all(layer.capacity == 40 + spare for layer in scheduler.cache.layers)
     with pytest.raises(ValueError, match="smaller --max-batch"):

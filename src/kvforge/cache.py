@@ -78,8 +78,8 @@ class _LoggedLayer:
 
     def _reserve(self, rows: int) -> None:
         capacity = self.log.capacity_for(rows)
-        if capacity is not None:
-            for buffers in self._buffers():
+        if capacity is not None:  # the log last: should a larger buffer fail to grow, the layer keeps the capacity it had
+            for buffers in reversed(self._buffers()):
                 buffers.grow(capacity)
 
     def _log(self, positions: torch.Tensor, kind) -> int | tuple[int, ...]:
@@ -474,6 +474,12 @@ class KVCache:
         """Remove sequence `b` in place: the last sequence moves into its slot (`LayerCache.leave`)."""
         for layer in self.layers:
             layer.leave(b)
+
+    def intact(self) -> bool:
+        """Whether every layer's buffers agree on its batch, capacity and slots (a step that failed
+        while growing them may leave them apart)."""
+        batch = self.batch_size
+        return all(layer.batch == batch and len({(b.batch, b.capacity, b.slots) for b in layer._buffers()}) == 1 for layer in self.layers)
 
     @property
     def nbytes(self) -> int:

@@ -83,6 +83,8 @@ class SlotBuffers:
         self.views = [t[:batch] for t in self.held]
 
     def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
         self.held = [_grow(t, capacity, self.row_dim, fill) for t, fill in zip(self.held, self.fills)]
         self.maps = [None] * len(self.held)
         self.use(self.batch)

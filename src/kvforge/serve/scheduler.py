@@ -157,6 +157,7 @@ def _prefill_steps(prefill: Prefiller, request: "ServeRequest"):
 # whole: slicing every admission would run the decode steps more often, with fewer rows each, and
 # lower the throughput of many short prompts.
 PREFILL_SLICE = 1.0
+GROWING_ROWS = 256  # where the batch's buffers grow (`Scheduler.on_demand` false, no budget): the rows they start with
 STEP_AVERAGE = 0.2  # the weight of the latest step in the average step time
 
 
@@ -230,18 +231,27 @@ class Scheduler:
         cache = self.engine.new_cache(1, capacity=1)
         cache.leave(0)
         whole = self.on_demand or self.pool_rows is not None
-        cache.allocate(self.max_batch, self.slot_rows if whole else min(self.slot_rows, 256), self.on_demand)
+        cache.allocate(self.max_batch, self.slot_rows if whole else min(self.slot_rows, GROWING_ROWS), self.on_demand)
         return cache
 
     def _drop_batch(self) -> None:
         """No request runs any more (aborted or failed): every sequence leaves the batch (its
-        buffers stay), or, should that fail, the batch starts anew."""
+        buffers stay), or, where that fails or leaves its buffers apart, the batch starts anew."""
         self.active = []
         try:
             while self.cache.batch_size:
                 self.cache.leave(self.cache.batch_size - 1)
+            if not self.cache.intact():
+                raise ValueError("the batch's buffers disagree")
         except Exception:
             log.exception("emptying the batch failed: it is allocated anew")
+            self.cache = self._empty_batch()
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """An empty batch whose buffers grew (no budget, not backed on demand: a GPU) gives their
+        memory back: the next requests start small again."""
+        if not self.on_demand and self.pool_rows is None and self.cache.batch_size == 0 and self.cache[0].capacity > GROWING_ROWS:
             self.cache = self._empty_batch()
 
     def rows_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -431,6 +441,9 @@ class Scheduler:
         choices still running (all or none of them: an error leaves the batch as it was)."""
         first = group[0]
         prompt = first.prompt_ids
+        if self.rows_needed(len(prompt), first.config.max_new_tokens) > self.slot_rows:  # a hand-off's prompt, re-tokenized: never grow past a slot
+            raise ValueError(f"the prompt's {len(prompt)} tokens and {first.config.max_new_tokens} more do not fit a sequence of the KV cache "
+                             f"({self.slot_rows} rows with a draft's spare, --kv-cache-memory)")
         drafting = dataclasses.replace(self.draft, draft=first.draft, prefetch=first.prefetch)
         kept, previous = None, None
         if self._keeps_history(first):
@@ -513,6 +526,7 @@ class Scheduler:
         if row < len(self.active):
             self.active[row] = last
         self.cache.leave(row)
+        self._shrink()
 
     def _finish(self, r: ServeRequest, error: str | None = None) -> None:
         """Finish a request once (its "done" is emitted once); what goes wrong while finishing it is
