@@ -348,3 +348,4 @@ def test_joining_and_leaving_a_batch_copies_only_that_sequences_rows(lengths, le
                 assert bool((mine.row_positions()[row, n:] == -1).all())
                 assert torch.equal(mine.keys()[row, :, :n], ref.keys()[row, :, :n]) and torch.equal(mine.values()[row, :, :n], ref.values()[row, :, :n])
             assert mine.length == max(lengths[i] for i in order) and (mine.ends is None) == (len({lengths[i] for i in order}) == 1)
+        assert batch.nbytes == 3 * 2 * H * D * 4 * sum(lengths[i] for i in order)  # each sequence's rows to its own end, no padding

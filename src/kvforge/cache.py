@@ -222,9 +222,11 @@ class LayerCache(_LoggedLayer):
         return out
 
     def nbytes(self) -> int:
-        """Bytes of the K and V rows in use (positions and provenance not counted)."""
-        per_row = self.k.shape[0] * self.k.shape[1] * (self.k.shape[3] + self.v.shape[3]) * self.k.element_size()
-        return per_row * self.length
+        """Bytes of the K and V rows in use, each sequence's to its own end (positions and
+        provenance not counted; nor the padding slots past a shorter sequence's end, which take
+        no memory in buffers backed on demand)."""
+        per_row = self.k.shape[1] * (self.k.shape[3] + self.v.shape[3]) * self.k.element_size()
+        return per_row * sum(self.log.sequence_ends())
 
     def save_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.k": self.keys().contiguous().cpu(), f"{prefix}.v": self.values().contiguous().cpu()}

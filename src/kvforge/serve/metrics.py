@@ -23,7 +23,7 @@ class ServerMetrics:
         self.accepted = Counter("kvforge_ngram_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.probes = Counter("kvforge_prefetch_probes", "Prefetch table probes.", registry=r)
         self.hits = Counter("kvforge_prefetch_hits", "Prefetch table hits.", registry=r)
-        Gauge("kvforge_kv_cache_bytes", "KV bytes held by the running batch.", registry=r).set_function(kv_bytes)
+        Gauge("kvforge_kv_cache_bytes", "Bytes of the keys and values the running batch holds, each request's rows to its own end.", registry=r).set_function(kv_bytes)
         Gauge("kvforge_kv_cache_usage", "Share of the KV-cache budget's rows reserved by the requests running or prefilling (0 without a budget).",
               registry=r).set_function(kv_usage)
         Gauge("kvforge_queue_length", "Requests waiting.", registry=r).set_function(queued)
