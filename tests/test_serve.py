@@ -1318,16 +1318,7 @@ def test_a_kv_cache_budget_is_a_pool_the_requests_reserve_from(tiny_engine):
         step()
 
     scheduler._step = recording_step
-    done = threading.Semaphore(0)
-    for r in (long, short, over):
-        r.emit = lambda kind, payload: done.release() if kind == "done" else None
-        scheduler.submit(r)
-    scheduler.start()
-    try:
-        for _ in range(3):
-            assert done.acquire(timeout=120)
-    finally:
-        scheduler.stop()
+    _run_to_done(scheduler, [long, short, over])
     for r in (long, short):
         assert r.error is None and r.seq.finish_reason == "length"
         assert r.seq.token_ids == engine.generate(r.prompt_ids, r.config)[0].token_ids
@@ -1357,14 +1348,7 @@ def test_where_buffers_are_allocated_whole_a_budget_is_split_evenly(tiny_engine,
     unbounded = Scheduler(engine, prefill, max_batch=2)
     assert not unbounded.on_demand and all(layer.capacity == 16 and layer.rows.maps == [None, None] for layer in unbounded.cache.layers)
     grows = ServeRequest(list(range(5, 15)), GenerationConfig(max_new_tokens=30, ignore_eos=True))
-    finished = threading.Event()
-    grows.emit = lambda kind, payload: finished.set() if kind == "done" else None
-    unbounded.submit(grows)
-    unbounded.start()
-    try:
-        assert finished.wait(timeout=120)
-    finally:
-        unbounded.stop()
+    _run_to_done(unbounded, [grows])
     assert grows.error is None and grows.seq.token_ids == engine.generate(grows.prompt_ids, grows.config)[0].token_ids
     assert unbounded.cache.batch_size == 0 and all(layer.capacity == 16 for layer in unbounded.cache.layers)  # the grown buffers went back
     scheduler = Scheduler(engine, prefill, max_batch=2, kv_cache_bytes=2 * (40 + spare) * row + row // 2)
@@ -1373,15 +1357,20 @@ def test_where_buffers_are_allocated_whole_a_budget_is_split_evenly(tiny_engine,
         Scheduler(engine, {}, max_batch=2, kv_cache_bytes=2 * 20 * row)
     config = lambda tokens: GenerationConfig(max_new_tokens=tokens, ignore_eos=True)  # noqa: E731
     fits, over = ServeRequest(list(range(5, 15)), config(30)), ServeRequest(list(range(5, 15)), config(31))
+    _run_to_done(scheduler, [fits, over])
+    assert fits.error is None and fits.seq.token_ids == engine.generate(fits.prompt_ids, fits.config)[0].token_ids
+    assert "do not fit" in over.error and over.state is None
+
+
+def _run_to_done(scheduler, requests) -> None:
+    """Submit `requests` to `scheduler`, run it until every one is done, then stop it."""
     done = threading.Semaphore(0)
-    for r in (fits, over):
+    for r in requests:
         r.emit = lambda kind, payload: done.release() if kind == "done" else None
         scheduler.submit(r)
     scheduler.start()
     try:
-        for _ in range(2):
+        for _ in requests:
             assert done.acquire(timeout=120)
     finally:
         scheduler.stop()
-    assert fits.error is None and fits.seq.token_ids == engine.generate(fits.prompt_ids, fits.config)[0].token_ids
-    assert "do not fit" in over.error and over.state is None
