@@ -173,12 +173,7 @@ class LayerCache(_LoggedLayer):
     def leave(self, b: int) -> None:
         """Remove sequence `b` in place: the batch's last sequence moves into its slot (its rows
         alone are copied), so sequence order changes the same way (`KVCache.leave`)."""
-        last = self.batch - 1
-        if b != last:
-            self.rows.release(b)  # none of the leaving rows stays backed past the moved ones
-            self.rows.move(last, b, self.log.sequence_ends()[last])
-        self.rows.release(last)
-        self.rows.use(last)
+        self.rows.leave(b, self.log.sequence_ends()[-1])
         self.log.leave(b)
 
     def rewrite(self, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -32,9 +32,14 @@ class SlotBuffers:
     (the log's positions, which masks read; K/V rows past a sequence's end are never read)."""
 
     def __init__(self, tensors: list[torch.Tensor], row_dim: int, fills: list[int], clears: bool = False):
-        self.held, self.row_dim, self.fills, self.clears = list(tensors), row_dim, fills, clears
-        self.maps: list[mmap.mmap | None] = [None] * len(self.held)  # the memory of buffers backed on demand
-        self.use(self.held[0].shape[0])
+        self.row_dim, self.fills, self.clears = row_dim, fills, clears
+        self.batch = tensors[0].shape[0]
+        self._hold(list(tensors))
+
+    def _hold(self, held: list[torch.Tensor], maps: list[mmap.mmap | None] | None = None) -> None:
+        """Hold these buffers (`maps`: the memory of those backed on demand) for the batch in use."""
+        self.held, self.maps = held, maps or [None] * len(held)
+        self.use(self.batch)
 
     def allocate(self, slots: int, capacity: int, on_demand: bool = True) -> None:
         """Empty buffers for `slots` sequences of `capacity` rows, for a batch that joins and
@@ -54,10 +59,9 @@ class SlotBuffers:
                 buffer, memory = torch.full(shape, fill, dtype=t.dtype, device=t.device), None
             held.append(buffer)
             maps.append(memory)
-        self.held, self.maps = held, maps
-        self.use(0)
+        self._hold(held, maps)
 
-    def release(self, slot: int) -> None:
+    def _release(self, slot: int) -> None:
         """Slot `slot` holds no sequence: its pages in buffers backed on demand go back to the OS
         (they read as zeros again, as never-written rows do); other buffers keep their memory."""
         for t, memory in zip(self.held, self.maps):
@@ -85,9 +89,7 @@ class SlotBuffers:
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        self.held = [_grow(t, capacity, self.row_dim, fill) for t, fill in zip(self.held, self.fills)]
-        self.maps = [None] * len(self.held)
-        self.use(self.batch)
+        self._hold([_grow(t, capacity, self.row_dim, fill) for t, fill in zip(self.held, self.fills)])
 
     def reserve_slots(self, sequences: int) -> None:
         """Room for `sequences` sequences: the ones in use are copied once into larger buffers."""
@@ -98,9 +100,7 @@ class SlotBuffers:
             out = view.new_full((sequences, *view.shape[1:]), fill)
             out[: self.batch] = view
             grown.append(out)
-        self.held = grown
-        self.maps = [None] * len(self.held)
-        self.use(self.batch)
+        self._hold(grown)
 
     def write_sequences(self, start: int, parts: list[torch.Tensor], rows: int) -> None:
         """Slots start, start+1, ... take the first `rows` rows of `parts`' sequences."""
@@ -111,12 +111,19 @@ class SlotBuffers:
                 slots.fill_(fill)
             slots.narrow(self.row_dim, 0, rows).copy_(part.narrow(self.row_dim, 0, rows))
 
-    def move(self, source: int, target: int, rows: int) -> None:
-        """Slot `target` takes the first `rows` rows of slot `source`."""
-        for t, fill in zip(self.held, self.fills):
-            if self.clears:
-                t[target].fill_(fill)
-            t[target].narrow(self.row_dim - 1, 0, rows).copy_(t[source].narrow(self.row_dim - 1, 0, rows))
+    def leave(self, b: int, rows: int) -> None:
+        """Sequence `b` leaves: the last sequence's first `rows` rows move into its slot (cleared
+        first, or its pages released, so nothing of the leaving rows stays), and the last slot is
+        released."""
+        last = self.batch - 1
+        if b != last:
+            self._release(b)
+            for t, fill in zip(self.held, self.fills):
+                if self.clears:
+                    t[b].fill_(fill)
+                t[b].narrow(self.row_dim - 1, 0, rows).copy_(t[last].narrow(self.row_dim - 1, 0, rows))
+        self._release(last)
+        self.use(last)
 
     def write(self, at: int | tuple[int, ...], parts: list[torch.Tensor | int]) -> None:
         """Each sequence's rows of `parts` (tensors, or one value for every row; the first a
@@ -234,11 +241,9 @@ class RowLog:
         """Drop sequence `b`: the last one moves into its slot (`LayerCache.leave`)."""
         last = self.buffers.batch - 1
         ends = self.sequence_ends()
-        if b != last:
-            self.buffers.move(last, b, ends[last])
-            ends[b] = ends[last]
+        self.buffers.leave(b, ends[last])
+        ends[b] = ends[last]
         ends.pop()
-        self.buffers.use(last)
         length = max(ends, default=0)
         if length < self.length:
             self._trim_rows(self.length - length)

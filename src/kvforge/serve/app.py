@@ -526,7 +526,7 @@ def _make_group(s: Served, body, chat: bool) -> list[AppRequest]:
         raise ApiError(400, f"prompt has {len(ids)} tokens but the model's context is {context} tokens", "prompt", "context_length_exceeded")
     scheduler, limit = s.routes[options.prefill], f"this model's maximum context length is {context} tokens"
     if scheduler.pool_rows is not None:  # the KV-cache budget bounds a request's tokens, each of its n choices reserving its own
-        held = min(scheduler.pool_rows // n, scheduler.slot_rows) - scheduler.spare_rows
+        held = scheduler.room(n) - scheduler.spare_rows
         if held < 1:
             raise ApiError(400, f"n = {n} choices do not fit this server's KV cache (--kv-cache-memory): ask for fewer", "n")
         if held < context:

@@ -258,6 +258,10 @@ class Scheduler:
         """The rows of the KV-cache budget a request reserves: its prompt, its tokens, a draft's spare."""
         return min(prompt_tokens + max_new_tokens, self.context) + self.spare_rows
 
+    def room(self, choices: int) -> int:
+        """The most rows each of a request's `choices` may reserve: a slot's, and its share of the pool."""
+        return self.slot_rows if self.pool_rows is None else min(self.slot_rows, self.pool_rows // choices)
+
     @property
     def reserved_rows(self) -> int:
         """The budget's rows held by the requests running or being prefilled."""
@@ -369,9 +373,9 @@ class Scheduler:
                 refused = self.refused[group[0].prefill]
             elif any(r.cancelled.is_set() for r in group):
                 refused = "cancelled"
-            elif self.pool_rows is not None and min(self.slot_rows, self.pool_rows // len(group)) < need:  # without a pool a request fits its slot
+            elif need > self.room(len(group)):  # only under a budget: without one a request fits its slot
                 refused = (f"{need} rows a request (prompt, max tokens and a draft's spare rows) do not fit the KV cache's "
-                           f"{min(self.slot_rows, self.pool_rows // len(group))} for each of {len(group)} (--kv-cache-memory)")
+                           f"{self.room(len(group))} for each of {len(group)} (--kv-cache-memory)")
             if refused is not None:
                 self._next = None
                 for r in group:
@@ -485,8 +489,9 @@ class Scheduler:
         try:
             if before == 0 and copies > 1:  # copies of one prompt joined at once into an empty batch: their shared rows are read once
                 self.cache.join(cache.select_batch(torch.zeros(copies, dtype=torch.long)), self.max_batch)
-            for _ in range(copies if before or copies == 1 else 0):
-                self.cache.join(cache, self.max_batch)
+            else:
+                for _ in range(copies):
+                    self.cache.join(cache, self.max_batch)
         except Exception:
             for layer in self.cache.layers:  # the batch as it was: the joined sequences leave, the last first
                 while layer.batch > before:
