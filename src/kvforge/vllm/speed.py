@@ -17,18 +17,25 @@ model config into every vLLM process). Every step runs the same way:
   decode-phase row) or p is an anchor or in the tail (`fill.speed.full_depth_rows`, as
   kvforge's engine plans it).
 - Layers [cut, L) run only this step's visible rows: norm, fused QKV, RoPE; their K/V written
-  through the backend's cache update; then each request's rows attend over the visible rows
-  of its own sequence, read back from the paged cache through its block table (`paged.read_rows`:
-  anchors, tail and generated tokens, a few hundred rows whatever the prompt's length), then the
-  output projection and MLP. Shallow rows leave the final hidden states as zeros: they are
-  never sampled (the last prompt row is always in the tail), so prompt logprobs are meaningful
-  only from the last prompt row on.
+  through the backend's cache update; then each request's rows attend over the visible rows of
+  its own sequence (anchors, tail and generated tokens: a few hundred rows whatever the prompt's
+  length), then the output projection and MLP. Those rows are also kept contiguous per request and
+  layer (`kvforge.vllm.visible`), so a step appends to them rather than gathering them out of the
+  paged cache at every layer; a request whose copy is gone gets it read back through its block
+  table (`paged.read_rows`). Shallow rows leave the final hidden states as zeros: they are never
+  sampled (the last prompt row is always in the tail), so prompt logprobs are meaningful only
+  from the last prompt row on.
 
-So a prefill skips the upper layers for the shallow rows, and every decode or verification step
-(the n-gram proposer's included) attends above the cut over m rows instead of the whole
-context: the time saving of SPEED. The memory saving is not had: vLLM allocates blocks per
-request for every layer, so the shallow rows' upper-layer slots stay allocated and unread
-(that needs a second KV cache group in vLLM's allocator).
+Two paths run this. A step holding a whole prompt with shallow rows changes the rows between the
+layers, so it runs eager (`_speed`). A step whose every row is visible (every decode and
+verification step, the n-gram proposer's included) is vLLM's own model, compiled where the engine
+compiles (`engine_args(compiled=True)`): the layers above the cut have their attention backend
+wrapped (`_VisibleRowsBackend`), and vLLM's opaque attention op hands it the step, which it
+attends over each request's visible rows. So a prefill skips the upper layers for the shallow
+rows, and every decode step attends above the cut over m rows instead of the whole context: the
+time saving of SPEED. The memory saving is not had: vLLM allocates blocks per request for every
+layer, so the shallow rows' upper-layer slots stay allocated and unread (that needs a second KV
+cache group in vLLM's allocator).
 
 A SPEED adapter (`kvforge fit speed`) is merged into the served weights as vLLM loads them (W +
 delta added to the checkpoint's q/k/v, gate/up, and for full fine-tuning o/down tensors, in fp32
@@ -36,8 +43,9 @@ and rounded once, as `lora.adapted_engine` merges them), so the served model is 
 model, after vLLM's in-place reload too; its recorded policy (cut, anchors, tail) is applied as
 kvforge applies it.
 
-Limits: reading rows back is by the CPU backend's layout (`paged.read_rows`: the vec, vec16 and
-AMX-tile layouts), so a GPU backend fails its first step with `UnreadableLayout`. A preempted request is recomputed by
+Limits: reading rows back (a request whose visible rows were evicted) is by the CPU backend's
+layout (`paged.read_rows`: the vec, vec16 and AMX-tile layouts), so on a GPU backend such a step
+fails with `UnreadableLayout`; nothing here runs on a GPU in kvforge's tests. A preempted request is recomputed by
 vLLM as one prompt of its prompt and output so far, which this class plans as a prompt (its output
 rows then become shallow); a request whose first step starts past position 0 (a cache loaded by a
 connector) is served at full visibility only if its first block carries no plan of an earlier
@@ -45,7 +53,6 @@ request. Both are avoided by an engine sized so nothing is preempted and by not 
 into a SPEED engine. An anchor past a short prompt makes every row of it full depth (kvforge's
 engine refuses such a prompt; a server cannot). The connector's save path stores nothing from a
 SPEED prefill (its upper layers bypass vLLM's attention op, where the save hook sits).
-`enforce_eager=True`: the SPEED path is eager Python with data-dependent row sets.
 """
 
 from __future__ import annotations
@@ -58,12 +65,14 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from kvforge.errors import KvforgeError
 from kvforge.fill.lora import LoraAdapter, merged
 from kvforge.fill.speed import SpeedConfig, resolve_config, speed_plan
-from kvforge.vllm.paged import attend, attention_context, block_size, layout_of, read_rows, slots_of, visible_mask, window, write_into
+from kvforge.vllm.paged import attention_context, layout_of, read_rows, slots_of, visible_mask, window, write_into
 from kvforge.vllm.steps import check_whole_prompt_engine, step_metadata, whole_prompt_engine_args
+from kvforge.vllm.visible import VisibleRows, VisibleRowsStore
 
 ARCHITECTURE = "KvforgeSpeedForCausalLM"
 SETTINGS = "kvforge_speed"  # the hf_config attribute the settings travel in
 # kvforge's adapter targets -> the checkpoint's tensors they cover, in the fused rows' order
+REBUILT_SPARE_ROWS = 64  # room past a request's rows when its visible rows are made, before they must grow
 _CHECKPOINT_PARTS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
@@ -73,7 +82,7 @@ _CHECKPOINT_PARTS = {
 
 
 def engine_args(cut: str | float | int | None = None, anchors: str | None = None, tail: int | None = None, adapter: str | None = None,
-                max_model_len: int = 4096) -> dict:
+                max_model_len: int = 4096, compiled: bool = False) -> dict:
     """Arguments for `vllm.LLM(...)` that serve a Llama checkpoint with SPEED: the model class and
     the settings (None: the adapter's recorded policy, else kvforge's defaults), whole-prompt
     prefill steps, no prefix caching, eager."""
@@ -86,7 +95,7 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
             raise KvforgeError(f"adapter file {str(path)!r} does not exist: fit one with `kvforge fit speed`")
         settings["adapter"] = str(path)
     overrides = {"architectures": [ARCHITECTURE], SETTINGS: {k: v for k, v in settings.items() if v is not None}}
-    return {"hf_overrides": overrides, **whole_prompt_engine_args(max_model_len)}
+    return {"hf_overrides": overrides, **whole_prompt_engine_args(max_model_len, compiled)}
 
 
 @dataclass
@@ -109,7 +118,18 @@ class Stats:
     speed_steps: int = 0  # steps that ran the SPEED path
     stock_steps: int = 0  # forwards that ran the stock model (no request with a shallow row, or vLLM's dummy runs)
     mixed_steps: int = 0  # SPEED steps holding a whole prompt beside other requests' continuing rows
+    rebuilt: int = 0  # times a request's visible rows above the cut were read back from the paged cache
     last: list[SpeedRecord] = field(default_factory=list)  # the last whole-prompt step's requests
+
+
+@dataclass
+class _RequestRows:
+    """One request's rows of a step above the cut."""
+
+    span: tuple[int, int]  # its live rows' range among the step's live rows
+    before: int  # the visible rows it had before this step; its live rows follow them
+    visible: VisibleRows  # its visible rows' keys and values above the cut
+    positions: torch.Tensor | None  # the positions of its visible rows through this step (for a sliding window's mask)
 
 
 @dataclass
@@ -117,9 +137,64 @@ class _StepRows:
     """This step's rows above the cut: which run, and per request what they attend over."""
 
     live: torch.Tensor  # (N,) bool: the rows that run the upper layers
-    live_spans: list[tuple[int, int]]  # per request: its live rows' range among all live rows
-    seen_positions: list[torch.Tensor]  # per request: the positions it sees above the cut
-    seen_slots: list[torch.Tensor]  # per request: their cache slots
+    scheduled: int  # the step's rows of requests (those past it pad the step, never live)
+    requests: list[_RequestRows]
+    masks: dict = field(default_factory=dict)  # (request, window) -> its sliding window's mask, once a step
+
+    @property
+    def all_live(self) -> bool:
+        return bool(self.live[: self.scheduled].all())
+
+    def attend(self, layer: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The live rows' q (rows, Hq·D), k and v (rows, H·D) of LlamaAttention `attn`, the
+        `layer`-th above the cut: each request's rows put after its visible rows, then its queries
+        attend over them -> (rows, Hq·D)."""
+        hq, h, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q, k, v = q.reshape(-1, hq, d), k.reshape(-1, h, d), v.reshape(-1, h, d)
+        size, out = window(attn), []
+        for i, r in enumerate(self.requests):
+            qa, qb = r.span
+            if qb == qa:
+                continue
+            r.visible.put(layer, k[qa:qb], v[qa:qb], r.before)
+            mask = None
+            if size is not None:
+                if (i, size) not in self.masks:
+                    self.masks[i, size] = visible_mask(attn, r.positions[r.before :], r.positions)
+                mask = self.masks[i, size]
+            out.append(r.visible.attend(layer, q[qa:qb], r.before + qb - qa, attn.scaling, mask))
+        return out[0] if len(out) == 1 else torch.cat(out) if out else q.new_zeros(0, hq * d)
+
+
+@dataclass
+class _Step:
+    """What the layers above the cut see of the step being run: its rows while it runs the SPEED
+    path with every row live, else None (vLLM's own attention)."""
+
+    rows: _StepRows | None = None
+
+
+class _VisibleRowsBackend:
+    """The attention backend of a layer above the cut. vLLM's attention op calls it as it calls
+    any backend, from vLLM's compiled graph as from the eager model (the op is opaque to the
+    compiler): while a step's every row is live (decode and verification steps of SPEED requests),
+    each request's queries attend over its visible rows; otherwise, and for everything else
+    (writing the step's keys and values into the paged cache, attributes), it is the backend it
+    wraps."""
+
+    def __init__(self, backend, attn, layer: int, step: _Step):
+        self.backend, self.attn, self.layer, self.step = backend, attn, layer, step
+
+    def __getattr__(self, name):  # only reached for what this class does not define
+        return getattr(self.backend, name)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, **kwargs):
+        rows = self.step.rows
+        if rows is None or output is None:
+            return self.backend.forward(layer, query, key, value, kv_cache, attn_metadata, output=output, **kwargs)
+        n = rows.scheduled  # every scheduled row is live, in the order of the spans
+        output.view(query.shape[0], -1)[:n].copy_(rows.attend(self.layer, self.attn, query[:n], key[:n], value[:n]))
+        return output
 
 
 class SpeedForCausalLM(LlamaForCausalLM):
@@ -128,7 +203,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         settings = dict(getattr(vllm_config.model_config.hf_config, SETTINGS, None) or {})
-        check_whole_prompt_engine(vllm_config, "SPEED", "kvforge.vllm.speed.engine_args")
+        check_whole_prompt_engine(vllm_config, "SPEED", "kvforge.vllm.speed.engine_args", compiles=True)
         layers = vllm_config.model_config.hf_config.num_hidden_layers
         self.lora = LoraAdapter.load(settings["adapter"]) if settings.get("adapter") else None
         if self.lora is not None and (self.lora.info or {}).get("method", "speed") != "speed":
@@ -143,6 +218,13 @@ class SpeedForCausalLM(LlamaForCausalLM):
         self.score_tokens = 0
         self.prompts: dict[int, torch.Tensor] = {}  # a request's first block -> its prompt's full-depth rows
         self.stats = Stats()
+        self.step = _Step()
+        self.visible = VisibleRowsStore(vllm_config.scheduler_config.max_num_seqs)
+        self.upper = self.model.layers[self.config_speed.cut :]
+        for i, layer in enumerate(self.upper):
+            attention = layer.self_attn.attn
+            attention.impl = _VisibleRowsBackend(attention.impl, layer.self_attn, i, self.step)
+        self.windowed = any(window(layer.self_attn) is not None for layer in self.upper)
 
     # --- loading -------------------------------------------------------------------------------
     def load_weights(self, weights):
@@ -205,8 +287,16 @@ class SpeedForCausalLM(LlamaForCausalLM):
             self.stats.stock_steps += 1
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
         self.stats.speed_steps += 1
-        with torch.inference_mode():
-            return self._speed(input_ids, positions, rows)
+        if not rows.all_live:  # a whole prompt with shallow rows: the rows above the cut change
+            with torch.inference_mode():
+                return self._speed(input_ids, positions, rows)
+        # every row runs every layer: vLLM's model (compiled where the engine compiles), whose
+        # attention above the cut reads each request's visible rows (`_VisibleRowsBackend`)
+        self.step.rows = rows
+        try:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        finally:
+            self.step.rows = None
 
     def _step_rows(self, m, total: int) -> _StepRows | None:
         """Plan this step's rows from the attention metadata; None when no request has a shallow
@@ -235,22 +325,47 @@ class SpeedForCausalLM(LlamaForCausalLM):
         if all(p is None for p in plans):
             return None
         self.stats.mixed_steps += 0 < len(records) < len(seq_lens)
-        bs = block_size(self.model.layers[-1].self_attn.attn.layer_name)
         live = torch.zeros(total, dtype=torch.bool)
-        live_spans, seen_positions, seen_slots, done = [], [], [], 0
+        requests, done = [], 0
         for i, (s, full) in enumerate(zip(seq_lens, plans)):
             a, b = starts[i], starts[i + 1]
-            visible = torch.ones(s, dtype=torch.bool)
-            if full is not None:
-                visible[: min(s, full.numel())] = full[:s]
-            live[a:b] = visible[s - (b - a) :]
-            n = int(live[a:b].sum())
-            live_spans.append((done, done + n))
+            start = s - (b - a)  # the step's first position
+            if full is None:  # every row visible
+                before, step_visible = start, torch.ones(b - a, dtype=torch.bool)
+            else:  # the prompt's anchors and tail, and every row past the prompt
+                before = int(full[:start].sum()) + max(0, start - full.numel())
+                step_visible = torch.ones(b - a, dtype=torch.bool)
+                part = full[start:s]
+                step_visible[: part.numel()] = part
+            live[a:b] = step_visible
+            n = int(step_visible.sum())
+            positions = _visible_positions(s, full) if self.windowed else None
+            visible = self._visible(int(table[i, 0]) if b > a else -1, start, table[i], full, before, n)
+            requests.append(_RequestRows((done, done + n), before, visible, positions))
             done += n
-            seen = visible.nonzero().flatten()
-            seen_positions.append(seen)
-            seen_slots.append(slots_of(table[i], seen, bs))
-        return _StepRows(live, live_spans, seen_positions, seen_slots)
+        return _StepRows(live, starts[-1], requests)
+
+    def _visible(self, first: int, start: int, block_row: torch.Tensor, full: torch.Tensor | None, before: int, n: int) -> VisibleRows:
+        """The visible rows above the cut of a request whose step starts at position `start`, with
+        room for the step's `n`: its own if they hold its `before` earlier rows, else new ones (a
+        whole prompt has none) with those rows read out of the paged cache through its block table."""
+        visible = None if start == 0 else self.visible.get(first)
+        if visible is None or visible.filled < before:
+            attn = self.upper[0].self_attn
+            _, vllm_attention, kv_cache, _ = attention_context(attn.attn.layer_name)
+            visible = VisibleRows(len(self.upper), attn.num_kv_heads, attn.head_dim, kv_cache.dtype, kv_cache.device,
+                                  before + n + REBUILT_SPARE_ROWS)
+            if before:
+                self.stats.rebuilt += 1
+                slots = slots_of(block_row, _visible_positions(start, full), kv_cache.shape[2])
+                for j, layer in enumerate(self.upper):
+                    _, vllm_attention, kv_cache, _ = attention_context(layer.self_attn.attn.layer_name)
+                    visible.put(j, *read_rows(kv_cache, slots, layout_of(vllm_attention)), 0)
+            if first >= 0:
+                self.visible.put(first, visible)
+        visible.reserve(before + n)
+        visible.filled = before + n
+        return visible
 
     def _plan(self, tokens: int) -> SpeedRecord:
         """kvforge's SPEED plan of a whole-prompt step's rows less the scored ones."""
@@ -268,8 +383,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
             h, residual = layer(positions, h, residual)
         live = rows.live
         x, res, pos = h[live], residual[live], positions[live]
-        masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
-        for layer in layers[cut:]:
+        for j, layer in enumerate(layers[cut:]):
             attn = layer.self_attn
             xn, res = layer.input_layernorm(x, res)
             qkv, _ = attn.qkv_proj(xn)
@@ -279,21 +393,21 @@ class SpeedForCausalLM(LlamaForCausalLM):
             if slots is not None:
                 n = min(slots.numel(), live.numel())  # beyond the scheduled rows: padding, never live
                 write_into(vllm_attention, kv_cache, k, v, slots[:n][live[:n]])
-            layout = layout_of(vllm_attention)  # `read_rows` refuses one it cannot read
-            out = []
-            for i, ((qa, qb), seen, seen_slots) in enumerate(zip(rows.live_spans, rows.seen_positions, rows.seen_slots)):
-                if qb > qa:
-                    keys, values = read_rows(kv_cache, seen_slots, layout)
-                    key = (i, window(attn))  # masks computed once a step, not once a layer
-                    if key not in masks:
-                        masks[key] = visible_mask(attn, pos[qa:qb], seen)
-                    out.append(attend(attn, q[qa:qb], keys, values, masks[key]))
-            o, _ = attn.o_proj(out[0] if len(out) == 1 else torch.cat(out))
+            o, _ = attn.o_proj(rows.attend(j, attn, q, k, v))
             hidden, res = layer.post_attention_layernorm(o, res)
             x = layer.mlp(hidden)
         final = h.new_zeros(h.shape)
         final[live] = self.model.norm(x, res)[0]
         return final
+
+
+def _visible_positions(length: int, full: torch.Tensor | None) -> torch.Tensor:
+    """The positions under `length` a request sees above the cut: its prompt's full-depth rows
+    (`full`; None: every row) and every row past its prompt."""
+    visible = torch.ones(length, dtype=torch.bool)
+    if full is not None:
+        visible[: min(length, full.numel())] = full[:length]
+    return visible.nonzero().flatten()
 
 
 def speed_stats(llm) -> list[Stats]:
