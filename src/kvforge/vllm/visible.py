@@ -24,6 +24,12 @@ import torch
 from kvforge.attention import grouped_attention
 
 
+# Up to this many query rows (a decode or verification step) a request attends with kvforge's
+# few-query attention (in bf16 the compiled kernel); more (a prompt's anchors and tail, a prompt
+# without a plan) with torch's SDPA.
+FEW_QUERIES = 32
+
+
 class VisibleRows:
     """One request's visible keys and values above the cut: `layers` buffers of each, (1, H, C, D),
     of which the first `filled` rows hold the rows at its visible positions, in order."""
@@ -63,7 +69,12 @@ class VisibleRows:
         n, hq, d = q.shape
         rows = q.transpose(0, 1).unsqueeze(0)
         k, v = self.keys[layer], self.values[layer]
-        if mask is None:
+        if n > FEW_QUERIES:  # a prompt's rows: SDPA, without a score matrix per query row in fp32
+            if mask is None:
+                mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril_(length - n)
+            o = torch.nn.functional.scaled_dot_product_attention(rows, k[:, :, :length], v[:, :, :length], attn_mask=mask,
+                                                                 scale=scaling, enable_gqa=hq != k.shape[1])
+        elif mask is None:
             o = grouped_attention(rows, k, v, scaling, length=length)
         else:
             o = grouped_attention(rows, k[:, :, :length], v[:, :, :length], scaling, mask)
@@ -73,7 +84,8 @@ class VisibleRows:
 class VisibleRowsStore:
     """Each running request's `VisibleRows`, by the first block of its block table (vLLM hands a
     model no request ids), the most recently used `capacity` kept: the engine runs at most that
-    many requests at once, so an evicted request's are those of a finished one, or rebuilt."""
+    many requests at once, so an evicted request's are those of a finished one, or rebuilt. A
+    block's rows are dropped when a new prompt starts on it."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -91,5 +103,5 @@ class VisibleRowsStore:
         while len(self.held) > self.capacity:
             self.held.popitem(last=False)
 
-    def clear(self) -> None:
-        self.held.clear()
+    def drop(self, first_block: int) -> None:
+        self.held.pop(first_block, None)
