@@ -59,7 +59,7 @@ def test_the_store_keeps_the_most_recently_used_and_drops_a_block_on_request():
     made = [VisibleRows(1, HEADS, DIM, torch.float32, torch.device("cpu"), 1) for _ in range(3)]
     store.put(10, made[0])
     store.put(20, made[1])
-    assert store.get(10) is made[0]  # 10 is now the most recent
+    assert store.get(10) is made[0]  # a use makes 10 the most recent
     store.put(30, made[2])
     assert store.get(20) is None and store.get(10) is made[0] and store.get(30) is made[2]
     store.drop(30)
