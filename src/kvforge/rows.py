@@ -45,7 +45,7 @@ class SlotBuffers:
         """Empty buffers for `slots` sequences of `capacity` rows, for a batch that joins and
         leaves without copying. `on_demand` (on CPU): a buffer whose rows start as zeros (keys and
         values) is backed on demand (`backed_on_demand`): it takes memory for the rows written,
-        not for its capacity, and a slot's pages go back when its sequence leaves (`release`);
+        not for its capacity, and a slot's pages go back when its sequence leaves (`leave`);
         otherwise buffers are allocated whole."""
         if self.batch:
             raise ValueError(f"buffers holding {self.batch} sequences cannot be allocated anew")
@@ -321,7 +321,7 @@ def backed_on_demand(shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor
     """A zero CPU tensor in an anonymous private mapping: the OS backs it a page at a time as it
     is first written, and reading a page never written maps the shared zero page, so a buffer
     sized for every slot's whole context takes the memory of the rows written. The mapping is
-    returned for `SlotBuffers.release` (madvise): torch's allocators hand out whole blocks they
+    returned for `SlotBuffers._release` (madvise): torch's allocators hand out whole blocks they
     cannot give back a page at a time. Transparent huge pages are declined, which would back
     2 MiB at a touch."""
     size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()

@@ -339,13 +339,9 @@ class SpeedForCausalLM(LlamaForCausalLM):
         for i, (s, full) in enumerate(zip(seq_lens, plans)):
             a, b = starts[i], starts[i + 1]
             start = s - (b - a)  # the step's first position
-            if full is None:  # every row visible
-                before, step_visible = start, torch.ones(b - a, dtype=torch.bool)
-            else:  # the prompt's anchors and tail, and every row past the prompt
-                before = int(full[:start].sum()) + max(0, start - full.numel())
-                step_visible = torch.ones(b - a, dtype=torch.bool)
-                part = full[start:s]
-                step_visible[: part.numel()] = part
+            step_visible = _visible_rows(start, s, full)
+            # the visible rows before the step: the prompt's anchors and tail, every row past the prompt
+            before = start if full is None else int(full[:start].sum()) + max(0, start - full.numel())
             live[a:b] = step_visible
             n = int(step_visible.sum())
             positions = _visible_positions(s, full) if self.windowed else None
@@ -362,7 +358,7 @@ class SpeedForCausalLM(LlamaForCausalLM):
         visible = self.visible.get(first) if kept and start > 0 else None
         if visible is None or visible.filled < before:
             attn = self.upper[0].self_attn
-            _, vllm_attention, kv_cache, _ = attention_context(attn.attn.layer_name)
+            _, _, kv_cache, _ = attention_context(attn.attn.layer_name)
             visible = VisibleRows(len(self.upper), attn.num_kv_heads, attn.head_dim, self.served_dtype, kv_cache.device,
                                   before + n + (REBUILT_SPARE_ROWS if kept else 0))
             if before:
@@ -411,13 +407,19 @@ class SpeedForCausalLM(LlamaForCausalLM):
         return final
 
 
-def _visible_positions(length: int, full: torch.Tensor | None) -> torch.Tensor:
-    """The positions under `length` a request sees above the cut: its prompt's full-depth rows
-    (`full`; None: every row) and every row past its prompt."""
-    visible = torch.ones(length, dtype=torch.bool)
+def _visible_rows(start: int, stop: int, full: torch.Tensor | None) -> torch.Tensor:
+    """(stop - start,) bool: which of positions [start, stop) a request sees above the cut: its
+    prompt's full-depth rows (`full`; None: every row) and every row past its prompt."""
+    visible = torch.ones(stop - start, dtype=torch.bool)
     if full is not None:
-        visible[: min(length, full.numel())] = full[:length]
-    return visible.nonzero().flatten()
+        part = full[start:stop]
+        visible[: part.numel()] = part
+    return visible
+
+
+def _visible_positions(length: int, full: torch.Tensor | None) -> torch.Tensor:
+    """The positions under `length` a request sees above the cut."""
+    return _visible_rows(0, length, full).nonzero().flatten()
 
 
 def speed_stats(llm) -> list[Stats]:
